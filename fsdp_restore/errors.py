@@ -1,0 +1,45 @@
+"""The error types fsdp_restore raises. Every message names the file or key at fault and what to do."""
+
+from __future__ import annotations
+
+
+class FsdpRestoreError(Exception):
+    """Base class of every error fsdp_restore raises on purpose."""
+
+
+class FormatError(FsdpRestoreError):
+    """A file is not a valid checkpoint (truncated, corrupt, inconsistent header or index)."""
+
+    def __init__(self, path: object, problem: str) -> None:
+        self.path = str(path)
+        self.problem = problem
+        super().__init__(f"{self.path}: {problem}")
+
+
+class UnsupportedObjectError(FsdpRestoreError):
+    """The flattener met an object it cannot store without pickle."""
+
+    def __init__(self, path: str, obj: object, hint: str = "") -> None:
+        self.path = path
+        self.type_name = f"{type(obj).__module__}.{type(obj).__qualname__}"
+        msg = f"cannot store object of type {self.type_name} at '{path or '<root>'}'"
+        msg += f": {hint}" if hint else (
+            "; convert it to a supported type (tensor, ndarray, dict, list, tuple, str, number, None)"
+            " or pass on_unsupported='skip' (CLI: on_unsupported=skip) to drop it with a warning")
+        super().__init__(msg)
+
+
+class UnsafePickleError(FsdpRestoreError):
+    """A .pt file needs pickle globals outside the allowlist; loading it could execute code."""
+
+
+class RestoreError(FsdpRestoreError):
+    """Restoring into a model failed; raised with the same message on every rank."""
+
+    def __init__(self, message: str, problems: dict[str, list[str]] | None = None) -> None:
+        self.problems = problems or {}
+        super().__init__(message)
+
+
+class VerifyError(FsdpRestoreError):
+    """A checkpoint failed verification."""

@@ -1,0 +1,374 @@
+"""Map any nested checkpoint object to ``(Dict[str, Tensor], structure)`` and back, exactly.
+
+The structure is plain JSON (no pickle): every node is either a JSON scalar that stands for itself
+(``null``, ``true``/``false``, an integer within int64, a string) or an object with a ``"type"``
+tag. Tensor nodes name their key in the flat dict; keys are readable dotted paths
+(``model.layers.0.attn.weight``, ``optim.state.3.exp_avg``). See FORMAT.md for the full grammar.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import pathlib
+import warnings
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from .errors import FormatError, UnsupportedObjectError
+from .format import DTYPE_TO_NAME, torch_dtype_name
+
+STRUCTURE_VERSION = 1
+_INT64 = (-(2**63), 2**63 - 1)
+_PATH_TYPES = {cls.__name__: cls for cls in (pathlib.PosixPath, pathlib.WindowsPath,
+                                             pathlib.PurePosixPath, pathlib.PureWindowsPath)}
+
+Structure = dict[str, Any]
+
+
+@dataclass
+class _TensorRef:
+    """A tensor seen during flattening, with its path."""
+
+    tensor: torch.Tensor
+    path: str
+    node: dict[str, Any]
+
+
+def flatten(obj: Any, *, on_unsupported: Literal["error", "skip"] = "error") -> tuple[dict[str, torch.Tensor], Structure]:
+    """Split ``obj`` into a flat ``{key: tensor}`` dict and a JSON-serialisable structure.
+
+    Tensors that are identical aliases (same storage, offset, shape, stride and dtype, e.g. tied
+    weights) are stored once; a tensor that is a view into another stored tensor is recorded as a
+    view of it. ``on_unsupported="skip"`` replaces unsupported values with ``None`` and warns with
+    their paths instead of raising `UnsupportedObjectError`.
+    """
+    flattener = _Flattener(on_unsupported)
+    root = flattener.encode(obj, "")
+    tensors = flattener.assign_storage()
+    if flattener.skipped:
+        warnings.warn("skipped unsupported values (restored as None): " + ", ".join(flattener.skipped),
+                      stacklevel=2)
+    return tensors, {"version": STRUCTURE_VERSION, "root": root}
+
+
+class _Flattener:
+    def __init__(self, on_unsupported: str) -> None:
+        self.on_unsupported = on_unsupported
+        self.refs: list[_TensorRef] = []
+        self.used_keys: set[str] = set()
+        self.skipped: list[str] = []
+
+    def key_for(self, path: str) -> str:
+        """A unique readable key for ``path`` (collisions such as {'a.b': x, 'a': {'b': y}} get ``~N``)."""
+        key, n = path or "_", 1
+        while key in self.used_keys:
+            n += 1
+            key = f"{path or '_'}~{n}"
+        self.used_keys.add(key)
+        return key
+
+    def encode(self, obj: Any, path: str) -> Any:
+        # Exact type checks: a subclass (IntEnum, defaultdict, a custom dict) would not come back as itself.
+        t = type(obj)
+        if obj is None or t is str or t is bool:
+            return obj
+        if t is int:
+            return obj if _INT64[0] <= obj <= _INT64[1] else {"type": "int", "value": str(obj)}
+        if t is float:
+            return {"type": "float", "value": repr(obj)}
+        if t is complex:
+            return {"type": "complex", "real": repr(obj.real), "imag": repr(obj.imag)}
+        if t is dict or t is OrderedDict:
+            items = [[self.encode_key(k, path), self.encode(v, _join(path, k))] for k, v in obj.items()]
+            return {"type": "dict" if t is dict else "OrderedDict", "items": items}
+        if t is list or t is tuple:
+            return {"type": t.__name__, "items": [self.encode(v, _join(path, i)) for i, v in enumerate(obj)]}
+        if t is set or t is frozenset:
+            return {"type": t.__name__, "items": [self.encode(v, _join(path, i)) for i, v in enumerate(obj)]}
+        if isinstance(obj, torch.Tensor) and (t is torch.Tensor or t is torch.nn.Parameter):
+            return self.encode_tensor(obj, path)
+        if t is np.ndarray:
+            return self.encode_ndarray(obj, path)
+        if isinstance(obj, np.generic) and obj.dtype.kind in "biufc":
+            return {"type": "np_scalar", "dtype": obj.dtype.str, "hex": obj.tobytes().hex()}
+        if t is bytes or t is bytearray:
+            node = {"type": t.__name__}
+            self.refs.append(_TensorRef(torch.frombuffer(bytearray(obj), dtype=torch.uint8) if obj
+                                        else torch.empty(0, dtype=torch.uint8), path, node))
+            return node
+        if t is torch.dtype:
+            return {"type": "dtype", "value": torch_dtype_name(obj)}
+        if t is torch.Size:
+            return {"type": "Size", "items": list(obj)}
+        if t is torch.device:
+            return {"type": "device", "value": str(obj)}
+        if t is argparse.Namespace:
+            items = [[k, self.encode(v, _join(path, k))] for k, v in vars(obj).items()]
+            return {"type": "Namespace", "items": items}
+        if t.__name__ in _PATH_TYPES and _PATH_TYPES[t.__name__] is t:
+            return {"type": "path", "class": t.__name__, "value": str(obj)}
+        return self.unsupported(obj, path)
+
+    def unsupported(self, obj: Any, path: str, hint: str = "") -> Any:
+        if self.on_unsupported == "skip":
+            self.skipped.append(f"{path or '<root>'} ({type(obj).__qualname__})")
+            return {"type": "skipped", "python_type": f"{type(obj).__module__}.{type(obj).__qualname__}"}
+        raise UnsupportedObjectError(path, obj, hint)
+
+    def encode_key(self, key: Any, path: str) -> Any:
+        if type(key) in (str, int, bool) or key is None:
+            return self.encode(key, path)
+        if type(key) in (float, tuple, torch.dtype):
+            return self.encode(key, path)
+        raise UnsupportedObjectError(_join(path, key), key, "dict keys must be str, int, float, bool, None or tuples")
+
+    def encode_tensor(self, tensor: torch.Tensor, path: str) -> Any:
+        if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_meta:
+            return self.unsupported(tensor, path, f"tensor with layout {tensor.layout}"
+                                    f"{' (quantized)' if tensor.is_quantized else ''}"
+                                    f"{' on the meta device (no data)' if tensor.is_meta else ''} is not supported")
+        if tensor.dtype not in DTYPE_TO_NAME:
+            return self.unsupported(tensor, path, f"dtype {tensor.dtype} has no safetensors equivalent")
+        node: dict[str, Any] = {"type": "tensor"}
+        if type(tensor) is torch.nn.Parameter:
+            node["param"] = True
+        if tensor.requires_grad:
+            node["requires_grad"] = True
+        self.refs.append(_TensorRef(tensor.detach(), path, node))
+        return node
+
+    def encode_ndarray(self, array: np.ndarray, path: str) -> Any:
+        if array.dtype.kind not in "biufc" or array.dtype.hasobject:
+            return self.unsupported(array, path, f"numpy dtype {array.dtype} is not a plain numeric dtype")
+        native = array.astype(array.dtype.newbyteorder("="), copy=False)
+        try:
+            tensor = torch.from_numpy(np.ascontiguousarray(native))
+        except TypeError:
+            return self.unsupported(array, path, f"numpy dtype {array.dtype} has no torch equivalent")
+        node = {"type": "ndarray", "dtype": array.dtype.str}
+        self.refs.append(_TensorRef(tensor, path, node))
+        return node
+
+    def assign_storage(self) -> dict[str, torch.Tensor]:
+        """Give each tensor node a key, storing shared storage once (aliases and views)."""
+        groups: dict[tuple[str, int], list[_TensorRef]] = {}
+        for ref in self.refs:
+            t = ref.tensor
+            if t.numel() == 0:  # empty tensors may all report data_ptr 0: never group them
+                groups[("empty", id(ref))] = [ref]
+            else:
+                groups.setdefault((str(t.device), t.untyped_storage().data_ptr()), []).append(ref)
+        tensors: dict[str, torch.Tensor] = {}
+        for refs in groups.values():
+            base = _covering_base(refs)
+            if base is None:
+                if len(refs) > 1:
+                    warnings.warn("tensors at " + ", ".join(r.path for r in refs) + " share storage but none of"
+                                  " them covers the others; storing them as separate tensors", stacklevel=3)
+                for ref in refs:
+                    ref.node["key"] = key = self.key_for(ref.path)
+                    tensors[key] = ref.tensor
+                continue
+            base_key = self.key_for(base.path)
+            tensors[base_key] = base.tensor
+            for ref in refs:
+                ref.node["key"] = base_key
+                if not _same_view(ref.tensor, base.tensor):
+                    ref.node["view"] = {"offset": ref.tensor.storage_offset() - base.tensor.storage_offset(),
+                                        "shape": list(ref.tensor.shape), "stride": list(ref.tensor.stride())}
+        return tensors
+
+
+def _join(path: str, key: Any) -> str:
+    part = key if isinstance(key, str) else str(key)
+    return f"{path}.{part}" if path else part
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            and a.storage_offset() == b.storage_offset())
+
+
+def _covering_base(refs: list[_TensorRef]) -> _TensorRef | None:
+    """The first contiguous tensor of the group whose elements cover every other member's."""
+    if len(refs) == 1:
+        return refs[0]
+    for cand in refs:
+        t = cand.tensor
+        if not t.is_contiguous() or any(r.tensor.dtype != t.dtype for r in refs):
+            continue
+        lo, hi = t.storage_offset(), t.storage_offset() + t.numel()
+        if all(lo <= r.tensor.storage_offset() and _last_element(r.tensor) < hi for r in refs):
+            return cand
+    return None
+
+
+def _last_element(t: torch.Tensor) -> int:
+    return t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+
+
+# ---------------------------------------------------------------------------------------------
+# unflatten
+
+
+def unflatten(tensors: Mapping[str, torch.Tensor], structure: Structure) -> Any:
+    """Rebuild the object `flatten` produced from its flat tensors and structure.
+
+    ``tensors`` may be any mapping (a lazy memory-mapped one included); each key is looked up
+    once, so aliases come back as the same tensor object or as views of it.
+    """
+    if not isinstance(structure, dict) or structure.get("version") != STRUCTURE_VERSION or "root" not in structure:
+        raise FormatError("<structure>", f"unsupported structure (expected version {STRUCTURE_VERSION}"
+                          f" with a 'root'), got keys {sorted(structure)[:5] if isinstance(structure, dict) else type(structure).__name__}")
+    cache: dict[str, torch.Tensor] = {}
+    return _decode(structure["root"], tensors, cache, "")
+
+
+def _decode(node: Any, tensors: Mapping[str, torch.Tensor], cache: dict[str, torch.Tensor], path: str) -> Any:
+    if node is None or isinstance(node, (str, bool, int)) and not isinstance(node, float):
+        return node
+    if not isinstance(node, dict) or not isinstance(node.get("type"), str):
+        raise FormatError("<structure>", f"at '{path}': malformed node {str(node)[:80]!r}")
+    kind = node["type"]
+    try:
+        if kind in ("dict", "OrderedDict"):
+            pairs = ((_decode(k, tensors, cache, path), v) for k, v in node["items"])
+            out = {} if kind == "dict" else OrderedDict()
+            for k, v in pairs:
+                out[k] = _decode(v, tensors, cache, _join(path, k))
+            return out
+        if kind in ("list", "tuple", "set", "frozenset"):
+            items = [_decode(v, tensors, cache, _join(path, i)) for i, v in enumerate(node["items"])]
+            return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[kind](items)
+        if kind == "int":
+            return int(node["value"])
+        if kind == "float":
+            return float(node["value"])
+        if kind == "complex":
+            return complex(float(node["real"]), float(node["imag"]))
+        if kind == "tensor":
+            t = _lookup(node, tensors, cache, path)
+            if node.get("param"):
+                return torch.nn.Parameter(t, requires_grad=bool(node.get("requires_grad")))
+            return t.requires_grad_(True) if node.get("requires_grad") else t
+        if kind == "ndarray":
+            array = _lookup(node, tensors, cache, path).numpy()
+            dtype = np.dtype(node["dtype"])
+            return array if array.dtype == dtype else array.astype(dtype)
+        if kind in ("bytes", "bytearray"):
+            data = _lookup(node, tensors, cache, path).numpy().tobytes()
+            return data if kind == "bytes" else bytearray(data)
+        if kind == "np_scalar":
+            return np.frombuffer(bytes.fromhex(node["hex"]), dtype=np.dtype(node["dtype"]))[0]
+        if kind == "dtype":
+            return getattr(torch, node["value"])
+        if kind == "Size":
+            return torch.Size(node["items"])
+        if kind == "device":
+            return torch.device(node["value"])
+        if kind == "Namespace":
+            return argparse.Namespace(**{k: _decode(v, tensors, cache, _join(path, k)) for k, v in node["items"]})
+        if kind == "path":
+            return _PATH_TYPES[node["class"]](node["value"])
+        if kind == "skipped":
+            return None
+    except FormatError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise FormatError("<structure>", f"at '{path}': malformed {kind} node ({type(e).__name__}: {e})") from None
+    raise FormatError("<structure>", f"at '{path}': unknown node type {kind!r}")
+
+
+def _lookup(node: dict[str, Any], tensors: Mapping[str, torch.Tensor], cache: dict[str, torch.Tensor], path: str) -> torch.Tensor:
+    key = node["key"]
+    if key not in cache:
+        try:
+            cache[key] = tensors[key]
+        except KeyError:
+            raise FormatError("<structure>", f"at '{path}': tensor key '{key}' is missing from the tensors") from None
+    t = cache[key]
+    view = node.get("view")
+    if view is None:
+        return t
+    end = t.storage_offset() + view["offset"] + sum((n - 1) * s for n, s in zip(view["shape"], view["stride"]))
+    if view["offset"] < 0 or (math.prod(view["shape"]) and end >= t.storage_offset() + t.numel()):
+        raise FormatError("<structure>", f"at '{path}': view of '{key}' runs outside it")
+    return t.as_strided(view["shape"], view["stride"], t.storage_offset() + view["offset"])
+
+
+# ---------------------------------------------------------------------------------------------
+# navigating a structure without rebuilding it
+
+
+def subtree(structure: Structure, prefix: str) -> Any:
+    """The node at dotted ``prefix`` ("" = root); raises KeyError naming the missing part."""
+    node = structure["root"]
+    if not prefix:
+        return node
+    walked = []
+    for part in prefix.split("."):
+        walked.append(part)
+        child = _child(node, part)
+        if child is _MISSING:
+            raise KeyError(".".join(walked))
+        node = child
+    return node
+
+
+_MISSING = object()
+
+
+def _child(node: Any, part: str) -> Any:
+    if not isinstance(node, dict):
+        return _MISSING
+    kind = node.get("type")
+    if kind in ("dict", "OrderedDict", "Namespace"):
+        for k, v in node["items"]:
+            if (k if isinstance(k, str) else str(k)) == part:
+                return v
+    elif kind in ("list", "tuple") and part.isdigit() and int(part) < len(node["items"]):
+        return node["items"][int(part)]
+    return _MISSING
+
+
+def iter_tensor_nodes(node: Any, path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+    """Yield ``(dotted path, tensor node)`` for every tensor below ``node`` (nested dicts flattened)."""
+    if not isinstance(node, dict):
+        return
+    kind = node.get("type")
+    if kind == "tensor":
+        yield path, node
+    elif kind in ("dict", "OrderedDict", "Namespace"):
+        for k, v in node["items"]:
+            name = k if isinstance(k, str) else str(k) if isinstance(k, int) else None
+            if name is not None:
+                yield from iter_tensor_nodes(v, _join(path, name))
+    elif kind in ("list", "tuple"):
+        for i, v in enumerate(node["items"]):
+            yield from iter_tensor_nodes(v, _join(path, i))
+
+
+def flat_structure(keys: list[str]) -> Structure:
+    """The structure of a plain ``Dict[str, Tensor]`` file that carries none of its own."""
+    return {"version": STRUCTURE_VERSION,
+            "root": {"type": "dict", "items": [[k, {"type": "tensor", "key": k}] for k in keys]}}
+
+
+def iter_nodes_with_keys(node: Any, path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+    """Yield ``(path, node)`` for every node that names a stored tensor (tensor, ndarray, bytes)."""
+    if not isinstance(node, dict):
+        return
+    if "key" in node and node.get("type") in ("tensor", "ndarray", "bytes", "bytearray"):
+        yield path, node
+    elif node.get("type") in ("dict", "OrderedDict", "Namespace"):
+        for k, v in node.get("items", []):
+            yield from iter_nodes_with_keys(v, _join(path, k if isinstance(k, (str, int)) else "?"))
+    elif node.get("type") in ("list", "tuple", "set", "frozenset"):
+        for i, v in enumerate(node.get("items", [])):
+            yield from iter_nodes_with_keys(v, _join(path, i))

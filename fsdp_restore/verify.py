@@ -1,0 +1,257 @@
+"""Prove a converted checkpoint right: `verify` (checksums, optionally bit for bit against the
+source ``.pt``) and `inspect` (what is inside, as a tree with sizes)."""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from rich.tree import Tree
+
+from .errors import FsdpRestoreError
+from .flatten import flatten
+from .format import torch_dtype_name
+from .measure import Stopwatch
+from .read import Checkpoint
+from .write import default_threads, tensor_bytes
+
+CHUNK_BYTES = 16 * 1024 * 1024
+
+
+@dataclass
+class VerifyReport:
+    """The verdict: ``ok`` only when every check held. ``problems`` are (key or file, message)."""
+
+    path: str
+    against: str | None = None
+    tensors: int = 0
+    checksummed: int = 0
+    compared: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
+    problems: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _read_chunks(ckpt: Checkpoint, key: str):
+    """Yield the stored bytes of ``key`` in chunks (positional reads; no mmap, no whole tensor)."""
+    entry = ckpt.entries[key]
+    step = max(1, CHUNK_BYTES // entry.itemsize)
+    buf = torch.empty(min(step, max(entry.numel, 1)), dtype=entry.dtype)
+    for start in range(0, entry.numel, step):
+        piece = buf[: min(step, entry.numel - start)]
+        ckpt.read_range(key, start, piece)
+        yield start, piece
+
+
+def _checksum(ckpt: Checkpoint, key: str, progress: Callable[[int], None]) -> str:
+    crc = 0
+    for _, piece in _read_chunks(ckpt, key):
+        crc = zlib.crc32(tensor_bytes(piece), crc)
+        progress(piece.numel() * piece.element_size())
+    return f"{crc:08x}"
+
+
+def _compare(ckpt: Checkpoint, key: str, source: torch.Tensor, progress: Callable[[int], None]) -> str | None:
+    """None when the stored tensor equals ``source`` (after the recorded cast), else what differs."""
+    entry = ckpt.entries[key]
+    if tuple(source.shape) != entry.shape:
+        return f"shape {list(entry.shape)} but source has {list(source.shape)}"
+    original = ckpt.cast.get(key)
+    if source.dtype != entry.dtype and original != torch_dtype_name(source.dtype):
+        return f"dtype {entry.dtype} but source has {source.dtype} (and no cast was recorded)"
+    flat = source.detach().reshape(-1)
+    for start, piece in _read_chunks(ckpt, key):
+        expected = flat[start:start + piece.numel()].to(entry.dtype).contiguous().view(torch.uint8)
+        actual = piece.view(torch.uint8)
+        if not torch.equal(expected, actual):
+            same = (expected.reshape(piece.numel(), -1) == actual.reshape(piece.numel(), -1)).all(dim=1)
+            first = start + int((~same).nonzero()[0])
+            return f"bytes differ from the source (first at flat element {first}, {int((~same).sum())} elements in that chunk)"
+        progress(piece.numel() * piece.element_size())
+    return None
+
+
+def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | None = None,
+           threads: int | None = None, trust_pickle: bool = False,
+           progress: Callable[[int, int], None] | None = None) -> VerifyReport:
+    """Check a checkpoint without its source: header sanity (offsets in range, no overlaps or
+    holes, sizes), index consistency, the structure metadata, and every checksum. With
+    ``against``, also compare the structure and every tensor bit for bit with the source ``.pt``.
+    Never raises for a bad checkpoint: the problems are in the report.
+    """
+    report = VerifyReport(path=str(path), against=str(against) if against else None)
+    with Stopwatch() as clock:
+        try:
+            ckpt = Checkpoint(path)
+        except FsdpRestoreError as e:
+            report.problems.append((getattr(e, "path", str(path)), getattr(e, "problem", str(e))))
+            return report
+        with ckpt:
+            _verify_open(ckpt, report, against, threads, trust_pickle, progress)
+    report.seconds = clock.seconds
+    return report
+
+
+def _verify_open(ckpt: Checkpoint, report: VerifyReport, against: Any, threads: int | None, trust_pickle: bool,
+                 progress: Callable[[int, int], None] | None) -> None:
+    report.tensors = len(ckpt.entries)
+    try:
+        ckpt.load()  # decodes the whole structure against the real (memory-mapped) tensors
+    except FsdpRestoreError as e:
+        report.problems.append(("<structure>", str(e)))
+    source: dict[str, torch.Tensor] = {}
+    if against is not None:
+        from .convert import load_pt
+
+        try:
+            src_tensors, src_structure = flatten(load_pt(against, trust_pickle=trust_pickle))
+        except FsdpRestoreError as e:
+            report.problems.append((str(against), str(e)))
+            return
+        if ckpt.has_structure and src_structure != ckpt.structure:
+            report.problems.append(("<structure>", "nested structure differs from the source"
+                                    " (keys, types or non-tensor values)"))
+        for key in src_tensors.keys() - ckpt.entries.keys():
+            report.problems.append((key, "in the source but missing from the checkpoint"))
+        for key in ckpt.entries.keys() - src_tensors.keys():
+            report.problems.append((key, "in the checkpoint but not in the source"))
+        source = {k: t for k, t in src_tensors.items() if k in ckpt.entries}
+    total = sum(e.nbytes for k, e in ckpt.entries.items() if k in ckpt.checksums)
+    total += sum(ckpt.entries[k].nbytes for k in source)
+    done = [0]
+
+    def tick(n: int) -> None:
+        done[0] += n
+        if progress:
+            progress(done[0], total)
+
+    def check_one(key: str) -> list[tuple[str, str]]:
+        found = []
+        expected = ckpt.checksums.get(key)
+        if expected is not None:
+            actual = _checksum(ckpt, key, tick)
+            if actual != expected:
+                found.append((key, f"checksum mismatch: stored crc32 {expected}, data has {actual}"))
+        if key in source:
+            diff = _compare(ckpt, key, source[key], tick)
+            if diff:
+                found.append((key, diff))
+        return found
+
+    with ThreadPoolExecutor(max_workers=threads or default_threads()) as pool:
+        for found in pool.map(check_one, sorted(ckpt.entries, key=lambda k: -ckpt.entries[k].nbytes)):
+            report.problems.extend(found)
+    for key in ckpt.checksums.keys() - ckpt.entries.keys():
+        report.problems.append((key, "has a checksum but no tensor"))
+    report.checksummed = sum(1 for k in ckpt.entries if k in ckpt.checksums)
+    report.compared = len(source)
+    report.nbytes = done[0]
+    report.problems.sort()
+
+
+def render_verify(report: VerifyReport, console: Console) -> None:
+    table = Table(title=f"verify {report.path}" + (f" against {report.against}" if report.against else ""))
+    table.add_column("check")
+    table.add_column("result", justify="right")
+    table.add_row("tensors", str(report.tensors))
+    table.add_row("checksums verified", f"{report.checksummed}/{report.tensors}")
+    if report.against:
+        table.add_row("compared bit for bit", str(report.compared))
+    table.add_row("bytes read", f"{report.nbytes / 1e6:.1f} MB in {report.seconds:.2f} s")
+    table.add_row("verdict", "[green]OK[/]" if report.ok else f"[red]{len(report.problems)} problem(s)[/]")
+    console.print(table)
+    for where, what in report.problems:
+        console.print(f"[red]FAIL[/] {where}: {what}", markup=True, highlight=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# inspect
+
+
+def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A JSON-able description: files, totals, and the structure as a tree with sizes per subtree."""
+    with Checkpoint(path) as ckpt:
+        tree = _describe(ckpt.structure["root"], ckpt, "")
+        return {"path": str(ckpt.path), "files": [str(Path(p)) for p in ckpt.headers],
+                "has_structure": ckpt.has_structure, "tensors": len(ckpt.entries),
+                "bytes": sum(e.nbytes for e in ckpt.entries.values()),
+                "checksums": len(ckpt.checksums), "cast": ckpt.cast, "tree": tree}
+
+
+def _describe(node: Any, ckpt: Checkpoint, name: str) -> dict[str, Any]:
+    if not isinstance(node, dict):
+        return {"name": name, "kind": type(node).__name__ if node is not None else "None", "value": repr(node)[:60],
+                "bytes": 0, "tensors": 0}
+    kind = node.get("type")
+    if "key" in node:
+        entry = ckpt.entries[node["key"]]
+        view = node.get("view")
+        shape = view["shape"] if view else list(entry.shape)
+        return {"name": name, "kind": kind, "key": node["key"], "dtype": str(entry.dtype).removeprefix("torch."),
+                "shape": shape, "bytes": 0 if (view or node.get("alias")) else entry.nbytes,
+                "tensors": 1, **({"view_of": node["key"]} if view else {})}
+    if kind in ("dict", "OrderedDict", "Namespace", "list", "tuple", "set", "frozenset"):
+        items = node["items"]
+        pairs = items if kind in ("dict", "OrderedDict", "Namespace") else list(enumerate(items))
+        children = [_describe(v, ckpt, k if isinstance(k, str) else str(k) if not isinstance(k, dict) else repr(k))
+                    for k, v in pairs]
+        seen: set[str] = set()
+        for c in _leaves(children):  # aliases count once
+            if c.get("key") in seen:
+                c["bytes"] = 0
+            seen.add(c.get("key", ""))
+        return {"name": name, "kind": kind, "children": children,
+                "bytes": sum(c["bytes"] for c in children), "tensors": sum(c["tensors"] for c in children)}
+    value = node.get("value", node.get("items", ""))
+    return {"name": name, "kind": kind, "value": str(value)[:60], "bytes": 0, "tensors": 0}
+
+
+def _leaves(children: list[dict[str, Any]]):
+    for c in children:
+        if "children" in c:
+            yield from _leaves(c["children"])
+        else:
+            yield c
+
+
+def render_inspect(info: dict[str, Any], console: Console, max_depth: int = 3) -> None:
+    def label(d: dict[str, Any]) -> str:
+        size = f"{d['bytes'] / 1e6:.2f} MB" if d["bytes"] >= 1e5 else f"{d['bytes']} B"
+        if "children" in d:
+            return f"[bold]{d['name'] or '<root>'}[/] {d['kind']} ({len(d['children'])} items, {d['tensors']} tensors, {size})"
+        if "dtype" in d:
+            extra = f" view of {d['view_of']}" if "view_of" in d else ""
+            return f"{d['name']} [cyan]{d['dtype']}[/] {d['shape']} {size}{extra}"
+        return f"{d['name']} [dim]{d['kind']}[/] = {d['value']}"
+
+    def add(tree: Tree, d: dict[str, Any], depth: int) -> None:
+        for c in d.get("children", []):
+            branch = tree.add(label(c), highlight=False)
+            if depth < max_depth:
+                add(branch, c, depth + 1)
+            elif c.get("children"):
+                branch.add("[dim]...[/]")
+
+    root = Tree(label(info["tree"]) + f"  [dim]{info['path']}[/]")
+    add(root, info["tree"], 1)
+    console.print(root)
+    console.print(f"{info['tensors']} tensors, {info['bytes'] / 1e6:.2f} MB in {len(info['files'])} file(s);"
+                  f" {info['checksums']} checksums; structure: {'yes' if info['has_structure'] else 'none (plain file)'}")
+
+
+def check_restore(path: str, factory: str, *, nproc: int = 2, fsdp: str = "fsdp2", prefix: str = "model") -> Any:
+    from .check_restore import run_check_restore
+
+    return run_check_restore(path, factory, nproc=nproc, fsdp=fsdp, prefix=prefix)

@@ -1,0 +1,226 @@
+"""Streaming safetensors writer: header first, then each tensor's bytes, several threads at once.
+
+`safetensors.torch.save_file` needs every tensor in memory at once (the header needs all metadata
+first). We know every shape and dtype before reading any data, so we write the header, then
+stream each tensor in bounded chunks (cast on the fly when asked) with ``os.pwrite`` at its final
+offset. Anonymous memory stays at ``threads x chunk`` whatever the model size. Checksums are not
+known until the data is written, so the header holds fixed-width placeholders that are patched in
+place at the end (crc32 hex is always 8 characters, so the header length never changes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+import zlib
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from math import prod
+from pathlib import Path
+
+import torch
+
+from .format import (DEFAULT_INDEX_NAME, FORMAT_VERSION, META_CAST, META_CHECKSUMS, META_FORMAT, META_STRUCTURE,
+                     META_VERSION, build_header, torch_dtype_name)
+
+CHUNK_BYTES = 16 * 1024 * 1024  # per-thread working set when casting or copying non-contiguous data
+_PLACEHOLDER = "0" * 8
+
+ProgressFn = Callable[[int], None]
+
+
+@dataclass
+class TensorJob:
+    """One tensor to write: ``source`` (any CPU tensor, typically memory-mapped) stored as ``dtype``."""
+
+    key: str
+    source: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return prod(self.source.shape) * self.dtype.itemsize
+
+
+@dataclass
+class WriteResult:
+    """What was written: the final paths, each key's crc32 and the total tensor bytes."""
+
+    paths: list[Path]
+    checksums: dict[str, str] = field(default_factory=dict)
+    nbytes: int = 0
+
+
+def default_threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+
+
+def tensor_bytes(t: torch.Tensor):
+    """A zero-copy byte view (numpy uint8) of a contiguous CPU tensor, for crc32 and pwrite."""
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _stream_tensor(fd: int, offset: int, job: TensorJob, progress: ProgressFn | None) -> str:
+    """Write one tensor at ``offset`` chunk by chunk; returns its crc32 as 8 hex digits."""
+    src = job.source
+    if not src.is_contiguous():
+        src = src.contiguous()  # rare in checkpoints; costs one tensor of memory
+    flat = src.reshape(-1)
+    step = max(1, CHUNK_BYTES // max(1, flat.element_size(), job.dtype.itemsize))
+    crc = 0
+    with torch.no_grad():
+        for start in range(0, flat.numel(), step):
+            piece = flat[start:start + step]
+            if piece.dtype != job.dtype:
+                piece = piece.to(job.dtype)
+            data = tensor_bytes(piece)
+            crc = zlib.crc32(data, crc)
+            view = memoryview(data)
+            while view:  # pwrite may write less than asked
+                n = os.pwrite(fd, view, offset)
+                view, offset = view[n:], offset + n
+            if progress:
+                progress(len(data))
+    return f"{crc:08x}"
+
+
+class _FileWriter:
+    """One output safetensors file being written under a temporary name."""
+
+    def __init__(self, path: Path, jobs: list[TensorJob], metadata: dict[str, str]) -> None:
+        self.path, self.jobs = path, jobs
+        self.metadata = dict(metadata)
+        self.metadata[META_CHECKSUMS] = json.dumps({j.key: _PLACEHOLDER for j in jobs}, separators=(",", ":"))
+        cast = {j.key: torch_dtype_name(j.source.dtype) for j in jobs if j.source.dtype != j.dtype}
+        if cast:
+            self.metadata[META_CAST] = json.dumps(cast, separators=(",", ":"))
+        header, self.offsets = build_header([(j.key, j.dtype, tuple(j.source.shape)) for j in jobs], self.metadata)
+        self.data_start = len(header)
+        self.header_len = len(header)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.ftruncate(self.fd, self.data_start + sum(j.nbytes for j in jobs))
+        os.pwrite(self.fd, header, 0)
+        self.checksums: dict[str, str] = {}
+
+    def write(self, job: TensorJob, progress: ProgressFn | None) -> None:
+        self.checksums[job.key] = _stream_tensor(self.fd, self.data_start + self.offsets[job.key], job, progress)
+
+    def finish(self) -> None:
+        """Patch the real checksums into the header, fsync and close."""
+        self.metadata[META_CHECKSUMS] = json.dumps({j.key: self.checksums[j.key] for j in self.jobs},
+                                                   separators=(",", ":"))
+        header, _ = build_header([(j.key, j.dtype, tuple(j.source.shape)) for j in self.jobs], self.metadata)
+        assert len(header) == self.header_len, "checksum patch changed the header length"
+        os.pwrite(self.fd, header, 0)
+        os.fsync(self.fd)
+        self.close()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def split_into_shards(jobs: Sequence[TensorJob], max_shard_size: int) -> list[list[TensorJob]]:
+    """Greedy, in key order, like Hugging Face: a tensor larger than the limit gets a shard of its own."""
+    shards: list[list[TensorJob]] = [[]]
+    size = 0
+    for job in jobs:
+        if shards[-1] and size + job.nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(job)
+        size += job.nbytes
+    return shards
+
+
+def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *, structure_json: str | None,
+                      max_shard_size: int | None = None, threads: int | None = None, force: bool = False,
+                      progress: ProgressFn | None = None) -> WriteResult:
+    """Write ``jobs`` to ``dst`` atomically: one file, or (with ``max_shard_size``) a directory of
+    ``model-0000k-of-0000n.safetensors`` shards plus ``model.safetensors.index.json``.
+
+    Everything is written under a temporary name next to ``dst``, fsynced, then renamed; on any
+    error the temporaries are removed and ``dst`` is untouched. An existing ``dst`` is replaced only
+    with ``force=True``.
+    """
+    dst = Path(dst)
+    if dst.exists() and not force:
+        raise FileExistsError(f"{dst} already exists; pass force=True (CLI: --force) to replace it")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}"
+    meta = {META_FORMAT: "pt", META_VERSION: FORMAT_VERSION}
+    sharded = max_shard_size is not None
+    if sharded:
+        tmp.mkdir()
+        groups = split_into_shards(jobs, max_shard_size)
+        n = len(groups)
+        names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        file_meta = [dict(meta) for _ in groups]
+    else:
+        groups, names = [list(jobs)], [tmp.name]
+        file_meta = [dict(meta, **({META_STRUCTURE: structure_json} if structure_json is not None else {}))]
+    writers: list[_FileWriter] = []
+    try:
+        root = tmp if sharded else dst.parent
+        for group, name, fmeta in zip(groups, names, file_meta):
+            writers.append(_FileWriter(root / name, group, fmeta))
+        tasks = [(w, j) for w in writers for j in w.jobs]
+        tasks.sort(key=lambda wj: -wj[1].nbytes)  # biggest first: better load balance across threads
+        with ThreadPoolExecutor(max_workers=threads or default_threads()) as pool:
+            for f in [pool.submit(w.write, j, progress) for w, j in tasks]:
+                f.result()
+        for w in writers:
+            w.finish()
+        result = WriteResult(paths=[], nbytes=sum(j.nbytes for j in jobs))
+        for w in writers:
+            result.checksums.update(w.checksums)
+        if sharded:
+            index = {"metadata": dict(meta, total_size=result.nbytes,
+                                      **({META_STRUCTURE: structure_json} if structure_json is not None else {})),
+                     "weight_map": {j.key: name for group, name in zip(groups, names) for j in group}}
+            _write_small_file(tmp / DEFAULT_INDEX_NAME, json.dumps(index, indent=2).encode())
+            result.paths = [dst / name for name in names]
+            _fsync_dir(tmp)
+        else:
+            result.paths = [dst]
+        _replace(tmp, dst)
+        return result
+    except BaseException:
+        for w in writers:
+            w.close()
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+        raise
+
+
+def _write_small_file(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _replace(tmp: Path, dst: Path) -> None:
+    """Move the finished temporary into place; an old destination is removed only after."""
+    old = None
+    if dst.exists() or dst.is_symlink():
+        old = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(dst, old)
+    os.rename(tmp, dst)
+    _fsync_dir(dst.parent)
+    if old is not None:
+        shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

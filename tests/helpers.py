@@ -1,0 +1,78 @@
+"""Shared test helpers: exact equality of nested objects and small real checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def assert_same(a: Any, b: Any, path: str = "") -> None:
+    """Exact equality, types included: tensors bit for bit (dtype, shape), floats incl. NaN."""
+    assert type(a) is type(b), f"{path}: type {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{list(a.shape)} != {b.dtype}{list(b.shape)}"
+        assert a.requires_grad == b.requires_grad, f"{path}: requires_grad"
+        assert torch.equal(a.detach().contiguous().view(-1).view(torch.uint8) if a.numel() else a.detach(),
+                           b.detach().contiguous().view(-1).view(torch.uint8) if b.numel() else b.detach()), f"{path}: values"
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), f"{path}: ndarray"
+    elif isinstance(a, (dict, OrderedDict)):
+        assert list(a.keys()) == list(b.keys()), f"{path}: keys {list(a)} != {list(b)}"
+        for (ka, va), kb in zip(a.items(), b.keys()):
+            assert type(ka) is type(kb), f"{path}: key type"
+            assert_same(va, b[kb], f"{path}.{ka}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{path}: length"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}.{i}")
+    elif isinstance(a, argparse.Namespace):
+        assert_same(vars(a), vars(b), path)
+    elif isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b), path
+    elif isinstance(a, np.generic):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), path
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def tiny_gpt2(seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """A small GPT-2 (tied embeddings) with random init, no downloads."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=97, n_positions=32, n_embd=24, n_layer=2, n_head=2)
+    cfg.update(overrides)
+    return GPT2LMHeadModel(GPT2Config(**cfg))
+
+
+def tiny_llama(seed: int = 0) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=101, hidden_size=30, intermediate_size=46, num_hidden_layers=2,
+                                        num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=32))
+
+
+def training_checkpoint(model: torch.nn.Module, steps: int = 2, seed: int = 0) -> dict[str, Any]:
+    """Train ``model`` for a few AdamW steps and return a full training checkpoint like real runs save."""
+    torch.manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    vocab = model.config.vocab_size
+    for _ in range(steps):
+        ids = torch.randint(0, vocab, (2, 8))
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return {"model": model.state_dict(), "optim": opt.state_dict(), "scheduler": sched.state_dict(),
+            "step": steps, "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+                                   "python": random.getstate()},
+            "config": argparse.Namespace(lr=1e-3, name="tiny", layers=[1, 2])}

@@ -1,0 +1,211 @@
+"""Streaming .pt -> safetensors conversion: exact, pickle-free, sharded, cast, atomic, bounded memory."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from helpers import assert_same, tiny_gpt2, training_checkpoint
+from safetensors import safe_open
+
+import fsdp_restore
+from fsdp_restore import FormatError, UnsafePickleError, convert
+from fsdp_restore.convert import parse_size
+
+
+@pytest.fixture(scope="module")
+def train_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "step2.pt"
+    ckpt = training_checkpoint(tiny_gpt2())
+    torch.save(ckpt, path)
+    return path, ckpt
+
+
+def test_training_checkpoint_roundtrips_exactly(train_ckpt, tmp_path):
+    src, ckpt = train_ckpt
+    report = convert(src, tmp_path / "out.safetensors")
+    assert report.tensors > 0 and report.nbytes > 0 and report.seconds > 0 and report.peak_anon_bytes > 0
+    back = fsdp_restore.load(tmp_path / "out.safetensors")
+    assert_same(back, torch.load(src, weights_only=False))
+    model = back["model"]
+    assert model["lm_head.weight"] is model["transformer.wte.weight"]  # tied: stored once, restored as alias
+    raw = open(tmp_path / "out.safetensors", "rb").read()
+    assert b"pickle" not in raw and b"\x80\x04" not in raw[:8 + int.from_bytes(raw[:8], "little")]
+
+
+def test_output_is_plain_safetensors_with_readable_keys(train_ckpt, tmp_path):
+    src, ckpt = train_ckpt
+    dst = tmp_path / "out.safetensors"
+    convert(src, dst)
+    with safe_open(str(dst), "pt") as f:
+        keys = set(f.keys())
+        assert f.metadata()["format"] == "pt"
+        assert "model.transformer.h.0.attn.c_attn.weight" in keys
+        assert "optim.state.0.exp_avg" in keys
+        assert torch.equal(f.get_tensor("model.transformer.h.0.attn.c_attn.weight"),
+                           ckpt["model"]["transformer.h.0.attn.c_attn.weight"])
+    with safe_open(str(dst), "np") as f:
+        np.testing.assert_array_equal(f.get_tensor("optim.state.0.exp_avg"), ckpt["optim"]["state"][0]["exp_avg"].numpy())
+
+
+def test_pt_sibling_is_preferred(train_ckpt, tmp_path):
+    src, _ = train_ckpt
+    pt = tmp_path / "run.pt"
+    pt.write_bytes(src.read_bytes())
+    convert(pt, tmp_path / "run.safetensors")
+    assert fsdp_restore.find_safetensors_for(pt) == tmp_path / "run.safetensors"
+    back = fsdp_restore.load(pt)
+    assert back["step"] == 2
+    (tmp_path / "run.safetensors").unlink()
+    assert fsdp_restore.load(pt)["step"] == 2  # falls back to the safe .pt loader
+
+
+def test_sharded_output_with_hf_index(train_ckpt, tmp_path):
+    src, ckpt = train_ckpt
+    dst = tmp_path / "sharded"
+    report = convert(src, dst, max_shard_size="20KB")
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert index["metadata"]["total_size"] == report.nbytes
+    assert sum(os.path.getsize(dst / s) for s in shards) > report.nbytes
+    assert_same(fsdp_restore.load(dst), torch.load(src, weights_only=False))
+    assert_same(fsdp_restore.load(dst / "model.safetensors.index.json")["step"], 2)
+
+
+def test_select_model_gives_plain_state_dict_keys(train_ckpt, tmp_path):
+    src, ckpt = train_ckpt
+    dst = tmp_path / "model.safetensors"
+    convert(src, dst, select="model")
+    from safetensors.torch import load_file
+
+    model = tiny_gpt2(seed=5)
+    state = load_file(str(dst))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied: transformers re-ties it
+    assert torch.equal(model.transformer.h[1].mlp.c_fc.weight, ckpt["model"]["transformer.h.1.mlp.c_fc.weight"])
+
+
+def test_dtype_cast_with_include_exclude(train_ckpt, tmp_path):
+    src, ckpt = train_ckpt
+    dst = tmp_path / "bf16.safetensors"
+    report = convert(src, dst, dtype="bf16", cast_exclude=["optim.*"])
+    back = fsdp_restore.load(dst)
+    w = "transformer.h.0.attn.c_attn.weight"
+    assert back["model"][w].dtype == torch.bfloat16
+    assert torch.equal(back["model"][w], ckpt["model"][w].to(torch.bfloat16))
+    assert back["optim"]["state"][0]["exp_avg"].dtype == torch.float32
+    assert back["rng"]["torch"].dtype == torch.uint8  # integer tensors never cast
+    assert back["rng"]["numpy"][1].dtype == np.uint32  # numpy arrays never cast
+    assert report.cast_tensors == len([k for k in ckpt["model"] if k != "lm_head.weight"
+                                       and ckpt["model"][k].is_floating_point()])
+
+
+def test_existing_destination_needs_force_and_output_is_atomic(train_ckpt, tmp_path):
+    src, _ = train_ckpt
+    dst = tmp_path / "out.safetensors"
+    dst.write_bytes(b"precious")
+    with pytest.raises(FileExistsError):
+        convert(src, dst)
+    assert dst.read_bytes() == b"precious"
+    convert(src, dst, force=True)
+    assert fsdp_restore.load(dst)["step"] == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["out.safetensors"]  # no temporaries left
+
+
+def test_failed_conversion_leaves_nothing(tmp_path):
+    src = tmp_path / "bad.pt"
+    torch.save({"ok": torch.ones(3), "bad": torch.ones(2).to_sparse()}, src)
+    with pytest.raises(Exception):
+        convert(src, tmp_path / "out.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.pt"]
+
+
+def test_untrusted_pickle_is_refused_without_running(tmp_path):
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.pt"
+    code = f"import os; open({str(marker)!r}, 'w').close()"
+
+    class Evil:
+        def __reduce__(self):
+            return (exec, (code,))
+
+    torch.save({"x": Evil()}, evil)
+    with pytest.raises(UnsafePickleError, match="builtins.exec.*--trust-pickle"):
+        convert(evil, tmp_path / "out.safetensors")
+    with pytest.raises(UnsafePickleError):
+        fsdp_restore.load(evil)
+    assert not marker.exists()
+
+
+def test_allowlisted_objects_load_safely(tmp_path):
+    import argparse
+    import pathlib
+
+    obj = {"np": np.arange(3.0), "scalar": np.int32(4), "ns": argparse.Namespace(a=1), "p": pathlib.Path("/x")}
+    torch.save(obj, tmp_path / "a.pt")
+    convert(tmp_path / "a.pt", tmp_path / "a.safetensors")
+    assert_same(fsdp_restore.load(tmp_path / "a.safetensors"), obj)
+
+
+def test_legacy_format_loads_with_warning(tmp_path):
+    torch.save({"w": torch.ones(2)}, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
+    with pytest.warns(UserWarning, match="legacy"):
+        convert(tmp_path / "old.pt", tmp_path / "old.safetensors")
+    assert torch.equal(fsdp_restore.load(tmp_path / "old.safetensors")["w"], torch.ones(2))
+
+
+def test_truncated_pt_is_a_format_error(train_ckpt, tmp_path):
+    src, _ = train_ckpt
+    bad = tmp_path / "trunc.pt"
+    bad.write_bytes(src.read_bytes()[: src.stat().st_size // 2])
+    with pytest.raises(FormatError, match="truncated"):
+        convert(bad, tmp_path / "out.safetensors")
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_parse_size():
+    assert parse_size("5GB") == 5_000_000_000 and parse_size("512MiB") == 512 * 2**20 and parse_size(1000) == 1000
+    with pytest.raises(ValueError):
+        parse_size("lots")
+
+
+def test_reads_foreign_hf_files(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.ones(2), "b": torch.zeros(3, dtype=torch.int8)}, str(tmp_path / "model.safetensors"))
+    back = fsdp_restore.load(tmp_path / "model.safetensors")
+    assert set(back) == {"a", "b"} and torch.equal(back["b"], torch.zeros(3, dtype=torch.int8))
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({"a": torch.ones(2)}, str(hf / "model-00001-of-00002.safetensors"))
+    save_file({"b": torch.ones(3)}, str(hf / "model-00002-of-00002.safetensors"))
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 20}, "weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    assert set(fsdp_restore.load(hf)) == {"a", "b"}
+
+
+@pytest.mark.parametrize("dtype", [None, "bf16"])
+def test_peak_anonymous_memory_is_bounded(tmp_path, dtype):
+    """~1 GB checkpoint (largest tensor 128 MB): RssAnon stays under 256 MB + one tensor, in a fresh process."""
+    src = tmp_path / "big.pt"
+    script = textwrap.dedent(f"""
+        import torch, json, sys
+        from fsdp_restore.measure import rss_anon_bytes
+        tensors = {{f"layer{{i}}": torch.empty(32 * 2**20, dtype=torch.float32) for i in range(8)}}
+        torch.save({{"model": tensors, "step": 1}}, {str(src)!r})
+        del tensors
+        import fsdp_restore
+        base = rss_anon_bytes()
+        r = fsdp_restore.convert({str(src)!r}, {str(tmp_path / 'out.safetensors')!r}, dtype={dtype!r})
+        print(json.dumps({{"base": base, "peak": r.peak_anon_bytes, "bytes": r.nbytes}}))
+    """)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    stats = json.loads(res.stdout.strip().splitlines()[-1])
+    largest = 128 * 2**20
+    assert stats["bytes"] == (2**30 if dtype is None else 2**29)
+    assert stats["peak"] - stats["base"] < 256 * 2**20 + largest, stats

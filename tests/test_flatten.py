@@ -1,0 +1,172 @@
+"""The flattener/unflattener round-trips every supported value exactly, types included."""
+
+import argparse
+import json
+import math
+import pathlib
+import warnings
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+from helpers import assert_same
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fsdp_restore import UnsupportedObjectError, flatten, unflatten
+from fsdp_restore.errors import FormatError
+
+
+def roundtrip(obj):
+    tensors, structure = flatten(obj)
+    structure = json.loads(json.dumps(structure))  # must survive JSON (it lives in the header)
+    return unflatten(tensors, structure), tensors, structure
+
+
+ALL_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+              torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64]
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_every_dtype(dtype):
+    t = (torch.randn(3, 5) * 10).to(dtype)
+    back, _, _ = roundtrip({"t": t, "scalar": t[0, 0].clone(), "empty": t[:0]})
+    assert_same(back["t"], t)
+
+
+def test_scalars_and_containers_keep_types():
+    obj = {
+        "none": None, "true": True, "int": 7, "neg": -3, "big": 2**100, "float": 0.1, "nan": float("nan"),
+        "inf": float("-inf"), "str": "héllo.world", "bytes": b"\x00\x01", "bytearray": bytearray(b"ab"),
+        "complex": 1 - 2j, 3: "int key", "a.b": "dotted key", "list": [1, [2, (3,)]], "tuple": (), "emptyd": {},
+        "od": OrderedDict([("z", 1), ("a", 2)]), "set": {1, 2}, "frozenset": frozenset({"x"}),
+        "dtype": torch.bfloat16, "size": torch.Size([2, 3]), "device": torch.device("cpu"),
+        "ns": argparse.Namespace(lr=0.1, nested=argparse.Namespace(x=None)), "path": pathlib.Path("/a/b"),
+        "pure": pathlib.PurePosixPath("x/y"), "np_scalar": np.float32(1.5), "np_int": np.int64(-4),
+        "ndarray": np.arange(6, dtype=np.int16).reshape(2, 3), "big_endian": np.arange(3, dtype=">f4"),
+        "fortran": np.asfortranarray(np.arange(6.0).reshape(2, 3)),
+        (1, "t"): "tuple key", 2.5: "float key", None: "none key", False: "bool key",
+    }
+    back, _, _ = roundtrip(obj)
+    assert_same(back, obj)
+    assert back["big_endian"].dtype == np.dtype(">f4")
+
+
+def test_tensor_details():
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    obj = {"noncontig": base.t(), "zero_dim": torch.tensor(3.5), "empty": torch.empty(0, 4),
+           "param": torch.nn.Parameter(torch.randn(2)), "frozen": torch.nn.Parameter(torch.randn(2), requires_grad=False)}
+    back, _, _ = roundtrip(obj)
+    assert_same(back["noncontig"], obj["noncontig"].contiguous())
+    assert type(back["param"]) is torch.nn.Parameter and back["param"].requires_grad
+    assert type(back["frozen"]) is torch.nn.Parameter and not back["frozen"].requires_grad
+    assert back["zero_dim"].shape == () and back["empty"].shape == (0, 4)
+
+
+def test_tied_weights_stored_once_and_restored_as_aliases():
+    w = torch.randn(5, 4)
+    obj = {"model": {"wte.weight": w, "lm_head.weight": w}}
+    back, tensors, _ = roundtrip(obj)
+    assert list(tensors) == ["model.wte.weight"]
+    assert back["model"]["lm_head.weight"] is back["model"]["wte.weight"]
+
+
+def test_views_of_one_buffer_share_storage():
+    buf = torch.arange(12.0)
+    obj = [buf, buf[3:7], buf.view(3, 4), buf.view(3, 4)[:, 1]]
+    back, tensors, _ = roundtrip(obj)
+    assert len(tensors) == 1
+    for a, b in zip(back, obj):
+        assert_same(a, b.contiguous())
+    back[0][5] = -1.0
+    assert back[1][2] == -1.0 and back[2][1, 1] == -1.0
+
+
+def test_readable_keys_and_collisions():
+    t1, t2, t3 = torch.zeros(1), torch.ones(1), torch.full((1,), 2.0)
+    obj = {"model": {"layers.0.attn.weight": t1}, "optim": {"state": {3: {"exp_avg": t2}}},
+           "a.b": t3, "a": {"b": t3.clone()}}
+    back, tensors, _ = roundtrip(obj)
+    assert set(tensors) == {"model.layers.0.attn.weight", "optim.state.3.exp_avg", "a.b", "a.b~2"}
+    assert_same(back, obj)
+
+
+def test_unsupported_object_names_its_path_and_type():
+    class Custom:
+        pass
+
+    with pytest.raises(UnsupportedObjectError, match=r"__main__|test_flatten.*Custom.*'cfg\.items\.1'|'cfg\.items\.1'"):
+        flatten({"cfg": {"items": [1, Custom()]}})
+    try:
+        flatten({"cfg": {"items": [1, Custom()]}})
+    except UnsupportedObjectError as e:
+        assert e.path == "cfg.items.1" and "Custom" in e.type_name
+
+
+def test_skip_unsupported_warns_and_restores_none():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tensors, structure = flatten({"ok": 1, "bad": object(), "l": [lambda: 0]}, on_unsupported="skip")
+    assert any("bad" in str(w.message) and "l.0" in str(w.message) for w in caught)
+    assert unflatten(tensors, structure) == {"ok": 1, "bad": None, "l": [None]}
+
+
+def test_subclasses_are_not_silently_downgraded():
+    from collections import defaultdict
+
+    with pytest.raises(UnsupportedObjectError, match="defaultdict"):
+        flatten({"d": defaultdict(list)})
+
+
+def test_malformed_structure_is_a_format_error():
+    with pytest.raises(FormatError):
+        unflatten({}, {"version": 99, "root": None})
+    with pytest.raises(FormatError, match="missing"):
+        unflatten({}, {"version": 1, "root": {"type": "tensor", "key": "nope"}})
+    with pytest.raises(FormatError, match="unknown node type"):
+        unflatten({}, {"version": 1, "root": {"type": "pickle"}})
+
+
+# ---- property tests --------------------------------------------------------------------------
+
+_leaf = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True), st.text(max_size=8), st.binary(max_size=8),
+    st.builds(lambda n, d: (torch.arange(n) * 3 - 7).to(d), st.integers(0, 6),
+              st.sampled_from([torch.float32, torch.bfloat16, torch.int8, torch.bool, torch.int64])),
+    st.builds(lambda n: np.arange(n, dtype=np.float32), st.integers(0, 4)),
+)
+_key = st.one_of(st.text(max_size=6), st.integers(-5, 50))
+_tree = st.recursive(
+    _leaf,
+    lambda children: st.one_of(
+        st.lists(children, max_size=4),
+        st.lists(children, max_size=4).map(tuple),
+        st.dictionaries(_key, children, max_size=4),
+        st.dictionaries(st.text(max_size=4), children, max_size=3).map(OrderedDict),
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_tree)
+def test_property_roundtrip(obj):
+    back, _, _ = roundtrip(obj)
+    assert_same(back, obj)
+
+
+@settings(max_examples=50, deadline=None)
+@given(_tree)
+def test_property_roundtrip_through_file(tmp_path_factory, obj):
+    import fsdp_restore
+
+    path = tmp_path_factory.mktemp("p") / "x.safetensors"
+    fsdp_restore.save({"root": obj}, path)
+    assert_same(fsdp_restore.load(path)["root"], obj)
+
+
+def test_float_repr_is_exact():
+    values = [0.1, 1e-310, 2.0**-1074, math.pi, -0.0]
+    back, _, _ = roundtrip(values)
+    assert [v.hex() for v in back] == [v.hex() for v in values]
