@@ -1,0 +1,173 @@
+"""What this rank holds of each model tensor, as flat pieces of the global (unsharded) tensor.
+
+A `Target` is one state-dict entry (parameter or persistent buffer) under its clean name (no
+``_fsdp_wrapped_module.`` / ``module.`` / ``_orig_mod.``), and ``pieces`` are contiguous 1-D views
+into this rank's memory, each paired with the flat element index in the global tensor where it
+starts. Restoring is then "read these element ranges into these views", whatever the wrapper:
+
+- FSDP1 (`FullyShardedDataParallel`): the local shard of each `FlatParameter`; ``_shard_param_infos``
+  says which slice of which original parameter lies where (padding belongs to no piece).
+- FSDP2 (`fully_shard`) and any DTensor: the local block from the mesh and placements; a Shard(0)
+  block is one range, other placements are one range per row of the block.
+- Plain modules, DDP, buffers: the whole tensor, one piece.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import product
+from math import prod
+
+import torch
+from torch import nn
+
+_WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+@dataclass
+class Piece:
+    """A contiguous 1-D view ``dest`` in this rank's memory = global flat elements ``[start, start + n)``."""
+
+    dest: torch.Tensor
+    start: int
+
+
+@dataclass
+class Target:
+    name: str
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype
+    kind: str  # "param" | "buffer"
+    pieces: list[Piece] = field(default_factory=list)
+    layout: str = "full"  # "full" | "fsdp1" | "dtensor"
+
+    @property
+    def local_numel(self) -> int:
+        return sum(p.dest.numel() for p in self.pieces)
+
+
+def clean_name(name: str) -> str:
+    """Strip wrapper prefixes so names match an unwrapped model's ``state_dict`` keys."""
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name.removesuffix("_fsdp_wrapped_module").removesuffix("_orig_mod").rstrip(".")
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def _fsdp1_units(model: nn.Module):
+    """(clean prefix, FlatParamHandle) for every FSDP1 unit that owns parameters."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    except ImportError:  # pragma: no cover
+        return
+    for name, module in model.named_modules():
+        handle = getattr(module, "_handle", None) if isinstance(module, FSDP) else None
+        if handle is not None:
+            yield clean_name(name), handle
+
+
+def local_targets(model: nn.Module) -> tuple[list[Target], dict[str, str]]:
+    """This rank's `Target` for every parameter and persistent buffer, plus ``{alias: name}`` for
+    tied parameters (an alias needs no reading of its own)."""
+    targets: list[Target] = []
+    aliases: dict[str, str] = {}
+    done: set[str] = set()
+    top = "module." if isinstance(model, nn.parallel.DistributedDataParallel) else ""
+
+    def clean(name: str) -> str:
+        return clean_name(name.removeprefix(top))
+
+    for prefix, handle in _fsdp1_units(model):
+        flat = handle.flat_param
+        for fqn, shape, info in zip(flat._fqns, flat._shapes, flat._shard_param_infos):
+            target = Target(_join(prefix, clean(fqn)), tuple(shape), flat.dtype, "param", layout="fsdp1")
+            if info.in_shard and info.numel_in_shard:
+                view = flat.data[info.offset_in_shard: info.offset_in_shard + info.numel_in_shard]
+                target.pieces.append(Piece(view, info.intra_param_start_idx))
+            targets.append(target)
+            done.add(target.name)
+        for shared in flat._shared_param_infos:
+            alias = _join(prefix, clean(_join(shared.module_name, shared.param_name)))
+            aliases[alias] = _join(prefix, clean(_join(shared.prim_module_name, shared.prim_param_name)))
+            done.add(alias)
+
+    from torch.distributed.fsdp._flat_param import FlatParameter
+
+    seen: dict[int, str] = {}
+    for raw_name, param in model.named_parameters(remove_duplicate=False):
+        name = clean(raw_name)
+        if isinstance(param, FlatParameter) or name in done:
+            continue
+        if id(param) in seen:
+            aliases[name] = seen[id(param)]
+            continue
+        seen[id(param)] = name
+        targets.append(_tensor_target(name, param, "param"))
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for buf_name, buf in module._buffers.items():
+            if buf is None or buf_name in module._non_persistent_buffers_set:
+                continue
+            name = clean(_join(mod_name, buf_name))
+            if name in done:
+                continue
+            if id(buf) in seen:
+                if seen[id(buf)] != name:
+                    aliases.setdefault(name, seen[id(buf)])
+                continue
+            seen[id(buf)] = name
+            targets.append(_tensor_target(name, buf, "buffer"))
+            done.add(name)
+    return targets, aliases
+
+
+def _tensor_target(name: str, tensor: torch.Tensor, kind: str) -> Target:
+    if _is_dtensor(tensor):
+        return _dtensor_target(name, tensor, kind)
+    data = tensor.data
+    target = Target(name, tuple(tensor.shape), tensor.dtype, kind)
+    if data.numel():
+        if not data.is_contiguous():
+            raise ValueError(f"{name}: non-contiguous {kind} is not supported")
+        target.pieces.append(Piece(data.view(-1), 0))
+    return target
+
+
+def _dtensor_target(name: str, dt: torch.Tensor, kind: str) -> Target:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local = dt.to_local()
+    global_shape = tuple(dt.shape)
+    local_shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
+    target = Target(name, global_shape, dt.dtype, kind, layout="dtensor")
+    if tuple(local.shape) != tuple(local_shape):
+        raise ValueError(f"{name}: local shard shape {tuple(local.shape)} differs from the layout's {tuple(local_shape)}")
+    if local.numel() == 0:
+        return target
+    if not local.is_contiguous():
+        raise ValueError(f"{name}: non-contiguous local shard is not supported")
+    flat_local = local.detach().view(-1)
+    ndim = len(global_shape)
+    # k: the last dim where the block is partial; dims after it are whole, so each run is contiguous.
+    k = 0
+    for d in range(ndim - 1, -1, -1):
+        if local_shape[d] != global_shape[d]:
+            k = d
+            break
+    run = prod(local_shape[k:])
+    strides = [prod(global_shape[d + 1:]) for d in range(ndim)]
+    outer = [range(offset[d], offset[d] + local_shape[d]) for d in range(k)]
+    for i, idx in enumerate(product(*outer)):
+        start = sum(j * strides[d] for d, j in enumerate(idx)) + (offset[k] * strides[k] if ndim else 0)
+        target.pieces.append(Piece(flat_local[i * run:(i + 1) * run], start))
+    return target

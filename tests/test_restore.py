@@ -1,0 +1,182 @@
+"""Restore into sharded models on real ranks: bit-for-bit equal to the source, 1x bytes read in total."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist import run_ranks
+from models import build, full_state, wrap
+
+import fsdp_restore
+from fsdp_restore import RestoreError, restore_model
+
+
+def _restore_and_compare(rank, world_size, path, model_name, how, options):
+    model = wrap(build(model_name, seed=1234), how, world_size)  # a different init than the checkpoint
+    report = restore_model(model, path, **options)
+    expected = fsdp_restore.load(path)["model"]
+    got = full_state(model, how)
+    assert set(got) == set(expected), set(got) ^ set(expected)
+    for key, tensor in expected.items():
+        assert torch.equal(got[key], tensor.to(got[key].dtype)), f"{key} differs after restore"
+    return {"bytes_read": report.bytes_read, "tensors": report.tensors, "cast": report.cast}
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    out = {}
+    root = tmp_path_factory.mktemp("restore")
+    for name in ("mlp", "gpt2", "llama"):
+        model = build(name, seed=0)
+        with torch.no_grad():
+            for buf in model.buffers():
+                if buf.is_floating_point():
+                    buf.add_(0.25)  # buffers must come from the checkpoint, not from init
+        src = root / f"{name}.pt"
+        torch.save({"model": model.state_dict(), "step": 7}, src)
+        fsdp_restore.convert(src, root / f"{name}.safetensors")
+        out[name] = root / f"{name}.safetensors"
+        out[name + "_bytes"] = sum(t.numel() * t.element_size() for t in
+                                   {t.data_ptr(): t for t in model.state_dict().values()}.values())
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_fsdp2_mlp_every_world_size(ckpts, world_size):
+    results = run_ranks(_restore_and_compare, world_size, ckpts["mlp"], "mlp", "fsdp2", {})
+    total = sum(r["bytes_read"] for r in results)
+    buffers = (5 * 4 + 4 * 8) * (world_size - 1)  # buffers are replicated: every rank reads them
+    assert total <= ckpts["mlp_bytes"] + buffers, (total, ckpts["mlp_bytes"])
+
+
+@pytest.mark.parametrize("model_name,world_size", [("gpt2", 2), ("gpt2", 3), ("llama", 3), ("llama", 4)])
+def test_fsdp2_transformers(ckpts, model_name, world_size):
+    results = run_ranks(_restore_and_compare, world_size, ckpts[model_name], model_name, "fsdp2", {})
+    total = sum(r["bytes_read"] for r in results)
+    assert total <= ckpts[model_name + "_bytes"] * 1.02 + 4096 * world_size, (total, ckpts[model_name + "_bytes"])
+
+
+def test_hsdp_2d_mesh(ckpts):
+    results = run_ranks(_restore_and_compare, 4, ckpts["llama"], "llama", "hsdp", {})
+    # two replicas: each reads the model once, each rank a half
+    assert sum(r["bytes_read"] for r in results) <= 2 * ckpts["llama_bytes"] * 1.02
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+@pytest.mark.parametrize("params", ["orig", "flat"])
+def test_fsdp1_strategies(ckpts, strategy, params):
+    results = run_ranks(_restore_and_compare, 2, ckpts["gpt2"], "gpt2", f"fsdp1-{strategy}-{params}", {})
+    total = sum(r["bytes_read"] for r in results)
+    factor = 2 if strategy == "NO_SHARD" else 1
+    assert total <= factor * ckpts["gpt2_bytes"] * 1.02 + 8192, (total, ckpts["gpt2_bytes"])
+
+
+@pytest.mark.parametrize("params", ["orig", "flat"])
+def test_fsdp1_hybrid_shard(ckpts, params):
+    run_ranks(_restore_and_compare, 4, ckpts["mlp"], "mlp", f"fsdp1-HYBRID_SHARD-{params}", {})
+
+
+@pytest.mark.parametrize("params", ["orig", "flat"])
+def test_fsdp1_world_size_3_llama(ckpts, params):
+    run_ranks(_restore_and_compare, 3, ckpts["llama"], "llama", f"fsdp1-FULL_SHARD-{params}", {})
+
+
+@pytest.mark.parametrize("params", ["orig", "flat"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fsdp1_apply_route(ckpts, params, world_size):
+    results = run_ranks(_restore_and_compare, world_size, ckpts["gpt2"], "gpt2", f"fsdp1-FULL_SHARD-{params}",
+                        {"method": "apply"})
+    # the seed's route reads every tensor in full on every rank: that is its documented cost
+    assert all(r["bytes_read"] >= ckpts["gpt2_bytes"] * 0.9 for r in results)
+
+
+@pytest.mark.parametrize("how", ["plain", "ddp"])
+def test_plain_and_ddp(ckpts, how):
+    run_ranks(_restore_and_compare, 2, ckpts["gpt2"], "gpt2", how, {})
+
+
+def _restore_meta(rank, world_size, path):
+    from torch.distributed.fsdp import fully_shard
+
+    model = build("llama", device="meta")
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    with pytest.raises(RestoreError, match="meta device.*to_empty"):
+        restore_model(model, path)
+    model.to_empty(device="cpu")  # uninitialized memory: only the restore gives it values
+    restore_model(model, path)
+    expected = fsdp_restore.load(path)["model"]
+    got = full_state(model, "fsdp2")
+    return all(torch.equal(got[k], v) for k, v in expected.items())
+
+
+def test_meta_device_model_materialized_with_to_empty(ckpts):
+    assert all(run_ranks(_restore_meta, 2, ckpts["llama"]))
+
+
+def _restore_expect_error(rank, world_size, path, how, options):
+    model = wrap(build("mlp", seed=3), how, world_size)
+    with pytest.raises(RestoreError) as info:
+        restore_model(model, path, **options)
+    return str(info.value)
+
+
+def test_missing_key_fails_on_every_rank_naming_it(ckpts, tmp_path):
+    state = fsdp_restore.load(ckpts["mlp"])
+    del state["model"]["blocks.1.weight"]
+    state["model"]["extra.weight"] = torch.ones(2)
+    state["model"]["inp.weight"] = torch.zeros(3, 3)
+    fsdp_restore.save(state, tmp_path / "bad.safetensors")
+    messages = run_ranks(_restore_expect_error, 3, tmp_path / "bad.safetensors", "fsdp2", {})
+    for msg in messages:
+        assert "blocks.1.weight" in msg and "extra.weight" in msg and "inp.weight" in msg
+    assert len(set(messages)) == 1  # every rank reports the same verdict
+
+
+def _restore_non_strict(rank, world_size, path):
+    model = wrap(build("mlp", seed=3), "fsdp2", world_size)
+    report = restore_model(model, path, strict=False)
+    return report.missing, report.unexpected
+
+
+def test_non_strict_reports_instead_of_failing(ckpts, tmp_path):
+    state = fsdp_restore.load(ckpts["mlp"])
+    del state["model"]["blocks.1.weight"]
+    fsdp_restore.save(state, tmp_path / "partial.safetensors")
+    missing, unexpected = run_ranks(_restore_non_strict, 2, tmp_path / "partial.safetensors")[0]
+    assert missing == ["blocks.1.weight"] and unexpected == []
+
+
+def test_dtype_cast_is_reported(ckpts, tmp_path):
+    src = tmp_path / "mlp.pt"
+    torch.save({"model": build("mlp").state_dict()}, src)
+    fsdp_restore.convert(src, tmp_path / "bf16.safetensors", dtype="bf16")
+    results = run_ranks(_restore_and_compare, 2, tmp_path / "bf16.safetensors", "mlp", "fsdp2", {})
+    assert any("inp.weight: torch.bfloat16 -> torch.float32" in c for c in results[0]["cast"])
+
+
+def _nan_worker(rank, world_size, path):
+    model = wrap(build("mlp", seed=3), "fsdp2", world_size)
+    report = restore_model(model, path)
+    return report.nan_in_checkpoint
+
+
+def test_nan_in_checkpoint_is_not_unrestored(tmp_path):
+    state = build("mlp").state_dict()
+    state["inp.weight"][4, 6] = float("nan")  # the last row: on the last rank
+    torch.save({"model": state}, tmp_path / "nan.pt")
+    fsdp_restore.convert(tmp_path / "nan.pt", tmp_path / "nan.safetensors")
+    found = run_ranks(_nan_worker, 2, tmp_path / "nan.safetensors")
+    assert found[1] == ["inp.weight"] and found[0] == []
+
+
+def test_plain_hf_weights_file_without_prefix(ckpts, tmp_path):
+    from safetensors.torch import save_file
+
+    model = build("llama")
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    other = build("llama", seed=9)
+    report = restore_model(other, tmp_path / "model.safetensors")  # no dist: plain module, prefix ""
+    assert report.prefix == "" and all(torch.equal(other.state_dict()[k], v) for k, v in state.items())
