@@ -13,6 +13,7 @@ from .errors import (FormatError, FsdpRestoreError, RestoreError, UnsafePickleEr
                      VerifyError)
 from .flatten import flatten, unflatten
 from .read import Checkpoint, find_safetensors_for, open_checkpoint
+from .optim import restore, restore_optimizer
 from .restore import RestoreReport, restore_model
 
 __version__ = "0.1.0"
@@ -33,5 +34,5 @@ def load(path: str | os.PathLike[str], *, trust_pickle: bool = False) -> Any:
 __all__ = [
     "Checkpoint", "ConvertReport", "FormatError", "FsdpRestoreError", "RestoreError", "UnsafePickleError",
     "UnsupportedObjectError", "VerifyError", "convert", "find_safetensors_for", "flatten", "load", "load_pt",
-    "open_checkpoint", "restore_model", "RestoreReport", "save", "unflatten",
+    "open_checkpoint", "restore", "restore_model", "restore_optimizer", "RestoreReport", "save", "unflatten",
 ]

@@ -6,6 +6,7 @@ under a second instead of re-importing torch, and never inherits the test runner
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import tempfile
@@ -33,7 +34,10 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, store: str, queu
     try:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        # Plain bytes: tensors sent as-is travel as shared-memory fds that die with this process.
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        queue.put((rank, "ok", buf.getvalue()))
     except BaseException as e:  # report every failure to the parent, whatever it is
         queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
@@ -91,4 +95,6 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     errors = {r: v for r, (s, v) in results.items() if s == "error"}
     if errors:
         raise AssertionError("\n".join(f"--- rank {r} ---\n{v}" for r, v in sorted(errors.items())))
-    return [results[r][1] for r in range(world_size)]
+    import torch
+
+    return [torch.load(io.BytesIO(results[r][1]), weights_only=False) for r in range(world_size)]

@@ -46,7 +46,8 @@ def tiny_gpt2(seed: int = 0, **overrides: Any) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    cfg = dict(vocab_size=97, n_positions=32, n_embd=24, n_layer=2, n_head=2)
+    cfg = dict(vocab_size=97, n_positions=32, n_embd=24, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+               attn_pdrop=0.0)  # no dropout: resumed and uninterrupted runs must match
     cfg.update(overrides)
     return GPT2LMHeadModel(GPT2Config(**cfg))
 

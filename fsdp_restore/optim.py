@@ -1,0 +1,275 @@
+"""Restore optimizer state into a sharded optimizer, each rank reading only its slice of every
+per-parameter tensor, and hand back the rest of the checkpoint.
+
+The saved state may be keyed by integer ids (``optimizer.state_dict()`` of an unsharded model, with
+or without ``param_names``) or by parameter names (FSDP1 full optim state dict,
+``get_optimizer_state_dict(..., full_state_dict=True)``). Ids are mapped to names through
+``param_names`` when saved, else through the order of the model's parameters in the checkpoint's
+model state dict (the order ``model.parameters()`` gave the optimizer).
+
+State is written into ``optimizer.state`` directly, like ``load_state_dict`` does, and never by
+calling ``optimizer.step()`` (which would apply weight decay to the restored weights).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .check import ReadTask, agree, fill_nan, find_unrestored, raise_if_problems
+from .errors import FsdpRestoreError
+from .flatten import iter_tensor_nodes, subtree, unflatten
+from .read import Checkpoint, open_checkpoint
+from .restore import RestoreReport, default_prefix, execute_reads, restore_model, tensor_sources
+from .shards import Piece, Target, _fsdp1_units, _is_dtensor, _join, clean_name, local_targets
+
+_GROUP_SKIP = ("params", "param_names")
+
+
+@dataclass
+class _ParamSlot:
+    """One optimizer parameter: its names and where each name's elements lie in its local tensor."""
+
+    param: torch.Tensor
+    local: torch.Tensor  # the local tensor whose layout the state tensors copy
+    names: list[str]
+    pieces: list[tuple[Target, int, int, int]]  # (target, local offset, numel, global start)
+    global_shapes: dict[str, tuple[int, ...]]
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if _is_dtensor(param) else param.data
+
+
+def _param_slots(model: nn.Module, optimizer: torch.optim.Optimizer, targets: list[Target]) -> list[list[_ParamSlot]]:
+    """Per optimizer group, each parameter's names and pieces (found by memory overlap with the
+    model's targets, so FSDP1 flat parameters, DTensors and plain tensors all work alike)."""
+    from torch.distributed.fsdp._flat_param import FlatParameter
+
+    top = "module." if isinstance(model, nn.parallel.DistributedDataParallel) else ""
+    name_of = {id(p): clean_name(n.removeprefix(top)) for n, p in model.named_parameters()}
+    flat_names: dict[int, list[str]] = {}
+    for prefix, handle in _fsdp1_units(model):
+        flat_names[id(handle.flat_param)] = [_join(prefix, clean_name(f)) for f in handle.flat_param._fqns]
+    by_name = {t.name: t for t in targets}
+    groups = []
+    for group in optimizer.param_groups:
+        slots = []
+        for p in group["params"]:
+            names = flat_names.get(id(p)) if isinstance(p, FlatParameter) else [name_of.get(id(p), "")]
+            if not names or not all(names):
+                raise FsdpRestoreError("the optimizer holds a parameter that is not in the model; build the"
+                                       " optimizer from the sharded model's parameters")
+            local = _local(p)
+            base, itemsize = local.data_ptr(), local.element_size()
+            end = base + local.numel() * itemsize
+            pieces = []
+            for name in names:
+                for piece in by_name[name].pieces if name in by_name else []:
+                    ptr = piece.dest.data_ptr()
+                    if local.numel() and base <= ptr < end:
+                        pieces.append((by_name[name], (ptr - base) // itemsize, piece.dest.numel(), piece.start))
+            shapes = {n: by_name[n].global_shape for n in names if n in by_name}
+            slots.append(_ParamSlot(p, local, names, pieces, shapes))
+        groups.append(slots)
+    return groups
+
+
+def _saved_param_names(ckpt: Checkpoint, optim_node: Any, groups: list[dict[str, Any]], model_prefix: str,
+                       param_names: set[str]) -> list[list[str]]:
+    """Names of the parameters in each saved param group."""
+    out = []
+    ordered: list[str] | None = None
+    for g in groups:
+        params = g.get("params", [])
+        if g.get("param_names") is not None:
+            out.append([clean_name(n) for n in g["param_names"]])
+        elif all(isinstance(p, str) for p in params):
+            out.append([clean_name(p) for p in params])
+        else:
+            if ordered is None:  # parameters in model.parameters() order: the model state dict's order
+                seen: set[str] = set()
+                ordered = []
+                for name, node in iter_tensor_nodes(subtree(ckpt.structure, model_prefix) if model_prefix else
+                                                    ckpt.structure["root"]):
+                    if name in param_names and node["key"] not in seen:
+                        seen.add(node["key"])
+                        ordered.append(name)
+            total = sum(len(x.get("params", [])) for x in groups)
+            if total != len(ordered) or not all(isinstance(p, int) and 0 <= p < len(ordered) for p in params):
+                raise FsdpRestoreError(
+                    f"the saved optimizer state has {total} parameters with integer ids but the checkpoint's model"
+                    f" has {len(ordered)} parameters, so ids cannot be mapped to names; save the optimizer with"
+                    " param_names (torch.optim.Optimizer(model.named_parameters(), ...)) or FQN-keyed")
+            out.append([ordered[p] for p in params])
+    return out
+
+
+def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint,
+                      *, prefix: str = "optim", model_prefix: str | None = None, check: bool = True,
+                      threads: int | None = None, group: dist.ProcessGroup | None = None) -> RestoreReport:
+    """Restore ``optimizer`` (built over the sharded ``model``) from the checkpoint subtree ``prefix``.
+
+    Per-parameter state tensors are read slice by slice into new tensors laid out like each
+    parameter's local shard (DTensors for FSDP2); scalar state (``step``) is copied whole;
+    param-group hyperparameters (lr, betas, weight_decay...) are restored. Every rank raises the
+    same `RestoreError` when the optimizer's parameters do not match the checkpoint.
+    """
+    own = not isinstance(checkpoint, Checkpoint)
+    ckpt = open_checkpoint(checkpoint)
+    report = RestoreReport(prefix=prefix, method="optimizer")
+    problems: dict[str, list[str]] = {}
+    tasks: list[ReadTask] = []
+    new_state: dict[torch.Tensor, dict[str, Any]] = {}
+    new_groups: list[dict[str, Any]] = []
+    try:
+        try:
+            model_prefix = default_prefix(ckpt) if model_prefix is None else model_prefix
+            optim_node = subtree(ckpt.structure, prefix)
+            lazy = ckpt.tensors()
+            saved_groups = unflatten(lazy, {"version": 1, "root": _child(optim_node, "param_groups", prefix)})
+            state_node = _child(optim_node, "state", prefix)
+            targets, _ = local_targets(model)
+            slots = _param_slots(model, optimizer, targets)
+            param_names = {t.name for t in targets if t.kind == "param"}
+            saved_names = _saved_param_names(ckpt, optim_node, saved_groups, model_prefix, param_names)
+            if len(saved_names) != len(slots):
+                raise FsdpRestoreError(f"the checkpoint has {len(saved_names)} optimizer param groups, the optimizer"
+                                       f" {len(slots)}")
+            saved_state = {(_key_text(k)): v for k, v in state_node["items"]} if state_node.get("items") else {}
+            name_to_saved_key: dict[str, str] = {}
+            for g, (saved, slot_group, saved_group) in enumerate(zip(saved_names, slots, saved_groups)):
+                current = [n for s in slot_group for n in s.names]
+                if sorted(current) != sorted(saved):
+                    diff = sorted(set(current) ^ set(saved))
+                    raise FsdpRestoreError(f"param group {g}: the optimizer's parameters differ from the checkpoint's"
+                                           f" ({', '.join(diff[:8]) or 'same names, different count'})")
+                ids = saved_group.get("params", [])
+                for name, pid in zip(saved, ids):
+                    name_to_saved_key[name] = _key_text(pid)
+                new_groups.append({k: v for k, v in saved_group.items() if k not in _GROUP_SKIP})
+            for slot in (s for group_slots in slots for s in group_slots):
+                state = _plan_param_state(slot, saved_state, name_to_saved_key, ckpt, lazy, tasks, report)
+                if state:
+                    new_state[slot.param] = state
+        except (FsdpRestoreError, KeyError, ValueError, OSError) as e:
+            problems = {"error": [str(e).strip("'\"")]}
+        raise_if_problems(agree(problems, group), "optimizer restore")
+        problems = {}
+        before = ckpt.bytes_read
+        try:
+            with torch.no_grad():
+                if check:
+                    fill_nan(tasks)
+                execute_reads(ckpt, tasks, threads or 4)
+            if check:
+                result = find_unrestored(tasks, ckpt)
+                if result.unrestored:
+                    problems["unrestored"] = result.unrestored
+                report.nan_in_checkpoint = result.nan_in_checkpoint
+        except (FsdpRestoreError, ValueError, OSError) as e:
+            problems["error"] = [str(e)]
+        raise_if_problems(agree(problems, group), "optimizer restore check")
+        for current, saved in zip(optimizer.param_groups, new_groups):
+            current.update(saved)
+        optimizer.state.clear()
+        for param, state in new_state.items():
+            optimizer.state[param] = state
+        report.bytes_read = ckpt.bytes_read - before
+        report.elements = sum(t.piece.dest.numel() for t in tasks)
+        return report
+    finally:
+        if own:
+            ckpt.close()
+
+
+def _key_text(k: Any) -> str:
+    return str(k) if not isinstance(k, dict) else str(k.get("value"))
+
+
+def _child(node: Any, name: str, prefix: str) -> Any:
+    for k, v in node.get("items", []) if isinstance(node, dict) else []:
+        if k == name:
+            return v
+    raise FsdpRestoreError(f"'{prefix}' in the checkpoint is not an optimizer state dict (no '{name}')")
+
+
+def _plan_param_state(slot: _ParamSlot, saved_state: dict[str, Any], name_to_key: dict[str, str], ckpt: Checkpoint,
+                      lazy: Any, tasks: list[ReadTask], report: RestoreReport) -> dict[str, Any]:
+    """New state tensors for one parameter, with read tasks for their local slices."""
+    per_name = {n: saved_state.get(name_to_key.get(n, n)) for n in slot.names}
+    present = {n: s for n, s in per_name.items() if s is not None}
+    if not present:
+        return {}
+    if len(present) != len(per_name):
+        raise FsdpRestoreError(f"optimizer state exists for {sorted(present)} but not for "
+                               f"{sorted(set(per_name) - set(present))}, which share one flat parameter")
+    first_name = slot.names[0]
+    fields = [k for k, _ in present[first_name]["items"]]
+    state: dict[str, Any] = {}
+    for field in fields:
+        field_nodes = {n: dict((k, v) for k, v in s["items"])[field] for n, s in present.items()}
+        node = field_nodes[first_name]
+        is_tensor = isinstance(node, dict) and node.get("type") == "tensor"
+        shaped = is_tensor and all(
+            isinstance(fn, dict) and "key" in fn and tuple(_node_shape(ckpt, fn)) == tuple(_global_shape(slot, n))
+            for n, fn in field_nodes.items())
+        if not shaped:
+            # scalar state (step) or anything not laid out like the parameter: small, copied whole
+            value = unflatten(lazy, {"version": 1, "root": node})
+            state[field] = value.clone() if isinstance(value, torch.Tensor) else value
+            continue
+        local = torch.zeros_like(slot.local)
+        flat_local = local.view(-1)
+        for target, offset, numel, start in slot.pieces:
+            src_node = field_nodes[target.name]
+            base = src_node.get("view", {}).get("offset", 0)
+            tasks.append(ReadTask(src_node["key"], base + start, Piece(flat_local[offset:offset + numel], start),
+                                  Target(f"optim:{target.name}.{field}", target.global_shape, local.dtype, "state")))
+        report.tensors += 1
+        if _is_dtensor(slot.param):
+            from torch.distributed.tensor import DTensor
+
+            local = DTensor.from_local(local, slot.param.device_mesh, slot.param.placements, run_check=False,
+                                       shape=slot.param.shape, stride=slot.param.stride())
+        state[field] = local
+    return state
+
+
+def _node_shape(ckpt: Checkpoint, node: dict[str, Any]) -> tuple[int, ...]:
+    view = node.get("view")
+    return tuple(view["shape"]) if view else ckpt.entries[node["key"]].shape
+
+
+def _global_shape(slot: _ParamSlot, name: str) -> tuple[int, ...] | None:
+    return slot.global_shapes.get(name)
+
+
+def restore(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint,
+            optimizer: torch.optim.Optimizer | None = None, *, model_key: str = "model", optim_key: str = "optim",
+            check: bool = True, strict: bool = True, threads: int | None = None,
+            group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    """Restore model (and optimizer) state on every rank and return the rest of the checkpoint.
+
+    The returned dict holds every other top-level entry (step, scheduler, RNG states, config...)
+    as ordinary Python objects; tensors in it are memory-mapped.
+    """
+    ckpt = open_checkpoint(checkpoint)
+    try:
+        restore_model(model, ckpt, prefix=model_key, strict=strict, check=check, threads=threads, group=group)
+        if optimizer is not None:
+            restore_optimizer(optimizer, model, ckpt, prefix=optim_key, model_prefix=model_key, check=check,
+                              threads=threads, group=group)
+        root = ckpt.structure["root"]
+        if not (isinstance(root, dict) and root.get("type") in ("dict", "OrderedDict")):
+            return {}
+        rest = {"type": "dict", "items": [[k, v] for k, v in root["items"] if k not in (model_key, optim_key)]}
+        return unflatten(ckpt.tensors(), {"version": 1, "root": rest})
+    finally:
+        if not isinstance(checkpoint, Checkpoint):
+            ckpt.close()
