@@ -92,7 +92,7 @@ def agree(problems: dict[str, list[str]], group: dist.ProcessGroup | None = None
         for kind, items in (rank_problems or {}).items():
             bucket = merged.setdefault(kind, [])
             for item in items:
-                text = f"{item} [rank {rank}]" if multi and kind in ("unrestored", "error") else item
+                text = f"{item} [rank {rank}]" if multi and kind == "unrestored" else item
                 if text not in bucket:
                     bucket.append(text)
     return {k: v for k, v in merged.items() if v}

@@ -46,13 +46,16 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if _is_dtensor(param) else param.data
 
 
-def _param_slots(model: nn.Module, optimizer: torch.optim.Optimizer, targets: list[Target]) -> list[list[_ParamSlot]]:
+def _param_slots(model: nn.Module, optimizer: torch.optim.Optimizer, targets: list[Target],
+                 aliases: dict[str, str]) -> list[list[_ParamSlot]]:
     """Per optimizer group, each parameter's names and pieces (found by memory overlap with the
     model's targets, so FSDP1 flat parameters, DTensors and plain tensors all work alike)."""
     from torch.distributed.fsdp._flat_param import FlatParameter
 
     top = "module." if isinstance(model, nn.parallel.DistributedDataParallel) else ""
-    name_of = {id(p): clean_name(n.removeprefix(top)) for n, p in model.named_parameters()}
+    # Tied parameters: whichever name a wrapper reports first, use the canonical (first stored) one.
+    name_of = {id(p): aliases.get(c, c) for n, p in model.named_parameters()
+               for c in [clean_name(n.removeprefix(top))]}
     flat_names: dict[int, list[str]] = {}
     for prefix, handle in _fsdp1_units(model):
         flat_names[id(handle.flat_param)] = [_join(prefix, clean_name(f)) for f in handle.flat_param._fqns]
@@ -134,10 +137,11 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, checkp
             lazy = ckpt.tensors()
             saved_groups = unflatten(lazy, {"version": 1, "root": _child(optim_node, "param_groups", prefix)})
             state_node = _child(optim_node, "state", prefix)
-            targets, _ = local_targets(model)
-            slots = _param_slots(model, optimizer, targets)
+            targets, aliases = local_targets(model)
+            slots = _param_slots(model, optimizer, targets, aliases)
             param_names = {t.name for t in targets if t.kind == "param"}
-            saved_names = _saved_param_names(ckpt, optim_node, saved_groups, model_prefix, param_names)
+            saved_names = [[aliases.get(n, n) for n in names] for names in
+                           _saved_param_names(ckpt, optim_node, saved_groups, model_prefix, param_names)]
             if len(saved_names) != len(slots):
                 raise FsdpRestoreError(f"the checkpoint has {len(saved_names)} optimizer param groups, the optimizer"
                                        f" {len(slots)}")
