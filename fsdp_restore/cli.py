@@ -1,4 +1,4 @@
-"""The ``fsdp-restore`` command line: convert, verify, inspect, check-restore.
+"""The ``fsdp-restore`` command line: convert, verify, inspect.
 
 Options come, lowest precedence first, from the built-in defaults (mirrored in
 ``configs/convert.yaml``), a ``--config FILE``, the flags, then ``key=value`` overrides. Errors
@@ -123,14 +123,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def cmd_check_restore(args: argparse.Namespace) -> int:
-    from .verify import check_restore
-
-    report = check_restore(args.path, args.model, nproc=args.nproc, fsdp=args.fsdp, prefix=args.prefix)
-    out.print(report.summary())
-    return 0 if report.ok else 1
-
-
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fsdp-restore", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -164,13 +156,6 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-pickle", action="store_true")
     p.set_defaults(func=cmd_verify)
 
-    p = sub.add_parser("check-restore", help="restore into a sharded model on N local ranks and check it")
-    p.add_argument("path")
-    p.add_argument("--model", required=True, metavar="MODULE:FACTORY", help="a function returning the model")
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--fsdp", choices=["fsdp2", "fsdp1"], default="fsdp2")
-    p.add_argument("--prefix", default="model")
-    p.set_defaults(func=cmd_check_restore)
     return parser
 
 

@@ -249,9 +249,3 @@ def render_inspect(info: dict[str, Any], console: Console, max_depth: int = 3) -
     console.print(root)
     console.print(f"{info['tensors']} tensors, {info['bytes'] / 1e6:.2f} MB in {len(info['files'])} file(s);"
                   f" {info['checksums']} checksums; structure: {'yes' if info['has_structure'] else 'none (plain file)'}")
-
-
-def check_restore(path: str, factory: str, *, nproc: int = 2, fsdp: str = "fsdp2", prefix: str = "model") -> Any:
-    from .check_restore import run_check_restore
-
-    return run_check_restore(path, factory, nproc=nproc, fsdp=fsdp, prefix=prefix)
