@@ -146,3 +146,22 @@ def test_optimizer_not_matching_checkpoint_fails_clearly_on_every_rank(tmp_path)
     fsdp_restore.convert(tmp_path / "ck.pt", tmp_path / "ck.safetensors")
     messages = run_ranks(_mismatch_worker, 2, tmp_path / "ck.safetensors")
     assert all("out.weight" in m for m in messages) and len(set(messages)) == 1
+
+
+def test_fqn_keyed_optimizer_state(tmp_path):
+    """The get_optimizer_state_dict(full_state_dict=True) / FSDP1 full optim state dict layout."""
+    model = build("mlp", seed=0)
+    opt = _make_optimizer("adamw", model.parameters())
+    _train(model, opt, "mlp", 2, 0)
+    names = [n for n, _ in model.named_parameters()]
+    sd = opt.state_dict()
+    fqn_sd = {"state": {names[i]: s for i, s in sd["state"].items()},
+              "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]]}
+    torch.save({"model": model.state_dict(), "optim": fqn_sd}, tmp_path / "fqn.pt")
+    fsdp_restore.convert(tmp_path / "fqn.pt", tmp_path / "fqn.safetensors")
+    fresh = build("mlp", seed=9)
+    fresh_opt = _make_optimizer("adamw", fresh.parameters())
+    fsdp_restore.restore(fresh, tmp_path / "fqn.safetensors", optimizer=fresh_opt)
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[p][key], fresh_opt.state[q][key]), (name, key)
