@@ -21,11 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .check import ReadTask, agree, fill_nan, find_unrestored, raise_if_problems
+from .check import ReadTask, agree, raise_if_problems
 from .errors import FsdpRestoreError
 from .flatten import iter_tensor_nodes, subtree, unflatten
 from .read import Checkpoint, open_checkpoint
-from .restore import RestoreReport, default_prefix, execute_reads, restore_model, tensor_sources
+from .restore import (DEFAULT_READ_THREADS, RestoreReport, checked_reads, default_prefix, execute_reads,
+                      restore_model, tensor_sources)
 from .shards import Piece, Target, _fsdp1_units, _is_dtensor, _join, clean_name, local_targets
 
 _GROUP_SKIP = ("params", "param_names")
@@ -164,20 +165,9 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, checkp
         except (FsdpRestoreError, KeyError, ValueError, OSError) as e:
             problems = {"error": [str(e).strip("'\"")]}
         raise_if_problems(agree(problems, group), "optimizer restore")
-        problems = {}
         before = ckpt.bytes_read
-        try:
-            with torch.no_grad():
-                if check:
-                    fill_nan(tasks)
-                execute_reads(ckpt, tasks, threads or 4)
-            if check:
-                result = find_unrestored(tasks, ckpt)
-                if result.unrestored:
-                    problems["unrestored"] = result.unrestored
-                report.nan_in_checkpoint = result.nan_in_checkpoint
-        except (FsdpRestoreError, ValueError, OSError) as e:
-            problems["error"] = [str(e)]
+        problems = checked_reads(ckpt, tasks, report, check=check,
+                                 read=lambda: execute_reads(ckpt, tasks, threads or DEFAULT_READ_THREADS))
         raise_if_problems(agree(problems, group), "optimizer restore check")
         for current, saved in zip(optimizer.param_groups, new_groups):
             current.update(saved)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,6 +147,26 @@ def execute_reads(ckpt: Checkpoint, tasks: Sequence[ReadTask], threads: int) -> 
             f.result()
 
 
+def checked_reads(ckpt: Checkpoint, tasks: Sequence[ReadTask], report: RestoreReport, *, check: bool,
+                  read: Callable[[], None]) -> dict[str, list[str]]:
+    """NaN-fill the planned elements (with ``check``), run ``read()``, then check them; returns this
+    rank's problems instead of raising, so that every rank still reaches the verdict collective."""
+    problems: dict[str, list[str]] = {}
+    try:
+        with torch.no_grad():
+            if check:
+                fill_nan(tasks)
+            read()
+        if check:
+            result = find_unrestored(tasks, ckpt)
+            if result.unrestored:
+                problems["unrestored"] = result.unrestored
+            report.nan_in_checkpoint = result.nan_in_checkpoint
+    except (FsdpRestoreError, ValueError, OSError) as e:
+        problems["error"] = [str(e)]
+    return problems
+
+
 def _check_materialized(targets: Sequence[Target]) -> list[str]:
     return [t.name for t in targets if any(p.dest.is_meta for p in t.pieces)]
 
@@ -194,27 +214,19 @@ def restore_model(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpo
     try:
         raise_if_problems(agree(problems, group), "restore")  # nothing has been modified yet
         assert ckpt is not None
-        problems = {}
         before = ckpt.bytes_read
-        try:
-            with torch.no_grad():
-                if check:
-                    fill_nan(tasks)
-                if method == "apply":
-                    from .apply import restore_by_apply
 
-                    restore_by_apply(model, ckpt, tasks, prefix=prefix)
-                elif method == "read":
-                    execute_reads(ckpt, tasks, threads or DEFAULT_READ_THREADS)
-                else:
-                    raise ValueError(f"unknown method '{method}' (use 'read' or 'apply')")
-            if check:
-                result = find_unrestored(tasks, ckpt)
-                if result.unrestored:
-                    problems["unrestored"] = result.unrestored
-                report.nan_in_checkpoint = result.nan_in_checkpoint
-        except (FsdpRestoreError, ValueError, OSError) as e:
-            problems["error"] = [str(e)]
+        def read() -> None:
+            if method == "apply":
+                from .apply import restore_by_apply
+
+                restore_by_apply(model, ckpt, tasks, prefix=prefix)
+            elif method == "read":
+                execute_reads(ckpt, tasks, threads or DEFAULT_READ_THREADS)
+            else:
+                raise ValueError(f"unknown method '{method}' (use 'read' or 'apply')")
+
+        problems = checked_reads(ckpt, tasks, report, check=check, read=read)
         raise_if_problems(agree(problems, group), "restore check")
         report.bytes_read = ckpt.bytes_read - before
         report.elements = sum(t.piece.dest.numel() for t in tasks)
