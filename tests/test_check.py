@@ -10,6 +10,12 @@ from fsdp_restore.restore import execute_reads, plan_model_reads, tensor_sources
 from fsdp_restore.shards import local_targets
 
 
+def _converted(tmp_path, state):
+    torch.save({"model": state}, tmp_path / "m.pt")
+    fsdp_restore.convert(tmp_path / "m.pt", tmp_path / "m.safetensors")
+    return tmp_path / "m.safetensors"
+
+
 def _plan(path, model):
     ckpt = Checkpoint(path)
     targets, aliases = local_targets(model)
@@ -20,10 +26,8 @@ def _plan(path, model):
 
 
 def test_skipped_read_is_named(tmp_path):
-    torch.save({"model": build("mlp").state_dict()}, tmp_path / "m.pt")
-    fsdp_restore.convert(tmp_path / "m.pt", tmp_path / "m.safetensors")
     model = build("mlp", seed=5)
-    ckpt, tasks = _plan(tmp_path / "m.safetensors", model)
+    ckpt, tasks = _plan(_converted(tmp_path, build("mlp").state_dict()), model)
     fill_nan(tasks)
     skipped = [t for t in tasks if t.target.name in ("blocks.0.bias", "counter")]
     execute_reads(ckpt, [t for t in tasks if t not in skipped], threads=2)
@@ -33,10 +37,8 @@ def test_skipped_read_is_named(tmp_path):
 
 
 def test_partly_written_piece_is_caught(tmp_path):
-    torch.save({"model": build("mlp").state_dict()}, tmp_path / "m.pt")
-    fsdp_restore.convert(tmp_path / "m.pt", tmp_path / "m.safetensors")
     model = build("mlp", seed=5)
-    ckpt, tasks = _plan(tmp_path / "m.safetensors", model)
+    ckpt, tasks = _plan(_converted(tmp_path, build("mlp").state_dict()), model)
     fill_nan(tasks)
     execute_reads(ckpt, tasks, threads=1)
     model.inp.weight.data[2, 3] = float("nan")  # as if one element was never written
@@ -46,10 +48,8 @@ def test_partly_written_piece_is_caught(tmp_path):
 def test_all_restored_passes_and_source_nan_is_reported(tmp_path):
     state = build("mlp").state_dict()
     state["out.weight"][0, 0] = float("nan")
-    torch.save({"model": state}, tmp_path / "m.pt")
-    fsdp_restore.convert(tmp_path / "m.pt", tmp_path / "m.safetensors")
     model = build("mlp", seed=5)
-    ckpt, tasks = _plan(tmp_path / "m.safetensors", model)
+    ckpt, tasks = _plan(_converted(tmp_path, state), model)
     fill_nan(tasks)
     execute_reads(ckpt, tasks, threads=2)
     result = find_unrestored(tasks, ckpt)
