@@ -235,7 +235,3 @@ def restore_model(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpo
     finally:
         if own and ckpt is not None:
             ckpt.close()
-
-
-def restore_report_dict(report: RestoreReport) -> dict[str, Any]:
-    return dict(report.__dict__)

@@ -200,7 +200,7 @@ def _describe(node: Any, ckpt: Checkpoint, name: str) -> dict[str, Any]:
         view = node.get("view")
         shape = view["shape"] if view else list(entry.shape)
         return {"name": name, "kind": kind, "key": node["key"], "dtype": str(entry.dtype).removeprefix("torch."),
-                "shape": shape, "bytes": 0 if (view or node.get("alias")) else entry.nbytes,
+                "shape": shape, "bytes": 0 if view else entry.nbytes,
                 "tensors": 1, **({"view_of": node["key"]} if view else {})}
     if kind in ("dict", "OrderedDict", "Namespace", "list", "tuple", "set", "frozenset"):
         items = node["items"]

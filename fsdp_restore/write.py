@@ -98,8 +98,7 @@ class _FileWriter:
         if cast:
             self.metadata[META_CAST] = json.dumps(cast, separators=(",", ":"))
         header, self.offsets = build_header([(j.key, j.dtype, tuple(j.source.shape)) for j in jobs], self.metadata)
-        self.data_start = len(header)
-        self.header_len = len(header)
+        self.data_start = len(header)  # the header length never changes (see the checksum patch)
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         os.ftruncate(self.fd, self.data_start + sum(j.nbytes for j in jobs))
         os.pwrite(self.fd, header, 0)
@@ -113,7 +112,7 @@ class _FileWriter:
         self.metadata[META_CHECKSUMS] = json.dumps({j.key: self.checksums[j.key] for j in self.jobs},
                                                    separators=(",", ":"))
         header, _ = build_header([(j.key, j.dtype, tuple(j.source.shape)) for j in self.jobs], self.metadata)
-        assert len(header) == self.header_len, "checksum patch changed the header length"
+        assert len(header) == self.data_start, "checksum patch changed the header length"
         os.pwrite(self.fd, header, 0)
         os.fsync(self.fd)
         self.close()
