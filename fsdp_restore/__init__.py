@@ -15,6 +15,7 @@ from .flatten import flatten, unflatten
 from .read import Checkpoint, find_safetensors_for, open_checkpoint
 from .optim import restore, restore_optimizer
 from .restore import RestoreReport, restore_model
+from .verify import VerifyReport, inspect_checkpoint, verify
 
 __version__ = "0.1.0"
 
@@ -34,5 +35,5 @@ def load(path: str | os.PathLike[str], *, trust_pickle: bool = False) -> Any:
 __all__ = [
     "Checkpoint", "ConvertReport", "FormatError", "FsdpRestoreError", "RestoreError", "UnsafePickleError",
     "UnsupportedObjectError", "VerifyError", "convert", "find_safetensors_for", "flatten", "load", "load_pt",
-    "open_checkpoint", "restore", "restore_model", "restore_optimizer", "RestoreReport", "save", "unflatten",
+    "inspect_checkpoint", "open_checkpoint", "verify", "VerifyReport", "restore", "restore_model", "restore_optimizer", "RestoreReport", "save", "unflatten",
 ]

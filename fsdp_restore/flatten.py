@@ -260,6 +260,8 @@ def _decode(node: Any, tensors: Mapping[str, torch.Tensor], cache: dict[str, tor
         if kind == "ndarray":
             array = _lookup(node, tensors, cache, path).numpy()
             dtype = np.dtype(node["dtype"])
+            if dtype.kind not in "biufc":
+                raise ValueError(f"ndarray dtype {dtype} is not numeric")
             return array if array.dtype == dtype else array.astype(dtype)
         if kind in ("bytes", "bytearray"):
             data = _lookup(node, tensors, cache, path).numpy().tobytes()
@@ -267,10 +269,15 @@ def _decode(node: Any, tensors: Mapping[str, torch.Tensor], cache: dict[str, tor
         if kind == "np_scalar":
             return np.frombuffer(bytes.fromhex(node["hex"]), dtype=np.dtype(node["dtype"]))[0]
         if kind == "dtype":
-            return getattr(torch, node["value"])
+            dtype = getattr(torch, str(node["value"]), None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"{node['value']!r} is not a torch dtype")
+            return dtype
         if kind == "Size":
             return torch.Size(node["items"])
         if kind == "device":
+            if not isinstance(node["value"], str):
+                raise ValueError("device must be a string")
             return torch.device(node["value"])
         if kind == "Namespace":
             return argparse.Namespace(**{k: _decode(v, tensors, cache, _join(path, k)) for k, v in node["items"]})
@@ -280,7 +287,7 @@ def _decode(node: Any, tensors: Mapping[str, torch.Tensor], cache: dict[str, tor
             return None
     except FormatError:
         raise
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError, RuntimeError) as e:
         raise FormatError("<structure>", f"at '{path}': malformed {kind} node ({type(e).__name__}: {e})") from None
     raise FormatError("<structure>", f"at '{path}': unknown node type {kind!r}")
 

@@ -10,6 +10,7 @@ place at the end (crc32 hex is always 8 characters, so the header length never c
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -150,7 +151,8 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
     if dst.exists() and not force:
         raise FileExistsError(f"{dst} already exists; pass force=True (CLI: --force) to replace it")
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}"
+    remove_stale_temporaries(dst)
+    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     meta = {META_FORMAT: "pt", META_VERSION: FORMAT_VERSION}
     sharded = max_shard_size is not None
     if sharded:
@@ -196,6 +198,27 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
         else:
             tmp.unlink(missing_ok=True)
         raise
+
+
+def remove_stale_temporaries(dst: Path) -> list[Path]:
+    """Delete temporaries of ``dst`` left by writers that died (killed, power loss): their pid is gone."""
+    removed = []
+    for tmp in dst.parent.glob(f".{glob.escape(dst.name)}.tmp-*"):
+        pid = tmp.name.rsplit(".tmp-", 1)[1].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _write_small_file(path: Path, data: bytes) -> None:

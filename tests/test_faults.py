@@ -1,0 +1,232 @@
+"""Bad input and faults: every corrupt file is a FormatError naming the file and the problem; an
+interrupted or failed conversion leaves nothing under the final name; a failing rank fails them all."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from dist import run_ranks
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fsdp_restore
+from fsdp_restore import FormatError, RestoreError
+from fsdp_restore.format import read_header
+from fsdp_restore.read import Checkpoint
+
+
+def st_bytes(header: dict, data: bytes) -> bytes:
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + data
+
+
+GOOD = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        "b": {"dtype": "I8", "shape": [4], "data_offsets": [8, 12]}}
+
+
+@pytest.mark.parametrize("name,blob,message", [
+    ("short", b"\x01\x00", "too short"),
+    ("huge_len", struct.pack("<Q", 2**40) + b"{}", "exceeds"),
+    ("len_past_end", struct.pack("<Q", 100) + b"{}", "runs past the end"),
+    ("bad_json", struct.pack("<Q", 8) + b"{not js}", "not valid JSON"),
+    ("not_object", st_bytes([], b""), "not a JSON object"),  # type: ignore[arg-type]
+    ("bad_dtype", st_bytes({"a": {"dtype": "F7", "shape": [1], "data_offsets": [0, 1]}}, b"\0"), "unknown dtype"),
+    ("bad_shape", st_bytes({"a": {"dtype": "U8", "shape": [-1], "data_offsets": [0, 1]}}, b"\0"), "shape"),
+    ("size_mismatch", st_bytes({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8), "need 12"),
+    ("out_of_range", st_bytes({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4), "past the data"),
+    ("overlap", st_bytes({**GOOD, "b": {"dtype": "I8", "shape": [4], "data_offsets": [4, 8]}}, b"\0" * 12), "overlap"),
+    ("hole", st_bytes({"a": {"dtype": "I8", "shape": [2], "data_offsets": [2, 4]}}, b"\0" * 4), "hole"),
+    ("trailing", st_bytes(GOOD, b"\0" * 16), "trailing"),
+    ("bad_metadata", st_bytes({"__metadata__": {"x": 1}}, b""), "__metadata__"),
+])
+def test_corrupt_safetensors_is_a_format_error_naming_the_file(tmp_path, name, blob, message):
+    path = tmp_path / f"{name}.safetensors"
+    path.write_bytes(blob)
+    with pytest.raises(FormatError, match=message) as info:
+        Checkpoint(path)
+    assert str(path) in str(info.value)
+
+
+def test_good_crafted_file_opens(tmp_path):
+    path = tmp_path / "good.safetensors"
+    path.write_bytes(st_bytes(GOOD, struct.pack("<2f", 1.5, -2.0) + bytes([1, 2, 3, 4])))
+    assert fsdp_restore.load(path)["a"].tolist() == [1.5, -2.0]
+
+
+def test_structure_naming_a_missing_tensor(tmp_path):
+    structure = json.dumps({"version": 1, "root": {"type": "tensor", "key": "ghost"}})
+    path = tmp_path / "s.safetensors"
+    path.write_bytes(st_bytes({"__metadata__": {"fsdp_restore.structure": structure}, **GOOD}, b"\0" * 12))
+    with pytest.raises(FormatError, match="ghost"):
+        Checkpoint(path)
+    path.write_bytes(st_bytes({"__metadata__": {"fsdp_restore.structure": "{oops"}, **GOOD}, b"\0" * 12))
+    with pytest.raises(FormatError, match="structure metadata is not valid JSON"):
+        Checkpoint(path)
+
+
+def _sharded(tmp_path):
+    dst = tmp_path / "sharded"
+    fsdp_restore.save({"a": torch.ones(100), "b": torch.zeros(100)}, dst, max_shard_size=500)
+    return dst
+
+
+def test_index_pointing_at_missing_shard(tmp_path):
+    dst = _sharded(tmp_path)
+    (dst / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(FormatError, match="missing"):
+        Checkpoint(dst)
+
+
+def test_index_escaping_its_directory(tmp_path):
+    dst = _sharded(tmp_path)
+    (tmp_path / "outside.safetensors").write_bytes((dst / "model-00001-of-00002.safetensors").read_bytes())
+    index_path = dst / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    for escaping in ("../outside.safetensors", "/etc/passwd"):
+        index["weight_map"]["a"] = escaping
+        index_path.write_text(json.dumps(index))
+        with pytest.raises(FormatError, match="outside|relative"):
+            Checkpoint(dst)
+
+
+def test_index_that_is_not_json(tmp_path):
+    dst = _sharded(tmp_path)
+    (dst / "model.safetensors.index.json").write_text("{")
+    with pytest.raises(FormatError, match="index is not valid JSON"):
+        Checkpoint(dst)
+
+
+def _start_conversion(src, dst, extra=""):
+    script = "\n".join(["import fsdp_restore, fsdp_restore.write as w", extra,
+                         f"fsdp_restore.convert({str(src)!r}, {str(dst)!r}, threads=1)"])
+    return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture
+def big_pt(tmp_path):
+    src = tmp_path / "big.pt"
+    torch.save({f"t{i}": torch.randn(2**20) for i in range(32)}, src)  # 128 MB
+    return src
+
+
+def test_killed_conversion_leaves_no_destination_and_rerun_succeeds(tmp_path, big_pt):
+    dst = tmp_path / "out.safetensors"
+    # Slow the writer down so that the kill lands mid-write.
+    proc = _start_conversion(big_pt, dst, "import time; orig = w._stream_tensor\n"
+                             "w._stream_tensor = lambda *a: (time.sleep(0.2), orig(*a))[1]")
+    deadline = time.time() + 60
+    while not list(tmp_path.glob(".out.safetensors.tmp-*")) and time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not dst.exists()
+    assert list(tmp_path.glob(".out.safetensors.tmp-*"))  # the dead writer's temporary
+    fsdp_restore.convert(big_pt, dst)
+    assert not list(tmp_path.glob(".out.safetensors.tmp-*"))  # cleaned by the next run
+    assert fsdp_restore.verify(dst, against=big_pt).ok
+
+
+def test_disk_full_leaves_nothing(tmp_path, big_pt):
+    dst = tmp_path / "out.safetensors"
+    # RLIMIT_FSIZE makes writes past 32 MB fail with EFBIG, as a full disk would fail them.
+    proc = _start_conversion(big_pt, dst, "import resource, signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+                             "resource.setrlimit(resource.RLIMIT_FSIZE, (32 * 2**20, 32 * 2**20))")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "File too large" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.pt"]
+
+
+def test_cli_disk_full_is_one_line(tmp_path, big_pt):
+    script = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN);"
+              "resource.setrlimit(resource.RLIMIT_FSIZE, (32 * 2**20, 32 * 2**20));"
+              "from fsdp_restore.cli import main; sys.exit(main(sys.argv[1:]))")
+    res = subprocess.run([sys.executable, "-c", script, "convert", str(big_pt), str(tmp_path / "o.safetensors")],
+                         capture_output=True, text=True)
+    assert res.returncode == 1 and "Traceback" not in res.stderr and "File too large" in res.stderr
+
+
+def _one_rank_fails(rank, world_size, good, bad):
+    from models import build, wrap
+
+    model = wrap(build("mlp"), "fsdp2", world_size)
+    t0 = time.monotonic()
+    with pytest.raises(RestoreError) as info:
+        fsdp_restore.restore_model(model, bad if rank == 1 else good)
+    return str(info.value), time.monotonic() - t0
+
+
+def test_error_on_one_rank_fails_every_rank(tmp_path):
+    from models import build
+
+    torch.save({"model": build("mlp").state_dict()}, tmp_path / "m.pt")
+    fsdp_restore.convert(tmp_path / "m.pt", tmp_path / "m.safetensors")
+    results = run_ranks(_one_rank_fails, 3, tmp_path / "m.safetensors", tmp_path / "nowhere.safetensors", timeout=60)
+    for message, seconds in results:
+        assert "nowhere.safetensors" in message and seconds < 30
+
+
+# ---- fuzzing -----------------------------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.binary(max_size=200))
+def test_fuzz_random_bytes(tmp_path, blob):
+    path = tmp_path / "f.safetensors"
+    path.write_bytes(blob)
+    try:
+        read_header(path)
+    except FormatError:
+        pass
+
+
+@pytest.fixture(scope="module")
+def valid_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fz") / "v.safetensors"
+    fsdp_restore.save({"model": {"w": torch.arange(6.0).view(2, 3), "tied": None}, "step": 3, "l": [1.5, "x"]}, path)
+    return path.read_bytes()
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_fuzz_mutated_valid_file(tmp_path, valid_file, data):
+    blob = bytearray(valid_file)
+    for _ in range(data.draw(st.integers(1, 4))):
+        pos = data.draw(st.integers(0, len(blob) - 1))
+        blob[pos] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        blob = blob[: data.draw(st.integers(0, len(blob)))]
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(bytes(blob))
+    try:
+        fsdp_restore.load(path)
+    except FormatError:
+        pass
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+                     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.sampled_from(
+                         ["type", "items", "key", "value", "view", "dtype", "class", "hex"]), c, max_size=4),
+                     max_leaves=12)
+_types = st.sampled_from(["dict", "list", "tuple", "tensor", "ndarray", "bytes", "float", "int", "complex",
+                          "np_scalar", "dtype", "Size", "device", "Namespace", "path", "set", "OrderedDict", "zzz"])
+
+
+@settings(max_examples=400, deadline=None)
+@given(_types, _json, _json)
+def test_fuzz_unflatten_structure(kind, items, value):
+    node = {"type": kind, "items": items, "value": value, "key": value, "dtype": value, "class": value, "hex": value}
+    try:
+        fsdp_restore.unflatten({"k": torch.ones(2)}, {"version": 1, "root": node})
+    except FormatError:
+        pass
