@@ -87,9 +87,15 @@ def default_prefix(ckpt: Checkpoint) -> str:
 
 
 def plan_model_reads(targets: Sequence[Target], aliases: dict[str, str], sources: dict[str, Source],
-                     ckpt: Checkpoint, *, strict: bool) -> tuple[list[ReadTask], dict[str, list[str]], RestoreReport]:
-    """Match targets to stored tensors; problems are collected, never raised here."""
-    problems: dict[str, list[str]] = {"missing": [], "unexpected": [], "shape": []}
+                     ckpt: Checkpoint, *, strict: bool, dtype_policy: str = "cast"
+                     ) -> tuple[list[ReadTask], dict[str, list[str]], RestoreReport]:
+    """Match targets to stored tensors; problems are collected, never raised here.
+
+    ``dtype_policy``: ``"cast"`` converts a stored dtype to the model's (and reports it), ``"error"``
+    makes any dtype difference a problem."""
+    if dtype_policy not in ("cast", "error"):
+        raise ValueError(f"dtype_policy must be 'cast' or 'error', not {dtype_policy!r}")
+    problems: dict[str, list[str]] = {"missing": [], "unexpected": [], "shape": [], "dtype": []}
     report = RestoreReport()
     tasks: list[ReadTask] = []
     for target in targets:
@@ -102,6 +108,9 @@ def plan_model_reads(targets: Sequence[Target], aliases: dict[str, str], sources
             continue
         stored = ckpt.entries[src.key].dtype
         if stored != target.dtype:
+            if dtype_policy == "error":
+                problems["dtype"].append(f"{target.name}: checkpoint {stored} vs model {target.dtype}")
+                continue
             report.cast.append(f"{target.name}: {stored} -> {target.dtype}")
         report.tensors += 1
         for piece in target.pieces:
@@ -173,7 +182,7 @@ def _check_materialized(targets: Sequence[Target]) -> list[str]:
 
 def restore_model(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint, *, prefix: str | None = None,
                   strict: bool = True, check: bool = True, method: str = "read", threads: int | None = None,
-                  group: dist.ProcessGroup | None = None) -> RestoreReport:
+                  dtype_policy: str = "cast", group: dist.ProcessGroup | None = None) -> RestoreReport:
     """Restore a model's weights from a checkpoint; call on every rank after sharding the model.
 
     ``checkpoint``: a path (file, sharded directory, or ``.pt`` with a ``.safetensors`` sibling) or
@@ -185,7 +194,8 @@ def restore_model(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpo
     uses the seed's FSDP1 route instead (``FSDP.apply`` summons each unit's full parameters and
     copies whole tensors in; every rank reads everything). With ``check`` the restored elements
     are NaN-filled first and verified after; every rank raises the same `RestoreError` when
-    anything is missing, unexpected (``strict``), mis-shaped or unrestored.
+    anything is missing, unexpected (``strict``), mis-shaped or unrestored; ``dtype_policy="error"``
+    adds dtype differences to that list (default ``"cast"``: convert and report in ``report.cast``).
     """
     t0 = time.perf_counter()
     own = not isinstance(checkpoint, Checkpoint)
@@ -205,7 +215,8 @@ def restore_model(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpo
         if not sources and prefix:
             raise FsdpRestoreError(f"the checkpoint has no tensors under prefix '{prefix}'; pass prefix='' for a"
                                    " plain weights file, or the subtree that holds the model")
-        tasks, problems, report = plan_model_reads(targets, aliases, sources, ckpt, strict=strict)
+        tasks, problems, report = plan_model_reads(targets, aliases, sources, ckpt, strict=strict,
+                                                   dtype_policy=dtype_policy)
         report.method, report.prefix = method, prefix
         if unsupported:
             problems["unsupported"] = unsupported

@@ -180,3 +180,21 @@ def test_plain_hf_weights_file_without_prefix(ckpts, tmp_path):
     other = build("llama", seed=9)
     report = restore_model(other, tmp_path / "model.safetensors")  # no dist: plain module, prefix ""
     assert report.prefix == "" and all(torch.equal(other.state_dict()[k], v) for k, v in state.items())
+
+
+def test_dtype_policy_error_lists_every_problem_at_once(tmp_path):
+    state = build("mlp").state_dict()
+    state["inp.weight"] = state["inp.weight"].to(torch.bfloat16)
+    state["out.weight"] = state["out.weight"][:2]
+    del state["blocks.0.bias"]
+    torch.save({"model": state}, tmp_path / "m.pt")
+    fsdp_restore.convert(tmp_path / "m.pt", tmp_path / "m.safetensors")
+    model = build("mlp", seed=4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RestoreError) as info:
+        restore_model(model, tmp_path / "m.safetensors", dtype_policy="error")
+    msg = str(info.value)
+    assert "inp.weight: checkpoint torch.bfloat16 vs model torch.float32" in msg
+    assert "out.weight: checkpoint [2, 5] vs model [3, 5]" in msg and "blocks.0.bias" in msg
+    assert set(info.value.problems) == {"missing", "shape", "dtype"}
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # nothing was modified
