@@ -1,4 +1,4 @@
-"""The ``fsdp-restore`` command line: convert, verify, inspect.
+"""The ``fsdp-restore`` command line: convert, verify, inspect, check-restore.
 
 Options come, lowest precedence first, from the built-in defaults (mirrored in
 ``configs/convert.yaml``), a ``--config FILE``, the flags, then ``key=value`` overrides. Errors
@@ -123,6 +123,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_check_restore(args: argparse.Namespace) -> int:
+    from .check_restore import run_check_restore
+
+    with err.status(f"restoring on {args.nproc} ranks..."):
+        report = run_check_restore(args.path, args.model, nproc=args.nproc, fsdp=args.fsdp, prefix=args.prefix)
+    out.print(report.summary())
+    return 0 if report.ok else 1
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fsdp-restore", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -156,6 +165,14 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-pickle", action="store_true")
     p.set_defaults(func=cmd_verify)
 
+    p = sub.add_parser("check-restore", help="restore into your sharded model on N local ranks and check it")
+    p.add_argument("path")
+    p.add_argument("--model", required=True, metavar="MODULE:FUNCTION",
+                   help="a function returning the (unsharded) model, e.g. mypkg.models:build or train.py:build")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--fsdp", choices=["fsdp2", "fsdp1"], default="fsdp2")
+    p.add_argument("--prefix", default=None, help="subtree holding the weights (default: model, or '' for plain files)")
+    p.set_defaults(func=cmd_check_restore)
     return parser
 
 

@@ -88,8 +88,11 @@ def local_targets(model: nn.Module) -> tuple[list[Target], dict[str, str]]:
     def clean(name: str) -> str:
         return clean_name(name.removeprefix(top))
 
+    managed: dict[int, str] = {}  # FSDP1 original parameters (use_orig_params=True views) -> their name
     for prefix, handle in _fsdp1_units(model):
         flat = handle.flat_param
+        for fqn, param in zip(flat._fqns, getattr(flat, "_params", None) or []):
+            managed[id(param)] = _join(prefix, clean(fqn))
         for fqn, shape, info in zip(flat._fqns, flat._shapes, flat._shard_param_infos):
             target = Target(_join(prefix, clean(fqn)), tuple(shape), flat.dtype, "param", layout="fsdp1")
             if info.in_shard and info.numel_in_shard:
@@ -108,6 +111,9 @@ def local_targets(model: nn.Module) -> tuple[list[Target], dict[str, str]]:
     for raw_name, param in model.named_parameters(remove_duplicate=False):
         name = clean(raw_name)
         if isinstance(param, FlatParameter) or name in done:
+            continue
+        if id(param) in managed:  # a tied view of a parameter another FSDP1 unit owns
+            aliases[name] = managed[id(param)]
             continue
         if id(param) in seen:
             aliases[name] = seen[id(param)]

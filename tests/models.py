@@ -29,6 +29,17 @@ class MLP(nn.Module):
         return self.out(x)
 
 
+class TiedNet(nn.Module):
+    """A tied head that is an nn.Linear: wrapping every Linear puts it in another FSDP1 unit than its embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(13, 6)
+        self.blocks = nn.ModuleList([nn.Linear(6, 6) for _ in range(2)])
+        self.head = nn.Linear(6, 13, bias=False)
+        self.head.weight = self.embed.weight
+
+
 def build(name: str, seed: int = 0, device: str = "cpu") -> nn.Module:
     from helpers import tiny_gpt2, tiny_llama
 
@@ -36,6 +47,9 @@ def build(name: str, seed: int = 0, device: str = "cpu") -> nn.Module:
         if name == "mlp":
             torch.manual_seed(seed)
             return MLP()
+        if name == "tied":
+            torch.manual_seed(seed)
+            return TiedNet()
         if name == "gpt2":
             return tiny_gpt2(seed)
         if name == "llama":
@@ -46,6 +60,8 @@ def build(name: str, seed: int = 0, device: str = "cpu") -> nn.Module:
 def _blocks(model: nn.Module) -> list[nn.Module]:
     if isinstance(model, MLP):
         return [model.inp, *model.blocks]
+    if isinstance(model, TiedNet):
+        return list(model.blocks)
     if hasattr(model, "transformer"):
         return list(model.transformer.h)
     return list(model.model.layers)

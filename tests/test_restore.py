@@ -198,3 +198,25 @@ def test_dtype_policy_error_lists_every_problem_at_once(tmp_path):
     assert "out.weight: checkpoint [2, 5] vs model [3, 5]" in msg and "blocks.0.bias" in msg
     assert set(info.value.problems) == {"missing", "shape", "dtype"}
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # nothing was modified
+
+
+def test_fsdp1_tied_weight_owned_by_another_unit(tmp_path):
+    """ModuleWrapPolicy({Linear}) wraps the tied head on its own: embed.weight becomes a view of the head unit's
+    flat parameter, and must be treated as an alias, not as a tensor of its local size."""
+    torch.save({"model": build("tied").state_dict()}, tmp_path / "t.pt")
+    fsdp_restore.convert(tmp_path / "t.pt", tmp_path / "t.safetensors")
+    assert all(run_ranks(_restore_tied_cross_unit, 2, tmp_path / "t.safetensors"))
+
+
+def _restore_tied_cross_unit(rank, world_size, path):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    model = wrap(build("tied", seed=9), "fsdp1-FULL_SHARD-orig", world_size)
+    restore_model(model, path)
+    ref = build("tied")
+    # Compared under summon_full_params: FSDP1's FULL_STATE_DICT gather returns a wrong embed.weight when a
+    # tie crosses units (a torch limitation), while the module's parameters themselves are right.
+    with FSDP.summon_full_params(model, writeback=False):
+        inner = model.module
+        return (torch.equal(inner.head.weight, ref.head.weight) and torch.equal(inner.embed.weight, ref.embed.weight)
+                and all(torch.equal(a, b) for a, b in zip(inner.blocks.parameters(), ref.blocks.parameters())))

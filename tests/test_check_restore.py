@@ -1,0 +1,63 @@
+"""check-restore: restores into the user's model on N ranks and gives the verdict as the exit code."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fsdp_restore
+from fsdp_restore.check_restore import run_check_restore
+
+FACTORY = '''
+import torch
+from torch import nn
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(13, 6)
+        self.layers = nn.ModuleList([nn.Linear(6, 6) for _ in range(3)])
+        self.head = nn.Linear(6, 13, bias=False)
+        self.head.weight = self.embed.weight
+
+def build():
+    torch.manual_seed(0)
+    return Net()
+'''
+
+
+@pytest.fixture
+def setup(tmp_path):
+    (tmp_path / "mymodel.py").write_text(FACTORY)
+    sys.path.insert(0, str(tmp_path))
+    import mymodel
+
+    torch.save({"model": mymodel.build().state_dict(), "step": 5}, tmp_path / "ck.pt")
+    fsdp_restore.convert(tmp_path / "ck.pt", tmp_path / "ck.safetensors")
+    yield tmp_path
+    sys.path.remove(str(tmp_path))
+    sys.modules.pop("mymodel", None)
+
+
+@pytest.mark.parametrize("fsdp,nproc", [("fsdp2", 3), ("fsdp1", 2)])
+def test_good_checkpoint_passes(setup, fsdp, nproc):
+    report = run_check_restore(str(setup / "ck.safetensors"), f"{setup / 'mymodel.py'}:build", nproc=nproc, fsdp=fsdp)
+    assert report.ok, report.problems
+    assert len(report.ranks) == nproc and all(r["pieces"] > 0 for r in report.ranks if r["elements"])
+    assert sum(r["tensors"] for r in report.ranks) == nproc * 7  # embed + 3 x (weight, bias); tied head once
+
+
+def test_cli_exit_codes(setup):
+    cmd = [sys.executable, "-m", "fsdp_restore", "check-restore", "ck.safetensors", "--model", "mymodel:build",
+           "--nproc", "2"]
+    res = subprocess.run(cmd, cwd=setup, capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "restore check passed" in res.stdout
+    state = fsdp_restore.load(setup / "ck.safetensors")
+    del state["model"]["layers.1.bias"]
+    fsdp_restore.save(state, setup / "bad.safetensors")
+    res = subprocess.run(cmd[:4] + ["bad.safetensors"] + cmd[5:], cwd=setup, capture_output=True, text=True)
+    assert res.returncode == 1 and "layers.1.bias" in res.stdout
+    res = subprocess.run(cmd[:6] + ["nomodule:build"] + cmd[7:], cwd=setup, capture_output=True, text=True)
+    assert res.returncode == 1 and "cannot import nomodule" in res.stderr and "Traceback" not in res.stderr
