@@ -135,7 +135,7 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, checkp
         try:
             model_prefix = default_prefix(ckpt) if model_prefix is None else model_prefix
             optim_node = subtree(ckpt.structure, prefix)
-            lazy = ckpt.tensors()
+            lazy = ckpt.tensors(exact=True)  # small values (step, group tensors): no mmap readahead
             saved_groups = unflatten(lazy, {"version": 1, "root": _child(optim_node, "param_groups", prefix)})
             state_node = _child(optim_node, "state", prefix)
             targets, aliases = local_targets(model)

@@ -148,9 +148,17 @@ class Checkpoint:
             handle = self._lazy[entry.file] = safe_open(str(entry.file), framework="pt")
         return handle.get_tensor(key)
 
-    def tensors(self) -> Mapping[str, torch.Tensor]:
-        """A lazy ``{key: tensor}`` mapping over every tensor."""
-        return _LazyTensors(self)
+    def tensors(self, *, exact: bool = False) -> Mapping[str, torch.Tensor]:
+        """A ``{key: tensor}`` mapping over every tensor: memory-mapped (lazy), or with ``exact`` read on
+        access with positional reads (no mmap readahead: for small tensors on a restore path)."""
+        return _LazyTensors(self, exact)
+
+    def read_tensor(self, key: str) -> torch.Tensor:
+        """The whole tensor in fresh memory, read with positional reads (exactly its bytes)."""
+        entry = self._entry(key)
+        out = torch.empty(entry.shape, dtype=entry.dtype)
+        self.read_range(key, 0, out.view(-1))
+        return out
 
     def load(self) -> Any:
         """The stored object, rebuilt exactly; tensors are memory-mapped."""
@@ -217,13 +225,14 @@ class Checkpoint:
 
 
 class _LazyTensors(Mapping[str, torch.Tensor]):
-    def __init__(self, ckpt: Checkpoint) -> None:
+    def __init__(self, ckpt: Checkpoint, exact: bool = False) -> None:
         self._ckpt = ckpt
+        self._exact = exact
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key not in self._ckpt.entries:
             raise KeyError(key)
-        return self._ckpt.get_tensor(key)
+        return self._ckpt.read_tensor(key) if self._exact else self._ckpt.get_tensor(key)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._ckpt.entries)

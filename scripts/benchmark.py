@@ -1,0 +1,376 @@
+"""Benchmark fsdp_restore side by side with the baselines, in one run, on the same files.
+
+    python scripts/benchmark.py                      # defaults: 3 GB convert, 512 MB model restore
+    python scripts/benchmark.py --convert-gb 1 --restore-mb 256 --world-sizes 2 --out BENCHMARKS.json
+
+Convert (each method in a fresh process, page cache dropped first): ours; torch.load + an OLMo-style
+flatten (base64-pickled keys, pickled non-tensors) + safetensors.save_file; torch.load(mmap=True) +
+save_file of the tensors only; a plain file copy of the same bytes (the physical limit).
+
+Restore (gloo on CPU, FSDP2 and FSDP1, every rank reading its own copy of the files so that ranks do
+not share a page cache, as on separate nodes; cache dropped before each run): ours; dcp.load with
+HuggingFaceStorageReader (FSDP2); set_model_state_dict(broadcast_from_rank0=True) from a rank-0 mmap load;
+every rank loading the whole file and copying its slice (OLMo style; for FSDP1 the seed's FSDP.apply
+route). Per rank: wall time, peak anonymous memory above the sharded model, disk bytes read
+(/proc/self/io read_bytes around the restore only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from fsdp_restore.measure import PeakAnonMemory, disk_read_bytes  # noqa: E402
+
+console = Console()
+
+
+def drop_caches() -> bool:
+    """Drop the page cache (root only) so that reads come from disk; False when not allowed."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints
+
+
+class BenchModel(torch.nn.Module):
+    """Layers of square-ish Linear weights; sizes are odd so that shards are uneven."""
+
+    def __init__(self, layers: int, dim: int) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(dim, dim + 1) for _ in range(layers)])
+
+
+def model_shape(total_mb: float) -> tuple[int, int]:
+    dim = 1023
+    layers = max(1, round(total_mb * 1e6 / ((dim * (dim + 1) + dim + 1) * 4)))
+    return layers, dim
+
+
+def make_training_checkpoint(path: Path, total_gb: float) -> None:
+    """Model weights + AdamW state (exp_avg, exp_avg_sq) + extras, ~total_gb, saved like a training run."""
+    n = max(1, round(total_gb * 1e9 / 3 / (32 * 2**20)))  # 32 MiB fp32 tensors, three per parameter
+    model = {f"layers.{i}.weight": torch.rand(8 * 2**20) for i in range(n)}
+    optim = {"state": {i: {"step": torch.tensor(10.0), "exp_avg": torch.rand(8 * 2**20),
+                           "exp_avg_sq": torch.rand(8 * 2**20)} for i in range(n)},
+             "param_groups": [{"lr": 1e-4, "betas": (0.9, 0.95), "weight_decay": 0.1, "params": list(range(n))}]}
+    torch.save({"model": model, "optim": optim, "step": 10, "rng": torch.get_rng_state(),
+                "config": {"name": "bench", "layers": n}}, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# convert methods (run in a child process: python benchmark.py --convert-method NAME SRC DST)
+
+
+def _olmo_flatten(obj: Any, path: tuple = ()) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(_olmo_flatten(v, path + (k,)))
+        return out
+    key = base64.urlsafe_b64encode(pickle.dumps(path)).decode()
+    if isinstance(obj, torch.Tensor):
+        out[key] = obj.contiguous()
+    else:
+        out[key] = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    return out
+
+
+def convert_method(method: str, src: str, dst: str) -> dict[str, Any]:
+    from safetensors.torch import save_file
+
+    with PeakAnonMemory(interval=0.01) as mem:
+        t0 = time.perf_counter()
+        if method == "ours":
+            import fsdp_restore
+
+            fsdp_restore.convert(src, dst, force=True)
+        elif method == "ours-bf16":
+            import fsdp_restore
+
+            fsdp_restore.convert(src, dst, force=True, dtype="bf16")
+        elif method == "olmo":
+            save_file(_olmo_flatten(torch.load(src, weights_only=False)), dst)
+        elif method == "mmap+save_file":
+            obj = torch.load(src, mmap=True, weights_only=True)
+            flat: dict[str, torch.Tensor] = {}
+
+            def walk(o: Any, prefix: str) -> None:
+                if isinstance(o, dict):
+                    for k, v in o.items():
+                        walk(v, f"{prefix}{k}.")
+                elif isinstance(o, (list, tuple)):
+                    for i, v in enumerate(o):
+                        walk(v, f"{prefix}{i}.")
+                elif isinstance(o, torch.Tensor):
+                    flat[prefix[:-1]] = o
+
+            walk(obj, "")
+            save_file(flat, dst)
+        elif method == "copy":
+            shutil.copyfile(src, dst)
+        else:
+            raise ValueError(method)
+        os.sync()
+        seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "peak_anon": mem.peak - mem.start, "written": os.path.getsize(dst)}
+
+
+def bench_convert(work: Path, gb: float) -> list[dict[str, Any]]:
+    src = work / "train.pt"
+    console.print(f"[bold]convert[/]: generating a {gb:.1f} GB training checkpoint ...")
+    make_training_checkpoint(src, gb)
+    rows = []
+    for method in ("copy", "ours", "ours-bf16", "mmap+save_file", "olmo"):
+        dst = work / f"conv-{method}.safetensors"
+        cold = drop_caches()
+        out = subprocess.run([sys.executable, __file__, "--convert-method", method, str(src), str(dst)],
+                             capture_output=True, text=True)
+        if out.returncode != 0:
+            console.print(f"[red]{method} failed[/]: {out.stderr.strip().splitlines()[-1:]}")
+            continue
+        row = json.loads(out.stdout.strip().splitlines()[-1])
+        row.update(method=method, cold_cache=cold, source_bytes=src.stat().st_size)
+        rows.append(row)
+        dst.unlink()
+        console.print(f"  {method}: {row['seconds']:.2f} s")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# restore methods (run on real ranks)
+
+
+def _build(fsdp: str, layers: int, dim: int) -> torch.nn.Module:
+    if fsdp == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        with torch.device("meta"):
+            model = BenchModel(layers, dim)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        return model.to_empty(device="cpu")
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    with torch.device("meta"):
+        model = BenchModel(layers, dim)
+    return FSDP(model, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}),
+                param_init_fn=lambda m: m.to_empty(device="cpu", recurse=False), use_orig_params=True)
+
+
+def restore_worker(rank: int, world_size: int, method: str, fsdp: str, layers: int, dim: int,
+                   files: list[str], full_files: list[str]) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    import fsdp_restore
+
+    # Import everything any method uses before the measured window: after the cache drop, a first-time
+    # import reads .py/.so files from disk and would be counted as checkpoint reads.
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+    import torch.distributed.fsdp._flat_param  # noqa: F401
+    import torch.distributed.tensor._utils  # noqa: F401
+    from torch.distributed.checkpoint import HuggingFaceStorageReader  # noqa: F401
+
+    import fsdp_restore.apply  # noqa: F401
+    import fsdp_restore.optim  # noqa: F401
+
+    torch.empty(4).numpy()  # the first .numpy() call imports lazily too
+
+    model = _build(fsdp, layers, dim)
+    path = files[rank]
+    opt = None
+    if method == "ours+optim":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    counted = [0]
+
+    def run() -> None:
+        if method == "ours":
+            counted[0] = fsdp_restore.restore_model(model, path).bytes_read
+        elif method == "ours+optim":
+            fsdp_restore.restore(model, full_files[rank], optimizer=opt)
+        elif method == "apply":
+            fsdp_restore.restore_model(model, path, method="apply")
+        elif method == "dcp":
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+            state = model.state_dict()
+            dcp.load(state, storage_reader=HuggingFaceStorageReader(path=os.path.dirname(path)))
+        elif method in ("broadcast", "every-rank-loads"):
+            from safetensors import safe_open
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            broadcast = method == "broadcast"
+            state: dict[str, torch.Tensor] = {}
+            if rank == 0 or not broadcast:
+                with safe_open(path, "pt") as f:  # memory-mapped on rank 0 (mmap load)
+                    state = {k: f.get_tensor(k) for k in f.keys()}
+            set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True,
+                                                                         broadcast_from_rank0=broadcast))
+            del state
+        else:
+            raise ValueError(method)
+
+    # A first, unmeasured run warms the code: after a cache drop, first-time code paths fault library pages
+    # in from disk, which /proc/self/io counts like checkpoint reads. Pages mapped by a live process survive
+    # the drop; the checkpoint's own pages do not.
+    run()
+    dist.barrier()
+    if rank == 0:
+        drop_caches()
+    dist.barrier()
+    read0 = disk_read_bytes()
+    with PeakAnonMemory(interval=0.01) as mem:
+        t0 = time.perf_counter()
+        run()
+        dist.barrier()
+        seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "peak_anon": mem.peak - mem.start, "read": disk_read_bytes() - read0,
+            "requested": counted[0]}
+
+
+def bench_restore(work: Path, mb: float, world_sizes: list[int], only: list[str] | None = None) -> list[dict[str, Any]]:
+    from fsdp_restore import convert
+    from fsdp_restore.launch import RankFailure, run_ranks
+
+    layers, dim = model_shape(mb)
+    console.print(f"[bold]restore[/]: {layers} x Linear({dim}, {dim + 1}) = {mb:.0f} MB, per-rank file copies ...")
+    torch.manual_seed(0)
+    full = BenchModel(layers, dim)
+    opt = torch.optim.AdamW(full.parameters(), lr=1e-4)
+    sum(p.sum() for p in full.parameters()).backward()
+    opt.step()  # real AdamW state (exp_avg / exp_avg_sq for every parameter)
+    torch.save({"model": full.state_dict(), "optim": opt.state_dict(), "step": 1}, work / "model.pt")
+    model_bytes = sum(t.numel() * 4 for t in full.state_dict().values())
+    del full, opt
+    files, full_files = [], []
+    for r in range(max(world_sizes)):
+        d = work / f"rank{r}"
+        d.mkdir(exist_ok=True)
+        # a plain weights file (HF layout, the same file for every method) and the full training checkpoint
+        convert(work / "model.pt", d / "model.safetensors", select="model", force=True)
+        convert(work / "model.pt", d / "full.safetensors", force=True)
+        files.append(str(d / "model.safetensors"))
+        full_files.append(str(d / "full.safetensors"))
+    rows = []
+    for ws in world_sizes:
+        for fsdp, methods in (("fsdp2", ["ours", "dcp", "broadcast", "every-rank-loads", "ours+optim"]),
+                              ("fsdp1", ["ours", "broadcast", "apply", "ours+optim"])):
+            for method in methods:
+                if only and f"{fsdp}:{method}" not in only and method not in only:
+                    continue
+                cold = drop_caches()  # each run also drops it again between its warm-up and the measurement
+                try:
+                    per_rank = run_ranks(restore_worker, ws, method, fsdp, layers, dim, files, full_files,
+                                         timeout=600, backend="gloo")
+                except RankFailure as e:
+                    console.print(f"[red]{fsdp} {method} ws={ws} failed[/]: {str(e).splitlines()[1][:200]}")
+                    continue
+                row = {"fsdp": fsdp, "method": method, "world_size": ws, "cold_cache": cold,
+                       "model_bytes": model_bytes,
+                       "seconds": max(r["seconds"] for r in per_rank),
+                       "peak_anon_max": max(r["peak_anon"] for r in per_rank),
+                       "read_max": max(r["read"] for r in per_rank),
+                       "read_total": sum(r["read"] for r in per_rank),
+                       "read_per_rank": [r["read"] for r in per_rank]}
+                rows.append(row)
+                console.print(f"  ws={ws} {fsdp} {method}: {row['seconds']:.2f} s, read per rank"
+                              f" {[round(r / 1e6, 1) for r in row['read_per_rank']]} MB"
+                              f" (requested {[round(r['requested'] / 1e6, 1) for r in per_rank]})")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+
+def mb(n: float) -> str:
+    return f"{n / 1e6:,.0f} MB"
+
+
+def report(convert_rows: list[dict[str, Any]], restore_rows: list[dict[str, Any]]) -> str:
+    lines = []
+    if convert_rows:
+        copy = next((r for r in convert_rows if r["method"] == "copy"), None)
+        t = Table(title="convert (fresh process per method)")
+        for c in ("method", "seconds", "x copy", "peak anon memory", "written"):
+            t.add_column(c, justify="right")
+        lines.append("| method | seconds | x copy | peak anonymous memory | bytes written |\n|---|---|---|---|---|")
+        for r in convert_rows:
+            ratio = f"{r['seconds'] / copy['seconds']:.2f}" if copy else "-"
+            t.add_row(r["method"], f"{r['seconds']:.2f}", ratio, mb(r["peak_anon"]), mb(r["written"]))
+            lines.append(f"| {r['method']} | {r['seconds']:.2f} | {ratio} | {mb(r['peak_anon'])} | {mb(r['written'])} |")
+        console.print(t)
+    if restore_rows:
+        t = Table(title="restore (gloo, CPU; max over ranks)")
+        for c in ("ws", "fsdp", "method", "seconds", "x ours", "read/rank", "read/rank / (model/N)", "peak anon/rank"):
+            t.add_column(c, justify="right")
+        lines.append("\n| ws | fsdp | method | seconds | x ours | read per rank | read per rank / (model/N) |"
+                     " peak anon per rank |\n|---|---|---|---|---|---|---|---|")
+        for r in restore_rows:
+            ours = next((o for o in restore_rows if o["method"] == "ours" and o["fsdp"] == r["fsdp"]
+                         and o["world_size"] == r["world_size"]), None)
+            ratio = f"{r['seconds'] / ours['seconds']:.2f}" if ours else "-"
+            share = r["model_bytes"] / r["world_size"]
+            cells = [str(r["world_size"]), r["fsdp"], r["method"], f"{r['seconds']:.2f}", ratio, mb(r["read_max"]),
+                     f"{r['read_max'] / share:.2f}", mb(r["peak_anon_max"])]
+            t.add_row(*cells)
+            lines.append("| " + " | ".join(cells) + " |")
+        console.print(t)
+    return "\n".join(lines)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--convert-method":
+        print(json.dumps(convert_method(*sys.argv[2:5])))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--convert-gb", type=float, default=3.0)
+    parser.add_argument("--restore-mb", type=float, default=512)
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--skip", choices=["convert", "restore"], action="append", default=[])
+    parser.add_argument("--methods", nargs="+", help="restore methods to run, e.g. ours dcp fsdp1:apply")
+    parser.add_argument("--workdir", help="where to put the files (default: a temporary directory)")
+    parser.add_argument("--out", help="also write the raw results as JSON here")
+    args = parser.parse_args()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="fsdp_restore_bench_"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        conv = [] if "convert" in args.skip else bench_convert(work, args.convert_gb)
+        rest = [] if "restore" in args.skip else bench_restore(work, args.restore_mb, args.world_sizes, args.methods)
+        markdown = report(conv, rest)
+        if args.out:
+            Path(args.out).write_text(json.dumps({"convert": conv, "restore": rest, "markdown": markdown}, indent=2))
+    finally:
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
