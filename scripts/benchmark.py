@@ -139,24 +139,37 @@ def convert_method(method: str, src: str, dst: str) -> dict[str, Any]:
     return {"seconds": seconds, "peak_anon": mem.peak - mem.start, "written": os.path.getsize(dst)}
 
 
-def bench_convert(work: Path, gb: float) -> list[dict[str, Any]]:
+def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median time (disk writeback makes single runs vary by +-15% here)."""
+    row = dict(sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2])
+    row["runs_seconds"] = sorted(round(r["seconds"], 3) for r in runs)
+    return row
+
+
+def bench_convert(work: Path, gb: float, repeat: int = 3) -> list[dict[str, Any]]:
     src = work / "train.pt"
     console.print(f"[bold]convert[/]: generating a {gb:.1f} GB training checkpoint ...")
     make_training_checkpoint(src, gb)
     rows = []
     for method in ("copy", "ours", "ours-bf16", "mmap+save_file", "olmo"):
         dst = work / f"conv-{method}.safetensors"
-        cold = drop_caches()
-        out = subprocess.run([sys.executable, __file__, "--convert-method", method, str(src), str(dst)],
-                             capture_output=True, text=True)
-        if out.returncode != 0:
-            console.print(f"[red]{method} failed[/]: {out.stderr.strip().splitlines()[-1:]}")
+        runs = []
+        for _ in range(repeat):
+            cold = drop_caches()
+            out = subprocess.run([sys.executable, __file__, "--convert-method", method, str(src), str(dst)],
+                                 capture_output=True, text=True)
+            if out.returncode != 0:
+                console.print(f"[red]{method} failed[/]: {out.stderr.strip().splitlines()[-1:]}")
+                break
+            run = json.loads(out.stdout.strip().splitlines()[-1])
+            run.update(method=method, cold_cache=cold, source_bytes=src.stat().st_size)
+            runs.append(run)
+            dst.unlink()
+        if not runs:
             continue
-        row = json.loads(out.stdout.strip().splitlines()[-1])
-        row.update(method=method, cold_cache=cold, source_bytes=src.stat().st_size)
+        row = _median_row(runs)
         rows.append(row)
-        dst.unlink()
-        console.print(f"  {method}: {row['seconds']:.2f} s")
+        console.print(f"  {method}: {row['runs_seconds']} s")
     return rows
 
 
@@ -255,7 +268,8 @@ def restore_worker(rank: int, world_size: int, method: str, fsdp: str, layers: i
             "requested": counted[0]}
 
 
-def bench_restore(work: Path, mb: float, world_sizes: list[int], only: list[str] | None = None) -> list[dict[str, Any]]:
+def bench_restore(work: Path, mb: float, world_sizes: list[int], only: list[str] | None = None,
+                  repeat: int = 3) -> list[dict[str, Any]]:
     from fsdp_restore import convert
     from fsdp_restore.launch import RankFailure, run_ranks
 
@@ -285,25 +299,35 @@ def bench_restore(work: Path, mb: float, world_sizes: list[int], only: list[str]
             for method in methods:
                 if only and f"{fsdp}:{method}" not in only and method not in only:
                     continue
-                cold = drop_caches()  # each run also drops it again between its warm-up and the measurement
-                try:
-                    per_rank = run_ranks(restore_worker, ws, method, fsdp, layers, dim, files, full_files,
-                                         timeout=600, backend="gloo")
-                except RankFailure as e:
-                    console.print(f"[red]{fsdp} {method} ws={ws} failed[/]: {str(e).splitlines()[1][:200]}")
+                runs = []
+                for _ in range(repeat):
+                    cold = drop_caches()  # each run also drops it again between its warm-up and the measurement
+                    try:
+                        per_rank = run_ranks(restore_worker, ws, method, fsdp, layers, dim, files, full_files,
+                                             timeout=600, backend="gloo")
+                    except RankFailure as e:
+                        console.print(f"[red]{fsdp} {method} ws={ws} failed[/]: {str(e).splitlines()[1][:200]}")
+                        break
+                    runs.append(_restore_row(per_rank, fsdp, method, ws, cold, model_bytes))
+                if not runs:
                     continue
-                row = {"fsdp": fsdp, "method": method, "world_size": ws, "cold_cache": cold,
-                       "model_bytes": model_bytes,
-                       "seconds": max(r["seconds"] for r in per_rank),
-                       "peak_anon_max": max(r["peak_anon"] for r in per_rank),
-                       "read_max": max(r["read"] for r in per_rank),
-                       "read_total": sum(r["read"] for r in per_rank),
-                       "read_per_rank": [r["read"] for r in per_rank]}
+                row = _median_row(runs)
                 rows.append(row)
-                console.print(f"  ws={ws} {fsdp} {method}: {row['seconds']:.2f} s, read per rank"
+                console.print(f"  ws={ws} {fsdp} {method}: {row['runs_seconds']} s, read per rank"
                               f" {[round(r / 1e6, 1) for r in row['read_per_rank']]} MB"
-                              f" (requested {[round(r['requested'] / 1e6, 1) for r in per_rank]})")
+                              f" (requested {[round(r / 1e6, 1) for r in row['requested']]})")
     return rows
+
+
+def _restore_row(per_rank: list[dict[str, Any]], fsdp: str, method: str, ws: int, cold: bool,
+                 model_bytes: int) -> dict[str, Any]:
+    return {"fsdp": fsdp, "method": method, "world_size": ws, "cold_cache": cold, "model_bytes": model_bytes,
+            "seconds": max(r["seconds"] for r in per_rank),
+            "peak_anon_max": max(r["peak_anon"] for r in per_rank),
+            "read_max": max(r["read"] for r in per_rank),
+            "read_total": sum(r["read"] for r in per_rank),
+            "read_per_rank": [r["read"] for r in per_rank],
+            "requested": [r["requested"] for r in per_rank]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,6 +379,7 @@ def main() -> None:
     parser.add_argument("--restore-mb", type=float, default=512)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--skip", choices=["convert", "restore"], action="append", default=[])
+    parser.add_argument("--repeat", type=int, default=3, help="runs per method; the median is reported")
     parser.add_argument("--methods", nargs="+", help="restore methods to run, e.g. ours dcp fsdp1:apply")
     parser.add_argument("--workdir", help="where to put the files (default: a temporary directory)")
     parser.add_argument("--out", help="also write the raw results as JSON here")
@@ -362,8 +387,8 @@ def main() -> None:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="fsdp_restore_bench_"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        conv = [] if "convert" in args.skip else bench_convert(work, args.convert_gb)
-        rest = [] if "restore" in args.skip else bench_restore(work, args.restore_mb, args.world_sizes, args.methods)
+        conv = [] if "convert" in args.skip else bench_convert(work, args.convert_gb, args.repeat)
+        rest = [] if "restore" in args.skip else bench_restore(work, args.restore_mb, args.world_sizes, args.methods, args.repeat)
         markdown = report(conv, rest)
         if args.out:
             Path(args.out).write_text(json.dumps({"convert": conv, "restore": rest, "markdown": markdown}, indent=2))
