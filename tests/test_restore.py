@@ -220,3 +220,34 @@ def _restore_tied_cross_unit(rank, world_size, path):
         inner = model.module
         return (torch.equal(inner.head.weight, ref.head.weight) and torch.equal(inner.embed.weight, ref.embed.weight)
                 and all(torch.equal(a, b) for a, b in zip(inner.blocks.parameters(), ref.blocks.parameters())))
+
+
+class _Wide(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.big = torch.nn.Linear(4096, 4096, bias=False)  # 64 MB: a full copy would show
+
+
+def _memory_worker(rank, world_size, path):
+    from torch.distributed.fsdp import fully_shard
+
+    from fsdp_restore.measure import PeakAnonMemory
+
+    with torch.device("meta"):
+        model = _Wide()
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    fsdp_restore.restore_model(model, path, threads=1)  # warm-up: first-time allocations and imports
+    with PeakAnonMemory(interval=0.002) as mem:
+        report = restore_model(model, path)
+    expected = model.big.weight.to_local()
+    return mem.peak - mem.start, report.bytes_read, expected.numel() * 4
+
+
+def test_no_rank_materializes_a_full_tensor(tmp_path):
+    torch.manual_seed(0)
+    torch.save({"model": _Wide().state_dict()}, tmp_path / "w.pt")
+    fsdp_restore.convert(tmp_path / "w.pt", tmp_path / "w.safetensors")
+    for extra, read, shard in run_ranks(_memory_worker, 2, tmp_path / "w.safetensors"):
+        assert read == shard  # exactly this rank's 32 MB
+        assert extra < 8 * 2**20, extra  # far below the 64 MB tensor (and the 32 MB shard): no copies
