@@ -250,4 +250,6 @@ def test_no_rank_materializes_a_full_tensor(tmp_path):
     fsdp_restore.convert(tmp_path / "w.pt", tmp_path / "w.safetensors")
     for extra, read, shard in run_ranks(_memory_worker, 2, tmp_path / "w.safetensors"):
         assert read == shard  # exactly this rank's 32 MB
-        assert extra < 8 * 2**20, extra  # far below the 64 MB tensor (and the 32 MB shard): no copies
+        # Half the 32 MB shard: any copy of the slice or the 64 MB tensor fails this; thread stacks and the
+        # verdict exchange (a few MB, seen 8.0 MB under load) do not.
+        assert extra < 16 * 2**20, extra
