@@ -28,7 +28,7 @@ from .errors import FormatError, UnsafePickleError
 from .flatten import flatten, iter_nodes_with_keys
 from .format import torch_dtype_from_string
 from .measure import PeakAnonMemory, Stopwatch
-from .write import ProgressFn, SourceLocator, TensorJob, default_threads, write_safetensors
+from .write import ProgressFn, TensorJob, default_threads, write_safetensors
 
 _CASTABLE = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
@@ -218,10 +218,6 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
         obj = select_subtree(load_pt(src, trust_pickle=trust_pickle, allow_globals=allow_globals), select)
         tensors, structure = flatten(obj, on_unsupported=on_unsupported)  # type: ignore[arg-type]
         jobs = plan_jobs(tensors, structure, dtype, cast_include, cast_exclude)
-        locator = SourceLocator(src)
-        for job in jobs:
-            job.src_offset = locator.locate(job.source)
-            job.src_fd = locator.fd if job.src_offset is not None else None
         total = sum(j.nbytes for j in jobs)
         n_cast = sum(j.dtype != j.source.dtype for j in jobs)
         done = [0]
@@ -231,12 +227,9 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
             if progress:
                 progress(done[0], total)
 
-        try:
-            result = write_safetensors(dst, jobs, structure_json=json.dumps(structure, separators=(",", ":")),
-                                       max_shard_size=parse_size(max_shard_size), threads=threads, force=force,
-                                       progress=on_bytes)
-        finally:
-            locator.close()
+        result = write_safetensors(dst, jobs, structure_json=json.dumps(structure, separators=(",", ":")),
+                                   max_shard_size=parse_size(max_shard_size), threads=threads, force=force,
+                                   progress=on_bytes)
         del obj, tensors, jobs
     return ConvertReport(src=str(src), dst=str(dst), files=[str(p) for p in result.paths],
                          tensors=len(result.checksums), nbytes=result.nbytes,

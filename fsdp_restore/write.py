@@ -40,8 +40,6 @@ class TensorJob:
     key: str
     source: torch.Tensor
     dtype: torch.dtype
-    src_fd: int | None = None  # when ``source`` is memory-mapped from a file: that file, opened
-    src_offset: int | None = None  # and the byte offset of ``source``'s first element in it
 
     @property
     def nbytes(self) -> int:
@@ -66,44 +64,19 @@ def tensor_bytes(t: torch.Tensor):
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def _copy_in_kernel(fd: int, offset: int, job: TensorJob, progress: ProgressFn | None) -> str | None:
-    """Same-dtype tensor located in its source file: copy_file_range (in-kernel, as cp does) after a
-    WILLNEED hint for the whole range, then crc32 from the now-cached source pages. None when the
-    kernel cannot do it (old kernel, cross-filesystem), so that the caller streams instead.
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Start writing a just-written range to disk now, asynchronously, and let its pages go once written.
 
-    Measured against faulting the mmap page by page (scripts/benchmark.py): see BENCHMARKS.md."""
-    assert job.src_fd is not None and job.src_offset is not None
-    nbytes = job.nbytes
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(job.src_fd, job.src_offset, nbytes, os.POSIX_FADV_WILLNEED)
-    done = 0
-    try:
-        while done < nbytes:
-            n = os.copy_file_range(job.src_fd, fd, min(nbytes - done, 1 << 30), job.src_offset + done, offset + done)
-            if n == 0:
-                raise OSError("short copy")
-            done += n
-    except OSError:
-        if done:
-            raise
-        return None
-    data = tensor_bytes(job.source)
-    crc = 0
-    for start in range(0, nbytes, CHUNK_BYTES):
-        chunk = data[start:start + CHUNK_BYTES]
-        crc = zlib.crc32(chunk, crc)
-        if progress:
-            progress(len(chunk))
-    return f"{crc:08x}"
+    Without it the kernel holds the dirty pages until the final fsync and only then writes them, so a
+    conversion takes read time + write time; with it, writeback overlaps the copying (Linux's
+    POSIX_FADV_DONTNEED starts writeback of dirty pages, then drops the clean ones). It also keeps a
+    100 GB conversion from filling the page cache with output pages. Measured: BENCHMARKS.md."""
+    if hasattr(os, "posix_fadvise") and nbytes:
+        os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
 
 
 def _stream_tensor(fd: int, offset: int, job: TensorJob, progress: ProgressFn | None) -> str:
     """Write one tensor at ``offset`` chunk by chunk; returns its crc32 as 8 hex digits."""
-    if (job.src_fd is not None and job.source.dtype == job.dtype and job.source.is_contiguous()
-            and hasattr(os, "copy_file_range") and job.nbytes):
-        crc = _copy_in_kernel(fd, offset, job, progress)
-        if crc is not None:
-            return crc
     src = job.source
     if not src.is_contiguous():
         src = src.contiguous()  # rare in checkpoints; costs one tensor of memory
@@ -118,9 +91,11 @@ def _stream_tensor(fd: int, offset: int, job: TensorJob, progress: ProgressFn | 
             data = tensor_bytes(piece)
             crc = zlib.crc32(data, crc)
             view = memoryview(data)
+            written_from = offset
             while view:  # pwrite may write less than asked
                 n = os.pwrite(fd, view, offset)
                 view, offset = view[n:], offset + n
+            start_writeback(fd, written_from, offset - written_from)
             if progress:
                 progress(len(data))
     return f"{crc:08x}"
@@ -160,38 +135,6 @@ class _FileWriter:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-
-
-class SourceLocator:
-    """Finds where a tensor memory-mapped from ``path`` (``torch.load(mmap=True)``) lies in that
-    file, from the process's mappings in /proc/self/maps, so that bytes can be copied file to file."""
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = os.path.realpath(path)
-        self.fd = os.open(self.path, os.O_RDONLY)
-        self.maps: list[tuple[int, int, int]] = []
-        try:
-            with open("/proc/self/maps") as f:
-                for line in f:
-                    parts = line.split(maxsplit=5)
-                    if len(parts) == 6 and parts[5].strip() == self.path:
-                        start, end = (int(x, 16) for x in parts[0].split("-"))
-                        self.maps.append((start, end, int(parts[2], 16)))
-        except OSError:
-            pass
-
-    def locate(self, t: torch.Tensor) -> int | None:
-        """Byte offset in the file of ``t``'s first element, or None when ``t`` is not mapped from it."""
-        if t.device.type != "cpu" or not t.is_contiguous():
-            return None
-        ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
-        for start, end, file_offset in self.maps:
-            if start <= ptr and ptr + nbytes <= end:
-                return ptr - start + file_offset
-        return None
-
-    def close(self) -> None:
-        os.close(self.fd)
 
 
 def split_into_shards(jobs: Sequence[TensorJob], max_shard_size: int) -> list[list[TensorJob]]:

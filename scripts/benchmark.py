@@ -197,7 +197,7 @@ def _build(fsdp: str, layers: int, dim: int) -> torch.nn.Module:
 
 
 def restore_worker(rank: int, world_size: int, method: str, fsdp: str, layers: int, dim: int,
-                   files: list[str], full_files: list[str]) -> dict[str, Any]:
+                   files: list[str], full_files: list[str], threads: int | None = None) -> dict[str, Any]:
     import torch.distributed as dist
 
     import fsdp_restore
@@ -224,9 +224,9 @@ def restore_worker(rank: int, world_size: int, method: str, fsdp: str, layers: i
 
     def run() -> None:
         if method == "ours":
-            counted[0] = fsdp_restore.restore_model(model, path).bytes_read
+            counted[0] = fsdp_restore.restore_model(model, path, threads=threads).bytes_read
         elif method == "ours+optim":
-            fsdp_restore.restore(model, full_files[rank], optimizer=opt)
+            fsdp_restore.restore(model, full_files[rank], optimizer=opt, threads=threads)
         elif method == "apply":
             fsdp_restore.restore_model(model, path, method="apply")
         elif method == "dcp":
@@ -269,7 +269,7 @@ def restore_worker(rank: int, world_size: int, method: str, fsdp: str, layers: i
 
 
 def bench_restore(work: Path, mb: float, world_sizes: list[int], only: list[str] | None = None,
-                  repeat: int = 3) -> list[dict[str, Any]]:
+                  repeat: int = 3, read_threads: list[int] | None = None) -> list[dict[str, Any]]:
     from fsdp_restore import convert
     from fsdp_restore.launch import RankFailure, run_ranks
 
@@ -296,24 +296,27 @@ def bench_restore(work: Path, mb: float, world_sizes: list[int], only: list[str]
     for ws in world_sizes:
         for fsdp, methods in (("fsdp2", ["ours", "dcp", "broadcast", "every-rank-loads", "ours+optim"]),
                               ("fsdp1", ["ours", "broadcast", "apply", "ours+optim"])):
-            for method in methods:
+            # ours at each requested read-thread count (default: the library's default only)
+            variants = [(m, t) for m in methods for t in ((read_threads or [None]) if m.startswith("ours") else [None])]
+            for method, threads in variants:
                 if only and f"{fsdp}:{method}" not in only and method not in only:
                     continue
+                label = method if not (read_threads and method.startswith("ours")) else f"{method} t={threads}"
                 runs = []
                 for _ in range(repeat):
                     cold = drop_caches()  # each run also drops it again between its warm-up and the measurement
                     try:
                         per_rank = run_ranks(restore_worker, ws, method, fsdp, layers, dim, files, full_files,
-                                             timeout=600, backend="gloo")
+                                             threads, timeout=600, backend="gloo")
                     except RankFailure as e:
-                        console.print(f"[red]{fsdp} {method} ws={ws} failed[/]: {str(e).splitlines()[1][:200]}")
+                        console.print(f"[red]{fsdp} {label} ws={ws} failed[/]: {str(e).splitlines()[1][:200]}")
                         break
-                    runs.append(_restore_row(per_rank, fsdp, method, ws, cold, model_bytes))
+                    runs.append(_restore_row(per_rank, fsdp, label, ws, cold, model_bytes))
                 if not runs:
                     continue
                 row = _median_row(runs)
                 rows.append(row)
-                console.print(f"  ws={ws} {fsdp} {method}: {row['runs_seconds']} s, read per rank"
+                console.print(f"  ws={ws} {fsdp} {label}: {row['runs_seconds']} s, read per rank"
                               f" {[round(r / 1e6, 1) for r in row['read_per_rank']]} MB"
                               f" (requested {[round(r / 1e6, 1) for r in row['requested']]})")
     return rows
@@ -358,7 +361,7 @@ def report(convert_rows: list[dict[str, Any]], restore_rows: list[dict[str, Any]
         lines.append("\n| ws | fsdp | method | seconds | x ours | read per rank | read per rank / (model/N) |"
                      " peak anon per rank |\n|---|---|---|---|---|---|---|---|")
         for r in restore_rows:
-            ours = next((o for o in restore_rows if o["method"] == "ours" and o["fsdp"] == r["fsdp"]
+            ours = next((o for o in restore_rows if o["method"].split(" ")[0] == "ours" and o["fsdp"] == r["fsdp"]
                          and o["world_size"] == r["world_size"]), None)
             ratio = f"{r['seconds'] / ours['seconds']:.2f}" if ours else "-"
             share = r["model_bytes"] / r["world_size"]
@@ -381,6 +384,8 @@ def main() -> None:
     parser.add_argument("--skip", choices=["convert", "restore"], action="append", default=[])
     parser.add_argument("--repeat", type=int, default=3, help="runs per method; the median is reported")
     parser.add_argument("--methods", nargs="+", help="restore methods to run, e.g. ours dcp fsdp1:apply")
+    parser.add_argument("--read-threads", type=int, nargs="+",
+                        help="read threads per rank for our methods; several values run one row each")
     parser.add_argument("--workdir", help="where to put the files (default: a temporary directory)")
     parser.add_argument("--out", help="also write the raw results as JSON here")
     args = parser.parse_args()
@@ -388,7 +393,8 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     try:
         conv = [] if "convert" in args.skip else bench_convert(work, args.convert_gb, args.repeat)
-        rest = [] if "restore" in args.skip else bench_restore(work, args.restore_mb, args.world_sizes, args.methods, args.repeat)
+        rest = [] if "restore" in args.skip else bench_restore(work, args.restore_mb, args.world_sizes, args.methods, args.repeat,
+                                                               args.read_threads)
         markdown = report(conv, rest)
         if args.out:
             Path(args.out).write_text(json.dumps({"convert": conv, "restore": rest, "markdown": markdown}, indent=2))

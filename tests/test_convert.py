@@ -209,25 +209,3 @@ def test_peak_anonymous_memory_is_bounded(tmp_path, dtype):
     largest = 128 * 2**20
     assert stats["bytes"] == (2**30 if dtype is None else 2**29)
     assert stats["peak"] - stats["base"] < 256 * 2**20 + largest, stats
-
-
-def test_source_locator_finds_each_tensor_in_the_file(tmp_path):
-    """The in-kernel copy path needs the byte offset of every memory-mapped source tensor."""
-    from fsdp_restore.write import SourceLocator
-
-    src = tmp_path / "s.pt"
-    state = {"a": torch.randn(1000), "b": torch.arange(77, dtype=torch.int16), "c": torch.randn(3, 5).t()}
-    torch.save(state, src)
-    loaded = torch.load(src, mmap=True, weights_only=True)
-    locator = SourceLocator(src)
-    try:
-        raw = src.read_bytes()
-        for key in ("a", "b"):
-            t = loaded[key]
-            offset = locator.locate(t)
-            assert offset is not None, key
-            assert raw[offset:offset + t.numel() * t.element_size()] == t.numpy().tobytes(), key
-        assert locator.locate(loaded["c"]) is None  # non-contiguous: streamed, not copied
-        assert locator.locate(torch.randn(10)) is None  # not from this file
-    finally:
-        locator.close()
