@@ -167,7 +167,8 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, checkp
         raise_if_problems(agree(problems, group), "optimizer restore")
         before = ckpt.bytes_read
         problems = checked_reads(ckpt, tasks, report, check=check,
-                                 read=lambda: execute_reads(ckpt, tasks, threads or DEFAULT_READ_THREADS))
+                                 read=lambda: execute_reads(ckpt, tasks, threads or DEFAULT_READ_THREADS,
+                                                           check=check))
         raise_if_problems(agree(problems, group), "optimizer restore check")
         for current, saved in zip(optimizer.param_groups, new_groups):
             current.update(saved)
@@ -218,8 +219,11 @@ def _plan_param_state(slot: _ParamSlot, saved_state: dict[str, Any], name_to_key
             value = unflatten(lazy, {"version": 1, "root": node})
             state[field] = value.clone() if isinstance(value, torch.Tensor) else value
             continue
-        local = torch.zeros_like(slot.local)
+        # Fresh memory, first touched by the reads (on the read threads); only the padding the pieces
+        # do not cover is zeroed here. zeros_like cost 0.68 s per GB, mostly page faults on one thread.
+        local = torch.empty_like(slot.local)
         flat_local = local.view(-1)
+        _zero_uncovered(flat_local, [(offset, numel) for _, offset, numel, _ in slot.pieces])
         for target, offset, numel, start in slot.pieces:
             src_node = field_nodes[target.name]
             base = src_node.get("view", {}).get("offset", 0)
@@ -233,6 +237,17 @@ def _plan_param_state(slot: _ParamSlot, saved_state: dict[str, Any], name_to_key
                                        shape=slot.param.shape, stride=slot.param.stride())
         state[field] = local
     return state
+
+
+def _zero_uncovered(flat: torch.Tensor, covered: list[tuple[int, int]]) -> None:
+    """Zero the elements of ``flat`` outside the (offset, count) ranges, e.g. FSDP1 flat-parameter padding."""
+    at = 0
+    for offset, count in sorted(covered):
+        if offset > at:
+            flat[at:offset].zero_()
+        at = max(at, offset + count)
+    if at < flat.numel():
+        flat[at:].zero_()
 
 
 def _node_shape(ckpt: Checkpoint, node: dict[str, Any]) -> tuple[int, ...]:

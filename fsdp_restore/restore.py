@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .check import ReadTask, agree, fill_nan, find_unrestored, raise_if_problems
+from .check import ReadTask, agree, fill_nan, find_unrestored, floating, may_hold_nan, raise_if_problems
 from .errors import FsdpRestoreError
 from .flatten import iter_tensor_nodes
 from .read import Checkpoint, open_checkpoint
@@ -28,6 +28,7 @@ from .shards import Target, local_targets
 
 STAGING_BYTES = 64 * 1024 * 1024  # bounded staging buffer for device or dtype-converting copies
 DEFAULT_READ_THREADS = 4
+READ_CHUNK_BYTES = 16 * 1024 * 1024  # pieces above this are split so that several threads share them
 
 
 @dataclass(frozen=True)
@@ -140,30 +141,58 @@ def read_piece(ckpt: Checkpoint, key: str, src_start: int, dest: torch.Tensor) -
             dest[s:s + m].copy_(staging[:m])
 
 
-def execute_reads(ckpt: Checkpoint, tasks: Sequence[ReadTask], threads: int) -> None:
-    """Run every read task; positional reads release the GIL, so threads overlap I/O and copies."""
-    def run(task: ReadTask) -> None:
-        read_piece(ckpt, task.key, task.src_start, task.piece.dest)
-        task.done = True
+def execute_reads(ckpt: Checkpoint, tasks: Sequence[ReadTask], threads: int, *, check: bool = False) -> None:
+    """Run every read task on ``threads`` threads; positional reads release the GIL, so reads overlap
+    each other, the copies into device memory and the checks.
 
-    ordered = sorted(tasks, key=lambda t: -t.piece.dest.numel())
-    if threads <= 1 or len(ordered) <= 1:
-        for task in ordered:
-            run(task)
-        return
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        for f in [pool.submit(run, t) for t in ordered]:
-            f.result()
+    Pieces are split into chunks of at most ``READ_CHUNK_BYTES`` so that one large tensor (an
+    embedding) is read by all threads at once rather than by one. With ``check``, every planned
+    element is first NaN-filled (whole pieces, before any read, on the same threads: the fill is
+    what first touches fresh optimizer-state memory, so its page faults are taken in parallel),
+    and each chunk is screened for NaN on its worker right after its read, while still in cache,
+    so that the check afterwards only re-examines the pieces that need it."""
+    chunks: list[tuple[ReadTask, int, int]] = []  # (task, first element, element count)
+    for task in sorted(tasks, key=lambda t: -t.piece.dest.numel()):
+        n = task.piece.dest.numel()
+        step = max(1, READ_CHUNK_BYTES // max(1, ckpt.entries[task.key].itemsize))
+        chunks.extend((task, s, min(step, n - s)) for s in range(0, n, step))
+        task.may_hold_nan = False if check else None
+
+    def poison(chunk: tuple[ReadTask, int, int]) -> None:
+        task, start, count = chunk
+        if floating(task.piece.dest.dtype):
+            task.piece.dest[start:start + count].fill_(float("nan"))
+
+    def read(chunk: tuple[ReadTask, int, int]) -> None:
+        task, start, count = chunk
+        dest = task.piece.dest[start:start + count]
+        read_piece(ckpt, task.key, task.src_start + start, dest)
+        if check and may_hold_nan(dest):
+            task.may_hold_nan = True  # only ever set to True, by any thread: no lock needed
+
+    with torch.no_grad():
+        for phase in ([poison] if check else []) + [read]:
+            if threads <= 1 or len(chunks) <= 1:
+                for chunk in chunks:
+                    phase(chunk)
+            else:
+                with ThreadPoolExecutor(max_workers=threads) as pool:
+                    for f in [pool.submit(phase, c) for c in chunks]:
+                        f.result()
+    for task in tasks:  # reached only when every chunk was read (a failed read raised above)
+        task.done = True
 
 
 def checked_reads(ckpt: Checkpoint, tasks: Sequence[ReadTask], report: RestoreReport, *, check: bool,
-                  read: Callable[[], None]) -> dict[str, list[str]]:
-    """NaN-fill the planned elements (with ``check``), run ``read()``, then check them; returns this
-    rank's problems instead of raising, so that every rank still reaches the verdict collective."""
+                  read: Callable[[], None], prefill: bool = False) -> dict[str, list[str]]:
+    """Run ``read()`` then (with ``check``) look for planned elements left unrestored; with
+    ``prefill``, NaN-fill them all first (for readers that do not fill as they go, unlike
+    `execute_reads`). Returns this rank's problems instead of raising, so that every rank still
+    reaches the verdict collective."""
     problems: dict[str, list[str]] = {}
     try:
         with torch.no_grad():
-            if check:
+            if check and prefill:
                 fill_nan(tasks)
             read()
         if check:
@@ -233,11 +262,11 @@ def restore_model(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpo
 
                 restore_by_apply(model, ckpt, tasks, prefix=prefix)
             elif method == "read":
-                execute_reads(ckpt, tasks, threads or DEFAULT_READ_THREADS)
+                execute_reads(ckpt, tasks, threads or DEFAULT_READ_THREADS, check=check)
             else:
                 raise ValueError(f"unknown method '{method}' (use 'read' or 'apply')")
 
-        problems = checked_reads(ckpt, tasks, report, check=check, read=read)
+        problems = checked_reads(ckpt, tasks, report, check=check, read=read, prefill=method == "apply")
         raise_if_problems(agree(problems, group), "restore check")
         report.bytes_read = ckpt.bytes_read - before
         report.elements = sum(t.piece.dest.numel() for t in tasks)

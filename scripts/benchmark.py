@@ -197,7 +197,8 @@ def _build(fsdp: str, layers: int, dim: int) -> torch.nn.Module:
 
 
 def restore_worker(rank: int, world_size: int, method: str, fsdp: str, layers: int, dim: int,
-                   files: list[str], full_files: list[str], threads: int | None = None) -> dict[str, Any]:
+                   files: list[str], full_files: list[str], threads: int | None = None,
+                   cold: bool = True) -> dict[str, Any]:
     import torch.distributed as dist
 
     import fsdp_restore
@@ -255,7 +256,7 @@ def restore_worker(rank: int, world_size: int, method: str, fsdp: str, layers: i
     # the drop; the checkpoint's own pages do not.
     run()
     dist.barrier()
-    if rank == 0:
+    if rank == 0 and cold:
         drop_caches()
     dist.barrier()
     read0 = disk_read_bytes()
@@ -269,7 +270,8 @@ def restore_worker(rank: int, world_size: int, method: str, fsdp: str, layers: i
 
 
 def bench_restore(work: Path, mb: float, world_sizes: list[int], only: list[str] | None = None,
-                  repeat: int = 3, read_threads: list[int] | None = None) -> list[dict[str, Any]]:
+                  repeat: int = 3, read_threads: list[int] | None = None, cache: str = "cold"
+                  ) -> list[dict[str, Any]]:
     from fsdp_restore import convert
     from fsdp_restore.launch import RankFailure, run_ranks
 
@@ -304,10 +306,12 @@ def bench_restore(work: Path, mb: float, world_sizes: list[int], only: list[str]
                 label = method if not (read_threads and method.startswith("ours")) else f"{method} t={threads}"
                 runs = []
                 for _ in range(repeat):
-                    cold = drop_caches()  # each run also drops it again between its warm-up and the measurement
+                    # each cold run also drops the cache again between its warm-up and the measurement; a warm
+                    # run measures with what its own warm-up read still cached (I/O nearly free: CPU costs only)
+                    cold = drop_caches() and cache == "cold"
                     try:
                         per_rank = run_ranks(restore_worker, ws, method, fsdp, layers, dim, files, full_files,
-                                             threads, timeout=600, backend="gloo")
+                                             threads, cold, timeout=600, backend="gloo")
                     except RankFailure as e:
                         console.print(f"[red]{fsdp} {label} ws={ws} failed[/]: {str(e).splitlines()[1][:200]}")
                         break
@@ -355,7 +359,8 @@ def report(convert_rows: list[dict[str, Any]], restore_rows: list[dict[str, Any]
             lines.append(f"| {r['method']} | {r['seconds']:.2f} | {ratio} | {mb(r['peak_anon'])} | {mb(r['written'])} |")
         console.print(t)
     if restore_rows:
-        t = Table(title="restore (gloo, CPU; max over ranks)")
+        cache = "cold" if all(r["cold_cache"] for r in restore_rows) else "warm"
+        t = Table(title=f"restore (gloo, CPU, {cache} page cache; max over ranks)")
         for c in ("ws", "fsdp", "method", "seconds", "x ours", "read/rank", "read/rank / (model/N)", "peak anon/rank"):
             t.add_column(c, justify="right")
         lines.append("\n| ws | fsdp | method | seconds | x ours | read per rank | read per rank / (model/N) |"
@@ -386,6 +391,8 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", help="restore methods to run, e.g. ours dcp fsdp1:apply")
     parser.add_argument("--read-threads", type=int, nargs="+",
                         help="read threads per rank for our methods; several values run one row each")
+    parser.add_argument("--cache", choices=["cold", "warm"], default="cold",
+                        help="restore from disk (cold, default) or from the page cache each rank's warm-up filled")
     parser.add_argument("--workdir", help="where to put the files (default: a temporary directory)")
     parser.add_argument("--out", help="also write the raw results as JSON here")
     args = parser.parse_args()
@@ -394,7 +401,7 @@ def main() -> None:
     try:
         conv = [] if "convert" in args.skip else bench_convert(work, args.convert_gb, args.repeat)
         rest = [] if "restore" in args.skip else bench_restore(work, args.restore_mb, args.world_sizes, args.methods, args.repeat,
-                                                               args.read_threads)
+                                                               args.read_threads, args.cache)
         markdown = report(conv, rest)
         if args.out:
             Path(args.out).write_text(json.dumps({"convert": conv, "restore": rest, "markdown": markdown}, indent=2))

@@ -69,6 +69,10 @@ def _resume(rank, world_size, path, model_name, how, kind):
     opt = _make_optimizer(kind, model.parameters())
     extra = fsdp_restore.restore(model, path, optimizer=opt)
     assert extra["step"] == STEPS_BEFORE and set(extra) == {"step", "rng"}
+    for state in opt.state.values():  # padding included: no NaN poison or uninitialized memory left
+        for value in state.values():
+            local = value.to_local() if hasattr(value, "to_local") else value
+            assert torch.isfinite(local).all()
     assert opt.param_groups[0]["lr"] == 1e-2
     losses = _train(model, opt, model_name, STEPS_AFTER, STEPS_BEFORE)
     return losses, full_state(model, how)
@@ -165,3 +169,19 @@ def test_fqn_keyed_optimizer_state(tmp_path):
     for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(opt.state[p][key], fresh_opt.state[q][key]), (name, key)
+
+
+def test_state_padding_outside_every_piece_is_zeroed():
+    """New state tensors start uninitialized; whatever no piece covers (FSDP1 padding) must be zero."""
+    from fsdp_restore.optim import _zero_uncovered
+
+    flat = torch.full((20,), 7.0)
+    _zero_uncovered(flat, [(12, 3), (2, 4), (4, 3)])  # unsorted, overlapping ranges
+    expected = torch.full((20,), 7.0)
+    expected[:2] = 0
+    expected[7:12] = 0
+    expected[15:] = 0
+    assert torch.equal(flat, expected)
+    full = torch.full((5,), 7.0)
+    _zero_uncovered(full, [(0, 5)])
+    assert torch.equal(full, torch.full((5,), 7.0))

@@ -90,6 +90,19 @@ def test_fsdp1_apply_route(ckpts, params, world_size):
     assert all(r["bytes_read"] >= ckpts["gpt2_bytes"] * 0.9 for r in results)
 
 
+def _restore_in_tiny_chunks(rank, world_size, path, model_name, how, options):
+    import importlib
+
+    # 52 bytes: every piece is split into many chunks that end mid-row and are read by different threads
+    importlib.import_module("fsdp_restore.restore").READ_CHUNK_BYTES = 52
+    return _restore_and_compare(rank, world_size, path, model_name, how, options)
+
+
+@pytest.mark.parametrize("how", ["fsdp2", "fsdp1-FULL_SHARD-flat"])
+def test_pieces_split_into_chunks_restore_exactly(ckpts, how):
+    run_ranks(_restore_in_tiny_chunks, 3, ckpts["llama"], "llama", how, {"threads": 3})
+
+
 @pytest.mark.parametrize("how", ["plain", "ddp"])
 def test_plain_and_ddp(ckpts, how):
     run_ranks(_restore_and_compare, 2, ckpts["gpt2"], "gpt2", how, {})
