@@ -20,15 +20,19 @@ from .verify import VerifyReport, inspect_checkpoint, verify
 __version__ = "0.1.0"
 
 
-def load(path: str | os.PathLike[str], *, trust_pickle: bool = False) -> Any:
+def load(path: str | os.PathLike[str], *, mmap: bool = True, trust_pickle: bool = False) -> Any:
     """Load a checkpoint as the nested object it was saved as.
 
     Our safetensors files (or sharded directories) come back with memory-mapped tensors: nothing
-    is read until used. Given ``x.pt``, a sibling ``x.safetensors`` (file or directory) is used
-    when one exists, as OLMo does; otherwise the ``.pt`` is loaded safely (see `load_pt`).
+    is read until used; ``mmap=False`` reads every tensor eagerly with large positional reads
+    (for network filesystems). Given ``x.pt``, a sibling ``x.safetensors`` (file or directory) is
+    used when one exists, as OLMo does; otherwise the ``.pt`` is loaded safely (see `load_pt`).
     """
     if find_safetensors_for(path) is not None:
-        return Checkpoint(path).load()
+        if mmap:
+            return Checkpoint(path).load()
+        with Checkpoint(path) as ckpt:
+            return ckpt.load(mmap=False)
     return load_pt(path, trust_pickle=trust_pickle)
 
 

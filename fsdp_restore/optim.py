@@ -266,7 +266,8 @@ def restore(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint,
     """Restore model (and optimizer) state on every rank and return the rest of the checkpoint.
 
     The returned dict holds every other top-level entry (step, scheduler, RNG states, config...)
-    as ordinary Python objects; tensors in it are memory-mapped.
+    as ordinary Python objects; tensors in it are read into memory with exact positional reads
+    (no mapping is left open on the file).
     """
     ckpt = open_checkpoint(checkpoint)
     try:
@@ -278,7 +279,7 @@ def restore(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint,
         if not (isinstance(root, dict) and root.get("type") in ("dict", "OrderedDict")):
             return {}
         rest = {"type": "dict", "items": [[k, v] for k, v in root["items"] if k not in (model_key, optim_key)]}
-        return unflatten(ckpt.tensors(), {"version": 1, "root": rest})
+        return unflatten(ckpt.tensors(exact=True), {"version": 1, "root": rest})
     finally:
         if not isinstance(checkpoint, Checkpoint):
             ckpt.close()

@@ -160,9 +160,11 @@ class Checkpoint:
         self.read_range(key, 0, out.view(-1))
         return out
 
-    def load(self) -> Any:
-        """The stored object, rebuilt exactly; tensors are memory-mapped."""
-        return unflatten(self.tensors(), self.structure)
+    def load(self, *, mmap: bool = True) -> Any:
+        """The stored object, rebuilt exactly. Tensors are memory-mapped (read when touched), or with
+        ``mmap=False`` read eagerly into memory with large positional reads: better on network
+        filesystems, where page faults on a mapping turn into many small remote reads."""
+        return unflatten(self.tensors(exact=not mmap), self.structure)
 
     def _entry(self, key: str) -> TensorEntry:
         try:

@@ -33,6 +33,9 @@ def test_training_checkpoint_roundtrips_exactly(train_ckpt, tmp_path):
     assert_same(back, torch.load(src, weights_only=False))
     model = back["model"]
     assert model["lm_head.weight"] is model["transformer.wte.weight"]  # tied: stored once, restored as alias
+    eager = fsdp_restore.load(tmp_path / "out.safetensors", mmap=False)  # positional reads, no mapping
+    assert_same(eager, back)
+    assert eager["model"]["lm_head.weight"] is eager["model"]["transformer.wte.weight"]
     raw = open(tmp_path / "out.safetensors", "rb").read()
     assert b"pickle" not in raw and b"\x80\x04" not in raw[:8 + int.from_bytes(raw[:8], "little")]
 
@@ -74,6 +77,7 @@ def test_sharded_output_with_hf_index(train_ckpt, tmp_path):
     assert index["metadata"]["total_size"] == report.nbytes
     assert sum(os.path.getsize(dst / s) for s in shards) > report.nbytes
     assert_same(fsdp_restore.load(dst), torch.load(src, weights_only=False))
+    assert_same(fsdp_restore.load(dst, mmap=False), torch.load(src, weights_only=False))
     assert_same(fsdp_restore.load(dst / "model.safetensors.index.json")["step"], 2)
 
 
