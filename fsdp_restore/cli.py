@@ -117,8 +117,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     with _progress() as progress:
         task = progress.add_task("verify", total=None)
-        report = verify(args.path, against=args.against, threads=args.threads, trust_pickle=args.trust_pickle,
-                        progress=lambda d, t: progress.update(task, completed=d, total=t))
+        report = verify(args.path, against=args.against, select=args.select, threads=args.threads,
+                        trust_pickle=args.trust_pickle, progress=lambda d, t: progress.update(task, completed=d, total=t))
     render_verify(report, out)
     return 0 if report.ok else 1
 
@@ -161,6 +161,7 @@ def make_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check a converted checkpoint (checksums; --against the source .pt)")
     p.add_argument("path")
     p.add_argument("--against", help="the source .pt: compare structure and every tensor bit for bit")
+    p.add_argument("--select", help="the subtree of the source that was converted (convert --select)")
     p.add_argument("--threads", type=int)
     p.add_argument("--trust-pickle", action="store_true")
     p.set_defaults(func=cmd_verify)

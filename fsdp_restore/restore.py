@@ -152,7 +152,14 @@ def execute_reads(ckpt: Checkpoint, tasks: Sequence[ReadTask], threads: int, *, 
     and each chunk is screened for NaN on its worker right after its read, while still in cache,
     so that the check afterwards only re-examines the pieces that need it."""
     chunks: list[tuple[ReadTask, int, int]] = []  # (task, first element, element count)
-    for task in sorted(tasks, key=lambda t: -t.piece.dest.numel()):
+
+    def file_position(task: ReadTask) -> tuple[str, int]:
+        entry = ckpt.entries[task.key]
+        return str(entry.file), entry.offset + task.src_start * entry.itemsize
+
+    # In file order: the threads move through each file together, so the disk sees near-sequential
+    # reads and small slices (biases) are read next to their neighbours, not in a second sweep.
+    for task in sorted(tasks, key=file_position):
         n = task.piece.dest.numel()
         step = max(1, READ_CHUNK_BYTES // max(1, ckpt.entries[task.key].itemsize))
         chunks.extend((task, s, min(step, n - s)) for s in range(0, n, step))

@@ -84,11 +84,12 @@ def _compare(ckpt: Checkpoint, key: str, source: torch.Tensor, progress: Callabl
 
 
 def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | None = None,
-           threads: int | None = None, trust_pickle: bool = False,
+           select: str | None = None, threads: int | None = None, trust_pickle: bool = False,
            progress: Callable[[int, int], None] | None = None) -> VerifyReport:
     """Check a checkpoint without its source: header sanity (offsets in range, no overlaps or
     holes, sizes), index consistency, the structure metadata, and every checksum. With
-    ``against``, also compare the structure and every tensor bit for bit with the source ``.pt``.
+    ``against``, also compare the structure and every tensor bit for bit with the source ``.pt``
+    (its subtree ``select`` when the checkpoint was converted with ``select``).
     Never raises for a bad checkpoint: the problems are in the report.
     """
     report = VerifyReport(path=str(path), against=str(against) if against else None)
@@ -99,13 +100,13 @@ def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | No
             report.problems.append((getattr(e, "path", str(path)), getattr(e, "problem", str(e))))
             return report
         with ckpt:
-            _verify_open(ckpt, report, against, threads, trust_pickle, progress)
+            _verify_open(ckpt, report, against, select, threads, trust_pickle, progress)
     report.seconds = clock.seconds
     return report
 
 
-def _verify_open(ckpt: Checkpoint, report: VerifyReport, against: Any, threads: int | None, trust_pickle: bool,
-                 progress: Callable[[int, int], None] | None) -> None:
+def _verify_open(ckpt: Checkpoint, report: VerifyReport, against: Any, select: str | None, threads: int | None,
+                 trust_pickle: bool, progress: Callable[[int, int], None] | None) -> None:
     report.tensors = len(ckpt.entries)
     try:
         ckpt.load()  # decodes the whole structure against the real (memory-mapped) tensors
@@ -113,13 +114,19 @@ def _verify_open(ckpt: Checkpoint, report: VerifyReport, against: Any, threads: 
         report.problems.append(("<structure>", str(e)))
     source: dict[str, torch.Tensor] = {}
     if against is not None:
-        from .convert import load_pt
+        from .convert import load_pt, select_subtree
 
         try:
-            src_tensors, src_structure = flatten(load_pt(against, trust_pickle=trust_pickle))
+            src_tensors, src_structure = flatten(select_subtree(load_pt(against, trust_pickle=trust_pickle), select))
         except FsdpRestoreError as e:
             report.problems.append((str(against), str(e)))
             return
+        except KeyError as e:
+            report.problems.append((str(against), str(e).strip("'\"")))
+            return
+        if not select and not (src_tensors.keys() & ckpt.entries.keys()):
+            report.problems.append(("<structure>", "no tensor key in common with the source; if the checkpoint"
+                                    " was converted with --select, pass the same --select to verify"))
         if ckpt.has_structure and src_structure != ckpt.structure:
             report.problems.append(("<structure>", "nested structure differs from the source"
                                     " (keys, types or non-tensor values)"))

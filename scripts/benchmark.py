@@ -176,6 +176,28 @@ def bench_convert(work: Path, gb: float, repeat: int = 3) -> list[dict[str, Any]
 # ---------------------------------------------------------------------------------------------
 # restore methods (run on real ranks)
 
+BLKIO = Path("/sys/fs/cgroup/blkio")
+
+
+def limit_read_bandwidth(path: str, rank: int, mbps: float) -> str:
+    """Put this process in its own cgroup-v1 blkio group reading at most ``mbps`` MB/s from the disk
+    holding ``path``: each rank then has a disk of its own bandwidth, as on separate nodes (one host's
+    ranks otherwise share one disk, and total bytes read, not bytes per rank, set the time)."""
+    dev = os.stat(path).st_dev
+    group = BLKIO / f"fsdp_restore_bench_rank{rank}"
+    group.mkdir(exist_ok=True)
+    (group / "blkio.throttle.read_bps_device").write_text(f"{os.major(dev)}:{os.minor(dev)} {int(mbps * 1e6)}\n")
+    (group / "cgroup.procs").write_text(f"{os.getpid()}\n")
+    return str(group)
+
+
+def leave_read_limit(group: str) -> None:
+    (BLKIO / "cgroup.procs").write_text(f"{os.getpid()}\n")
+    try:
+        os.rmdir(group)
+    except OSError:
+        pass
+
 
 def _build(fsdp: str, layers: int, dim: int) -> torch.nn.Module:
     if fsdp == "fsdp2":
@@ -198,7 +220,7 @@ def _build(fsdp: str, layers: int, dim: int) -> torch.nn.Module:
 
 def restore_worker(rank: int, world_size: int, method: str, fsdp: str, layers: int, dim: int,
                    files: list[str], full_files: list[str], threads: int | None = None,
-                   cold: bool = True) -> dict[str, Any]:
+                   cold: bool = True, rank_mbps: float | None = None) -> dict[str, Any]:
     import torch.distributed as dist
 
     import fsdp_restore
@@ -218,6 +240,7 @@ def restore_worker(rank: int, world_size: int, method: str, fsdp: str, layers: i
 
     model = _build(fsdp, layers, dim)
     path = files[rank]
+    group = limit_read_bandwidth(path, rank, rank_mbps) if rank_mbps else None
     opt = None
     if method == "ours+optim":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -265,13 +288,15 @@ def restore_worker(rank: int, world_size: int, method: str, fsdp: str, layers: i
         run()
         dist.barrier()
         seconds = time.perf_counter() - t0
+    if group:
+        leave_read_limit(group)
     return {"seconds": seconds, "peak_anon": mem.peak - mem.start, "read": disk_read_bytes() - read0,
             "requested": counted[0]}
 
 
 def bench_restore(work: Path, mb: float, world_sizes: list[int], only: list[str] | None = None,
-                  repeat: int = 3, read_threads: list[int] | None = None, cache: str = "cold"
-                  ) -> list[dict[str, Any]]:
+                  repeat: int = 3, read_threads: list[int] | None = None, cache: str = "cold",
+                  rank_mbps: float | None = None) -> list[dict[str, Any]]:
     from fsdp_restore import convert
     from fsdp_restore.launch import RankFailure, run_ranks
 
@@ -311,7 +336,7 @@ def bench_restore(work: Path, mb: float, world_sizes: list[int], only: list[str]
                     cold = drop_caches() and cache == "cold"
                     try:
                         per_rank = run_ranks(restore_worker, ws, method, fsdp, layers, dim, files, full_files,
-                                             threads, cold, timeout=600, backend="gloo")
+                                             threads, cold, rank_mbps, timeout=600, backend="gloo")
                     except RankFailure as e:
                         console.print(f"[red]{fsdp} {label} ws={ws} failed[/]: {str(e).splitlines()[1][:200]}")
                         break
@@ -319,6 +344,7 @@ def bench_restore(work: Path, mb: float, world_sizes: list[int], only: list[str]
                 if not runs:
                     continue
                 row = _median_row(runs)
+                row["rank_read_mbps"] = rank_mbps
                 rows.append(row)
                 console.print(f"  ws={ws} {fsdp} {label}: {row['runs_seconds']} s, read per rank"
                               f" {[round(r / 1e6, 1) for r in row['read_per_rank']]} MB"
@@ -360,7 +386,9 @@ def report(convert_rows: list[dict[str, Any]], restore_rows: list[dict[str, Any]
         console.print(t)
     if restore_rows:
         cache = "cold" if all(r["cold_cache"] for r in restore_rows) else "warm"
-        t = Table(title=f"restore (gloo, CPU, {cache} page cache; max over ranks)")
+        cap = restore_rows[0].get("rank_read_mbps")
+        t = Table(title=f"restore (gloo, CPU, {cache} page cache{f', reads capped at {cap:g} MB/s per rank' if cap else ''};"
+                        " max over ranks)")
         for c in ("ws", "fsdp", "method", "seconds", "x ours", "read/rank", "read/rank / (model/N)", "peak anon/rank"):
             t.add_column(c, justify="right")
         lines.append("\n| ws | fsdp | method | seconds | x ours | read per rank | read per rank / (model/N) |"
@@ -393,6 +421,9 @@ def main() -> None:
                         help="read threads per rank for our methods; several values run one row each")
     parser.add_argument("--cache", choices=["cold", "warm"], default="cold",
                         help="restore from disk (cold, default) or from the page cache each rank's warm-up filled")
+    parser.add_argument("--rank-read-mbps", type=float,
+                        help="cap each rank's disk reads at this many MB/s (cgroup v1 blkio, root): emulates one"
+                             " disk per rank, as on separate nodes")
     parser.add_argument("--workdir", help="where to put the files (default: a temporary directory)")
     parser.add_argument("--out", help="also write the raw results as JSON here")
     args = parser.parse_args()
@@ -401,7 +432,7 @@ def main() -> None:
     try:
         conv = [] if "convert" in args.skip else bench_convert(work, args.convert_gb, args.repeat)
         rest = [] if "restore" in args.skip else bench_restore(work, args.restore_mb, args.world_sizes, args.methods, args.repeat,
-                                                               args.read_threads, args.cache)
+                                                               args.read_threads, args.cache, args.rank_read_mbps)
         markdown = report(conv, rest)
         if args.out:
             Path(args.out).write_text(json.dumps({"convert": conv, "restore": rest, "markdown": markdown}, indent=2))

@@ -41,6 +41,22 @@ def test_flipped_byte_names_the_key(good):
     assert any(k == "model.b" and "differ" in m for k, m in verify(dst, against=src).problems)
 
 
+def test_selected_subtree_against_source(good, tmp_path):
+    src, _ = good
+    fsdp_restore.convert(src, tmp_path / "model.safetensors", select="model", dtype="bf16")
+    hinted = verify(tmp_path / "model.safetensors", against=src)
+    assert not hinted.ok and any("--select" in m for _, m in hinted.problems)
+    report = verify(tmp_path / "model.safetensors", against=src, select="model")
+    assert report.ok and report.compared == 2, report.problems
+    state = torch.load(src)
+    state["model"]["a"][7] += 1
+    torch.save(state, src)
+    changed = verify(tmp_path / "model.safetensors", against=src, select="model")
+    assert [k for k, _ in changed.problems] == ["a"]
+    wrong = verify(tmp_path / "model.safetensors", against=src, select="nope")
+    assert not wrong.ok and "no key 'nope'" in wrong.problems[0][1]
+
+
 def test_truncated_file(good):
     _, dst = good
     dst.write_bytes(dst.read_bytes()[:-10])
