@@ -19,6 +19,7 @@ from typing import Any
 
 _CTX: Any = None
 PRELOAD = ["torch", "torch.distributed.fsdp", "fsdp_restore"]
+DEAD_RANK_GRACE_S = 3.0  # after a rank dies, how long the others get to report before they are stopped
 
 
 def _context() -> Any:
@@ -86,6 +87,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
+        died_at: float | None = None
         try:
             while len(results) < world_size:
                 try:
@@ -95,13 +97,15 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                 except queue_mod.Empty:
                     pass
                 dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
-                if dead:  # died without reporting (segfault, os._exit, OOM kill): fail now, not at the timeout
-                    time.sleep(1.0)
-                    while not q.empty():
-                        rank, status, value = q.get()
-                        results[rank] = (status, value)
-                    for r in dead:
-                        results.setdefault(r, ("error", f"died with exit code {procs[r].exitcode}"))
+                for r in dead:  # died without reporting (segfault, os._exit, OOM kill)
+                    results[r] = ("error", f"died with exit code {procs[r].exitcode} without reporting")
+                    died_at = died_at or time.monotonic()
+                # The survivors now wait for the dead rank in a collective until their process-group
+                # timeout: give them a moment to report anything they have, then stop them.
+                if died_at is not None and time.monotonic() - died_at > DEAD_RANK_GRACE_S:
+                    first = min(r for r, (_, v) in results.items() if "without reporting" in v)
+                    for r in range(world_size):
+                        results.setdefault(r, ("error", f"stopped: rank {first} died, so this rank could not finish"))
                 if time.monotonic() > deadline:
                     for r in range(world_size):
                         results.setdefault(r, ("error", f"did not finish within {timeout}s (hang?)"))
