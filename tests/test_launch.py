@@ -17,6 +17,7 @@ def _sum_ranks(rank, world_size):
 
 
 def _rank_dies(rank, world_size, survivors_block):
+    dist.barrier()  # every rank is past its process-group setup (a death during setup fails it instead)
     if rank == 1:
         os._exit(3)  # no exception, no report: as a segfault or an OOM kill
     if survivors_block:
