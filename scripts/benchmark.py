@@ -250,7 +250,9 @@ def restore_worker(rank: int, world_size: int, method: str, fsdp: str, layers: i
         if method == "ours":
             counted[0] = fsdp_restore.restore_model(model, path, threads=threads).bytes_read
         elif method == "ours+optim":
-            fsdp_restore.restore(model, full_files[rank], optimizer=opt, threads=threads)
+            with fsdp_restore.Checkpoint(full_files[rank]) as ckpt:
+                fsdp_restore.restore(model, ckpt, optimizer=opt, threads=threads)
+                counted[0] = ckpt.bytes_read
         elif method == "apply":
             fsdp_restore.restore_model(model, path, method="apply")
         elif method == "dcp":
