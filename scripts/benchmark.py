@@ -146,7 +146,7 @@ def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
-def bench_convert(work: Path, gb: float, repeat: int = 3) -> list[dict[str, Any]]:
+def bench_convert(work: Path, gb: float, repeat: int = 3, cache: str = "cold") -> list[dict[str, Any]]:
     src = work / "train.pt"
     console.print(f"[bold]convert[/]: generating a {gb:.1f} GB training checkpoint ...")
     make_training_checkpoint(src, gb)
@@ -155,7 +155,7 @@ def bench_convert(work: Path, gb: float, repeat: int = 3) -> list[dict[str, Any]
         dst = work / f"conv-{method}.safetensors"
         runs = []
         for _ in range(repeat):
-            cold = drop_caches()
+            cold = cache == "cold" and drop_caches()
             out = subprocess.run([sys.executable, __file__, "--convert-method", method, str(src), str(dst)],
                                  capture_output=True, text=True)
             if out.returncode != 0:
@@ -335,7 +335,7 @@ def bench_restore(work: Path, mb: float, world_sizes: list[int], only: list[str]
                 for _ in range(repeat):
                     # each cold run also drops the cache again between its warm-up and the measurement; a warm
                     # run measures with what its own warm-up read still cached (I/O nearly free: CPU costs only)
-                    cold = drop_caches() and cache == "cold"
+                    cold = cache == "cold" and drop_caches()
                     try:
                         per_rank = run_ranks(restore_worker, ws, method, fsdp, layers, dim, files, full_files,
                                              threads, cold, rank_mbps, timeout=600, backend="gloo")
@@ -422,7 +422,8 @@ def main() -> None:
     parser.add_argument("--read-threads", type=int, nargs="+",
                         help="read threads per rank for our methods; several values run one row each")
     parser.add_argument("--cache", choices=["cold", "warm"], default="cold",
-                        help="restore from disk (cold, default) or from the page cache each rank's warm-up filled")
+                        help="read from disk (cold, default: the page cache is dropped before each run, as root) or from"
+                             " the page cache (warm: nothing dropped; a restore reads what its warm-up cached)")
     parser.add_argument("--rank-read-mbps", type=float,
                         help="cap each rank's disk reads at this many MB/s (cgroup v1 blkio, root): emulates one"
                              " disk per rank, as on separate nodes")
@@ -432,7 +433,7 @@ def main() -> None:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="fsdp_restore_bench_"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        conv = [] if "convert" in args.skip else bench_convert(work, args.convert_gb, args.repeat)
+        conv = [] if "convert" in args.skip else bench_convert(work, args.convert_gb, args.repeat, args.cache)
         rest = [] if "restore" in args.skip else bench_restore(work, args.restore_mb, args.world_sizes, args.methods, args.repeat,
                                                                args.read_threads, args.cache, args.rank_read_mbps)
         markdown = report(conv, rest)

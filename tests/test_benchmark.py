@@ -1,0 +1,43 @@
+"""scripts/benchmark.py end to end at a tiny size: every method runs and the byte counts add up.
+
+Timings are the benchmark's business, not a test's: nothing here asserts on seconds. The warm-cache
+mode is used so that the test does not drop the machine's page cache.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "benchmark.py"
+RESTORE_METHODS = {"fsdp2": {"ours", "dcp", "broadcast", "every-rank-loads", "ours+optim"},
+                   "fsdp1": {"ours", "broadcast", "apply", "ours+optim"}}
+
+
+def test_every_method_runs_and_ours_requests_only_its_share(tmp_path):
+    out = tmp_path / "results.json"
+    res = subprocess.run([sys.executable, str(SCRIPT), "--convert-gb", "0.03", "--restore-mb", "13",
+                          "--world-sizes", "2", "--repeat", "1", "--cache", "warm", "--workdir", str(tmp_path / "w"),
+                          "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "failed" not in res.stdout, res.stdout
+    results = json.loads(out.read_text())
+
+    convert = {r["method"]: r for r in results["convert"]}
+    assert set(convert) == {"copy", "ours", "ours-bf16", "mmap+save_file", "olmo"}
+    # ours holds the same tensor bytes as the .pt (plus a header); bf16 halves the floating tensors
+    assert abs(convert["ours"]["written"] - convert["copy"]["written"]) < 0.02 * convert["copy"]["written"]
+    assert 0.45 < convert["ours-bf16"]["written"] / convert["ours"]["written"] < 0.55
+
+    rows = results["restore"]
+    assert {(r["fsdp"], r["method"]) for r in rows} == {(f, m) for f, ms in RESTORE_METHODS.items() for m in ms}
+    for r in rows:
+        assert r["world_size"] == 2 and not r["cold_cache"]
+        model = r["model_bytes"]
+        if r["method"] == "ours":  # each rank asks for its share of the model, and nothing else
+            for requested in r["requested"]:
+                assert model / 2 <= requested <= model / 2 * 1.02, r
+        elif r["method"] == "ours+optim":  # model + exp_avg + exp_avg_sq shares, plus the small extras
+            for requested in r["requested"]:
+                assert 3 * model / 2 <= requested <= 3 * model / 2 * 1.02, r
+    assert "| ours |" in results["markdown"]
