@@ -146,11 +146,11 @@ def execute_reads(ckpt: Checkpoint, tasks: Sequence[ReadTask], threads: int, *, 
     each other, the copies into device memory and the checks.
 
     Pieces are split into chunks of at most ``READ_CHUNK_BYTES`` so that one large tensor (an
-    embedding) is read by all threads at once rather than by one. With ``check``, every planned
-    element is first NaN-filled (whole pieces, before any read, on the same threads: the fill is
-    what first touches fresh optimizer-state memory, so its page faults are taken in parallel),
-    and each chunk is screened for NaN on its worker right after its read, while still in cache,
-    so that the check afterwards only re-examines the pieces that need it."""
+    embedding) is read by all threads at once rather than by one. With ``check``, each chunk is
+    NaN-filled, read and screened for NaN by one worker in a row: the fill (which is also what first
+    touches freshly allocated memory, page faults included) overlaps the other workers' reads
+    instead of delaying every read, and the screen runs while the chunk is still in cache, so that
+    the check afterwards only re-examines the pieces that need it."""
     chunks: list[tuple[ReadTask, int, int]] = []  # (task, first element, element count)
 
     def file_position(task: ReadTask) -> tuple[str, int]:
@@ -165,27 +165,23 @@ def execute_reads(ckpt: Checkpoint, tasks: Sequence[ReadTask], threads: int, *, 
         chunks.extend((task, s, min(step, n - s)) for s in range(0, n, step))
         task.may_hold_nan = False if check else None
 
-    def poison(chunk: tuple[ReadTask, int, int]) -> None:
-        task, start, count = chunk
-        if floating(task.piece.dest.dtype):
-            task.piece.dest[start:start + count].fill_(float("nan"))
-
     def read(chunk: tuple[ReadTask, int, int]) -> None:
         task, start, count = chunk
         dest = task.piece.dest[start:start + count]
+        if check and floating(dest.dtype):
+            dest.fill_(float("nan"))  # an element the read below fails to write stays NaN
         read_piece(ckpt, task.key, task.src_start + start, dest)
         if check and may_hold_nan(dest):
             task.may_hold_nan = True  # only ever set to True, by any thread: no lock needed
 
     with torch.no_grad():
-        for phase in ([poison] if check else []) + [read]:
-            if threads <= 1 or len(chunks) <= 1:
-                for chunk in chunks:
-                    phase(chunk)
-            else:
-                with ThreadPoolExecutor(max_workers=threads) as pool:
-                    for f in [pool.submit(phase, c) for c in chunks]:
-                        f.result()
+        if threads <= 1 or len(chunks) <= 1:
+            for chunk in chunks:
+                read(chunk)
+        else:
+            with ThreadPoolExecutor(max_workers=threads) as pool:
+                for f in [pool.submit(read, c) for c in chunks]:
+                    f.result()
     for task in tasks:  # reached only when every chunk was read (a failed read raised above)
         task.done = True
 
