@@ -82,9 +82,15 @@ def tensor_sources(ckpt: Checkpoint, prefix: str) -> tuple[dict[str, Source], li
 
 
 def default_prefix(ckpt: Checkpoint) -> str:
-    """``"model"`` for our full-checkpoint files; ``""`` for plain weight files (Hugging Face, --select)."""
-    return "model" if ckpt.has_structure and any(
-        p.startswith("model.") for p, _ in iter_tensor_nodes(ckpt.structure["root"])) else ""
+    """``"model"`` when the top level holds a ``"model"`` subtree (a training checkpoint saved as
+    ``{"model": ..., "optim": ...}``); ``""`` for plain weight files (Hugging Face files, ``--select``
+    outputs, a converted ``torch.save(model.state_dict())``). Only the exact top-level key counts:
+    Hugging Face state dicts have flat keys that themselves start with ``model.`` (``LlamaForCausalLM``)."""
+    root = ckpt.structure["root"] if ckpt.has_structure else None
+    if not (isinstance(root, dict) and root.get("type") in ("dict", "OrderedDict")):
+        return ""
+    return "model" if any(k == "model" and isinstance(v, dict) and v.get("type") != "tensor"
+                          for k, v in root["items"]) else ""
 
 
 def plan_model_reads(targets: Sequence[Target], aliases: dict[str, str], sources: dict[str, Source],

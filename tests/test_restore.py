@@ -195,6 +195,40 @@ def test_plain_hf_weights_file_without_prefix(ckpts, tmp_path):
     assert report.prefix == "" and all(torch.equal(other.state_dict()[k], v) for k, v in state.items())
 
 
+def _restore_flat_hf_keys(rank, world_size, path):
+    model = wrap(build("llama", seed=1234), "fsdp2", world_size)
+    report = restore_model(model, path)  # default prefix: the keys themselves start with "model."
+    expected = fsdp_restore.load(path)
+    got = full_state(model, "fsdp2")
+    assert set(got) == set(expected), set(got) ^ set(expected)
+    assert all(torch.equal(got[k], v) for k, v in expected.items())
+    return report.prefix
+
+
+@pytest.mark.parametrize("saved", ["state_dict", "select"])
+def test_converted_hf_state_dict_keys_starting_with_model(tmp_path, saved):
+    """A Llama's own keys start with "model." (model.layers.0...): only a top-level "model" subtree
+    may be taken for the training-checkpoint prefix, or every key is looked up one level too deep."""
+    state = build("llama").state_dict()
+    src = tmp_path / "ck.pt"
+    torch.save(state if saved == "state_dict" else {"model": state, "step": 3}, src)
+    fsdp_restore.convert(src, tmp_path / "w.safetensors", select="model" if saved == "select" else None)
+    assert run_ranks(_restore_flat_hf_keys, 2, tmp_path / "w.safetensors") == ["", ""]
+
+
+def test_default_prefix_only_for_a_top_level_model_subtree(tmp_path):
+    from fsdp_restore.restore import default_prefix
+
+    cases = {"nested": ({"model": {"w": torch.ones(2)}, "optim": {}}, "model"),
+             "flat_hf": ({"model.embed.weight": torch.ones(2), "lm_head.weight": torch.ones(2)}, ""),
+             "model_is_a_tensor": ({"model": torch.ones(2), "step": 1}, ""),
+             "list_root": ([{"model": {"w": torch.ones(2)}}], "")}
+    for name, (obj, prefix) in cases.items():
+        fsdp_restore.save(obj, tmp_path / f"{name}.safetensors")
+        with fsdp_restore.Checkpoint(tmp_path / f"{name}.safetensors") as ckpt:
+            assert default_prefix(ckpt) == prefix, name
+
+
 def test_dtype_policy_error_lists_every_problem_at_once(tmp_path):
     state = build("mlp").state_dict()
     state["inp.weight"] = state["inp.weight"].to(torch.bfloat16)
