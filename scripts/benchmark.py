@@ -64,6 +64,47 @@ class BenchModel(torch.nn.Module):
         self.blocks = torch.nn.ModuleList([torch.nn.Linear(dim, dim + 1) for _ in range(layers)])
 
 
+LLAMA = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=16,
+             vocab_size=32003, tie_word_embeddings=False)  # odd vocabulary: uneven embedding shards
+
+
+def _llama_config(total_mb: float) -> Any:
+    from transformers import LlamaConfig
+
+    shape = dict(LLAMA)
+    if total_mb < 400:  # the 1024-wide embeddings alone are 262 MB: narrow the model for small (test) sizes
+        shape.update(hidden_size=256, intermediate_size=704, num_attention_heads=4, num_key_value_heads=4)
+    h, i, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    per_layer = (4 * h * h + 3 * h * i + 2 * h) * 4
+    layers = max(1, round((total_mb * 1e6 - 2 * v * h * 4) / per_layer))
+    return LlamaConfig(num_hidden_layers=layers, **shape)
+
+
+def build_model(kind: str, total_mb: float) -> torch.nn.Module:
+    """The restore benchmark's model, ~total_mb of fp32 weights, on the current default device."""
+    if kind == "llama":
+        from transformers import LlamaForCausalLM
+
+        return LlamaForCausalLM(_llama_config(total_mb))
+    return BenchModel(*model_shape(total_mb))
+
+
+def describe_model(model: torch.nn.Module) -> str:
+    if isinstance(model, BenchModel):
+        w = model.blocks[0].weight
+        return f"{len(model.blocks)} x Linear({w.shape[1]}, {w.shape[0]})"
+    cfg = model.config
+    return (f"{type(model).__name__}({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size},"
+            f" random init)")
+
+
+def wrap_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules each FSDP unit wraps: every Linear of the toy model, every decoder layer of a Llama."""
+    if isinstance(model, BenchModel):
+        return list(model.blocks)
+    return list(model.model.layers)
+
+
 def model_shape(total_mb: float) -> tuple[int, int]:
     dim = 1023
     layers = max(1, round(total_mb * 1e6 / ((dim * (dim + 1) + dim + 1) * 4)))
@@ -199,26 +240,25 @@ def leave_read_limit(group: str) -> None:
         pass
 
 
-def _build(fsdp: str, layers: int, dim: int) -> torch.nn.Module:
+def _build(fsdp: str, kind: str, mb: float) -> torch.nn.Module:
+    with torch.device("meta"):
+        model = build_model(kind, mb)
     if fsdp == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
-        with torch.device("meta"):
-            model = BenchModel(layers, dim)
-        for block in model.blocks:
-            fully_shard(block)
+        for unit in wrap_units(model):
+            fully_shard(unit)
         fully_shard(model)
         return model.to_empty(device="cpu")
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    with torch.device("meta"):
-        model = BenchModel(layers, dim)
-    return FSDP(model, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}),
+    unit_types = {type(u) for u in wrap_units(model)}
+    return FSDP(model, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy(unit_types),
                 param_init_fn=lambda m: m.to_empty(device="cpu", recurse=False), use_orig_params=True)
 
 
-def restore_worker(rank: int, world_size: int, method: str, fsdp: str, layers: int, dim: int,
+def restore_worker(rank: int, world_size: int, method: str, fsdp: str, kind: str, mb: float,
                    files: list[str], full_files: list[str], threads: int | None = None,
                    cold: bool = True, rank_mbps: float | None = None) -> dict[str, Any]:
     import torch.distributed as dist
@@ -238,7 +278,7 @@ def restore_worker(rank: int, world_size: int, method: str, fsdp: str, layers: i
 
     torch.empty(4).numpy()  # the first .numpy() call imports lazily too
 
-    model = _build(fsdp, layers, dim)
+    model = _build(fsdp, kind, mb)
     path = files[rank]
     group = limit_read_bandwidth(path, rank, rank_mbps) if rank_mbps else None
     opt = None
@@ -298,19 +338,18 @@ def restore_worker(rank: int, world_size: int, method: str, fsdp: str, layers: i
 
 def bench_restore(work: Path, mb: float, world_sizes: list[int], only: list[str] | None = None,
                   repeat: int = 3, read_threads: list[int] | None = None, cache: str = "cold",
-                  rank_mbps: float | None = None) -> list[dict[str, Any]]:
+                  rank_mbps: float | None = None, kind: str = "linear") -> list[dict[str, Any]]:
     from fsdp_restore import convert
     from fsdp_restore.launch import RankFailure, run_ranks
 
-    layers, dim = model_shape(mb)
-    console.print(f"[bold]restore[/]: {layers} x Linear({dim}, {dim + 1}) = {mb:.0f} MB, per-rank file copies ...")
     torch.manual_seed(0)
-    full = BenchModel(layers, dim)
+    full = build_model(kind, mb)
+    model_bytes = sum(t.numel() * 4 for t in full.state_dict().values())
+    console.print(f"[bold]restore[/]: {describe_model(full)} = {model_bytes / 1e6:.0f} MB, per-rank file copies ...")
     opt = torch.optim.AdamW(full.parameters(), lr=1e-4)
     sum(p.sum() for p in full.parameters()).backward()
     opt.step()  # real AdamW state (exp_avg / exp_avg_sq for every parameter)
     torch.save({"model": full.state_dict(), "optim": opt.state_dict(), "step": 1}, work / "model.pt")
-    model_bytes = sum(t.numel() * 4 for t in full.state_dict().values())
     del full, opt
     files, full_files = [], []
     for r in range(max(world_sizes)):
@@ -337,7 +376,7 @@ def bench_restore(work: Path, mb: float, world_sizes: list[int], only: list[str]
                     # run measures with what its own warm-up read still cached (I/O nearly free: CPU costs only)
                     cold = cache == "cold" and drop_caches()
                     try:
-                        per_rank = run_ranks(restore_worker, ws, method, fsdp, layers, dim, files, full_files,
+                        per_rank = run_ranks(restore_worker, ws, method, fsdp, kind, mb, files, full_files,
                                              threads, cold, rank_mbps, timeout=600, backend="gloo")
                     except RankFailure as e:
                         console.print(f"[red]{fsdp} {label} ws={ws} failed[/]: {str(e).splitlines()[1][:200]}")
@@ -347,6 +386,7 @@ def bench_restore(work: Path, mb: float, world_sizes: list[int], only: list[str]
                     continue
                 row = _median_row(runs)
                 row["rank_read_mbps"] = rank_mbps
+                row["model"] = kind
                 rows.append(row)
                 console.print(f"  ws={ws} {fsdp} {label}: {row['runs_seconds']} s, read per rank"
                               f" {[round(r / 1e6, 1) for r in row['read_per_rank']]} MB"
@@ -389,7 +429,7 @@ def report(convert_rows: list[dict[str, Any]], restore_rows: list[dict[str, Any]
     if restore_rows:
         cache = "cold" if all(r["cold_cache"] for r in restore_rows) else "warm"
         cap = restore_rows[0].get("rank_read_mbps")
-        t = Table(title=f"restore (gloo, CPU, {cache} page cache{f', reads capped at {cap:g} MB/s per rank' if cap else ''};"
+        t = Table(title=f"restore ({restore_rows[0].get('model', 'linear')} model, gloo, CPU, {cache} page cache{f', reads capped at {cap:g} MB/s per rank' if cap else ''};"
                         " max over ranks)")
         for c in ("ws", "fsdp", "method", "seconds", "x ours", "read/rank", "read/rank / (model/N)", "peak anon/rank"):
             t.add_column(c, justify="right")
@@ -415,6 +455,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--convert-gb", type=float, default=3.0)
     parser.add_argument("--restore-mb", type=float, default=512)
+    parser.add_argument("--model", choices=["linear", "llama"], default="linear",
+                        help="restore subject: a stack of odd-sized Linear layers (default) or a random-init"
+                             " transformers LlamaForCausalLM (embeddings, norms, many small tensors)")
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--skip", choices=["convert", "restore"], action="append", default=[])
     parser.add_argument("--repeat", type=int, default=3, help="runs per method; the median is reported")
@@ -435,7 +478,7 @@ def main() -> None:
     try:
         conv = [] if "convert" in args.skip else bench_convert(work, args.convert_gb, args.repeat, args.cache)
         rest = [] if "restore" in args.skip else bench_restore(work, args.restore_mb, args.world_sizes, args.methods, args.repeat,
-                                                               args.read_threads, args.cache, args.rank_read_mbps)
+                                                               args.read_threads, args.cache, args.rank_read_mbps, args.model)
         markdown = report(conv, rest)
         if args.out:
             Path(args.out).write_text(json.dumps({"convert": conv, "restore": rest, "markdown": markdown}, indent=2))
