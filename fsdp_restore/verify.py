@@ -21,6 +21,7 @@ from .flatten import flatten
 from .format import torch_dtype_name
 from .measure import Stopwatch
 from .read import Checkpoint
+from .checksum import combine_segments, segment_bytes, split_elements
 from .write import default_threads, tensor_bytes
 
 CHUNK_BYTES = 16 * 1024 * 1024
@@ -44,42 +45,47 @@ class VerifyReport:
         return not self.problems
 
 
-def _read_chunks(ckpt: Checkpoint, key: str):
-    """Yield the stored bytes of ``key`` in chunks (positional reads; no mmap, no whole tensor)."""
+def _read_chunks(ckpt: Checkpoint, key: str, start: int, stop: int):
+    """Yield the stored bytes of elements ``[start, stop)`` of ``key`` in chunks (positional reads; no
+    mmap, no whole tensor)."""
     entry = ckpt.entries[key]
     step = max(1, CHUNK_BYTES // entry.itemsize)
-    buf = torch.empty(min(step, max(entry.numel, 1)), dtype=entry.dtype)
-    for start in range(0, entry.numel, step):
-        piece = buf[: min(step, entry.numel - start)]
-        ckpt.read_range(key, start, piece)
-        yield start, piece
+    buf = torch.empty(min(step, max(stop - start, 1)), dtype=entry.dtype)
+    for first in range(start, stop, step):
+        piece = buf[: min(step, stop - first)]
+        ckpt.read_range(key, first, piece)
+        yield first, piece
 
 
-def _checksum(ckpt: Checkpoint, key: str, progress: Callable[[int], None]) -> str:
-    crc = 0
-    for _, piece in _read_chunks(ckpt, key):
+def _check_segment(ckpt: Checkpoint, key: str, start: int, stop: int, source: torch.Tensor | None,
+                   progress: Callable[[int], None]) -> tuple[int, str | None]:
+    """One pass over elements ``[start, stop)`` of ``key``: their crc32, and (when ``source`` is given)
+    None if they equal the source's after the recorded cast, else what differs."""
+    entry = ckpt.entries[key]
+    flat = source.detach().reshape(-1) if source is not None else None
+    crc, diff = 0, None
+    for first, piece in _read_chunks(ckpt, key, start, stop):
         crc = zlib.crc32(tensor_bytes(piece), crc)
+        if flat is not None and diff is None:  # after the first difference, only the checksum goes on
+            expected = flat[first:first + piece.numel()].to(entry.dtype).contiguous().view(torch.uint8)
+            actual = piece.view(torch.uint8)
+            if not torch.equal(expected, actual):
+                same = (expected.reshape(piece.numel(), -1) == actual.reshape(piece.numel(), -1)).all(dim=1)
+                at = first + int((~same).nonzero()[0])
+                diff = (f"bytes differ from the source (first at flat element {at},"
+                        f" {int((~same).sum())} elements in that chunk)")
         progress(piece.numel() * piece.element_size())
-    return f"{crc:08x}"
+    return crc, diff
 
 
-def _compare(ckpt: Checkpoint, key: str, source: torch.Tensor, progress: Callable[[int], None]) -> str | None:
-    """None when the stored tensor equals ``source`` (after the recorded cast), else what differs."""
+def _source_mismatch(ckpt: Checkpoint, key: str, source: torch.Tensor) -> str | None:
+    """What makes ``source`` incomparable with the stored tensor (shape, dtype), or None."""
     entry = ckpt.entries[key]
     if tuple(source.shape) != entry.shape:
         return f"shape {list(entry.shape)} but source has {list(source.shape)}"
     original = ckpt.cast.get(key)
     if source.dtype != entry.dtype and original != torch_dtype_name(source.dtype):
         return f"dtype {entry.dtype} but source has {source.dtype} (and no cast was recorded)"
-    flat = source.detach().reshape(-1)
-    for start, piece in _read_chunks(ckpt, key):
-        expected = flat[start:start + piece.numel()].to(entry.dtype).contiguous().view(torch.uint8)
-        actual = piece.view(torch.uint8)
-        if not torch.equal(expected, actual):
-            same = (expected.reshape(piece.numel(), -1) == actual.reshape(piece.numel(), -1)).all(dim=1)
-            first = start + int((~same).nonzero()[0])
-            return f"bytes differ from the source (first at flat element {first}, {int((~same).sum())} elements in that chunk)"
-        progress(piece.numel() * piece.element_size())
     return None
 
 
@@ -135,8 +141,13 @@ def _verify_open(ckpt: Checkpoint, report: VerifyReport, against: Any, select: s
         for key in ckpt.entries.keys() - src_tensors.keys():
             report.problems.append((key, "in the checkpoint but not in the source"))
         source = {k: t for k, t in src_tensors.items() if k in ckpt.entries}
-    total = sum(e.nbytes for k, e in ckpt.entries.items() if k in ckpt.checksums)
-    total += sum(ckpt.entries[k].nbytes for k in source)
+    for key in list(source):
+        mismatch = _source_mismatch(ckpt, key, source[key])
+        if mismatch:
+            report.problems.append((key, mismatch))
+            del source[key]
+    checked = [k for k in ckpt.entries if k in ckpt.checksums or k in source]
+    total = sum(ckpt.entries[k].nbytes for k in checked)  # one read per byte: checksum and compare share it
     done = [0]
 
     def tick(n: int) -> None:
@@ -144,22 +155,30 @@ def _verify_open(ckpt: Checkpoint, report: VerifyReport, against: Any, select: s
         if progress:
             progress(done[0], total)
 
-    def check_one(key: str) -> list[tuple[str, str]]:
-        found = []
+    threads = threads or default_threads()
+    # a big tensor is cut into segments so that it spreads over the threads (crc32s are joined after)
+    most = segment_bytes(total, threads)
+    tasks = [(k, start, stop) for k in checked
+             for start, stop in split_elements(ckpt.entries[k].numel, ckpt.entries[k].itemsize, most)]
+    tasks.sort(key=lambda t: -(t[2] - t[1]) * ckpt.entries[t[0]].itemsize)
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        results = list(pool.map(lambda t: _check_segment(ckpt, *t, source.get(t[0]), tick), tasks))
+    segments: dict[str, list[tuple[int, int, str | None]]] = {k: [] for k in checked}
+    for (key, start, stop), (crc, diff) in zip(tasks, results):
+        segments[key].append((start, crc, diff))
+    for key, parts in segments.items():
+        parts.sort()
+        entry = ckpt.entries[key]
+        diff = next((d for _, _, d in parts if d), None)  # the first difference in the tensor
+        if diff:
+            report.problems.append((key, diff))
         expected = ckpt.checksums.get(key)
-        if expected is not None:
-            actual = _checksum(ckpt, key, tick)
-            if actual != expected:
-                found.append((key, f"checksum mismatch: stored crc32 {expected}, data has {actual}"))
-        if key in source:
-            diff = _compare(ckpt, key, source[key], tick)
-            if diff:
-                found.append((key, diff))
-        return found
-
-    with ThreadPoolExecutor(max_workers=threads or default_threads()) as pool:
-        for found in pool.map(check_one, sorted(ckpt.entries, key=lambda k: -ckpt.entries[k].nbytes)):
-            report.problems.extend(found)
+        if expected is not None:  # with a diff too: a mismatch says the file changed after it was written
+            stops = [s for s, _, _ in parts[1:]] + [entry.numel]
+            actual = combine_segments((crc, (stop - start) * entry.itemsize)
+                                      for (start, crc, _), stop in zip(parts, stops))
+            if f"{actual:08x}" != expected:
+                report.problems.append((key, f"checksum mismatch: stored crc32 {expected}, data has {actual:08x}"))
     for key in ckpt.checksums.keys() - ckpt.entries.keys():
         report.problems.append((key, "has a checksum but no tensor"))
     report.checksummed = sum(1 for k in ckpt.entries if k in ckpt.checksums)

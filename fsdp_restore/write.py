@@ -1,4 +1,5 @@
-"""Streaming safetensors writer: header first, then each tensor's bytes, several threads at once.
+"""Streaming safetensors writer: header first, then each tensor's bytes, several threads at once
+(a big tensor is cut into segments that different threads write and checksum).
 
 `safetensors.torch.save_file` needs every tensor in memory at once (the header needs all metadata
 first). We know every shape and dtype before reading any data, so we write the header, then
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from .checksum import combine_segments, segment_bytes, split_elements
 from .format import (DEFAULT_INDEX_NAME, FORMAT_VERSION, META_CAST, META_CHECKSUMS, META_FORMAT, META_STRUCTURE,
                      META_VERSION, build_header, torch_dtype_name)
 
@@ -75,17 +77,17 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
         os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
 
 
-def _stream_tensor(fd: int, offset: int, job: TensorJob, progress: ProgressFn | None) -> str:
-    """Write one tensor at ``offset`` chunk by chunk; returns its crc32 as 8 hex digits."""
+def _stream_range(fd: int, offset: int, job: TensorJob, start: int, stop: int, progress: ProgressFn | None) -> int:
+    """Write elements ``[start, stop)`` of one tensor at ``offset`` chunk by chunk; returns their crc32."""
     src = job.source
     if not src.is_contiguous():
-        src = src.contiguous()  # rare in checkpoints; costs one tensor of memory
+        src = src.contiguous()  # rare in checkpoints; costs one tensor of memory (such tensors are not split)
     flat = src.reshape(-1)
     step = max(1, CHUNK_BYTES // max(1, flat.element_size(), job.dtype.itemsize))
     crc = 0
     with torch.no_grad():
-        for start in range(0, flat.numel(), step):
-            piece = flat[start:start + step]
+        for first in range(start, stop, step):
+            piece = flat[first:min(first + step, stop)]
             if piece.dtype != job.dtype:
                 piece = piece.to(job.dtype)
             data = tensor_bytes(piece)
@@ -98,7 +100,7 @@ def _stream_tensor(fd: int, offset: int, job: TensorJob, progress: ProgressFn | 
             start_writeback(fd, written_from, offset - written_from)
             if progress:
                 progress(len(data))
-    return f"{crc:08x}"
+    return crc
 
 
 class _FileWriter:
@@ -117,12 +119,18 @@ class _FileWriter:
         os.ftruncate(self.fd, self.data_start + sum(j.nbytes for j in jobs))
         os.pwrite(self.fd, header, 0)
         self.checksums: dict[str, str] = {}
+        self._segment_crcs: dict[str, dict[int, tuple[int, int]]] = {j.key: {} for j in jobs}
 
-    def write(self, job: TensorJob, progress: ProgressFn | None) -> None:
-        self.checksums[job.key] = _stream_tensor(self.fd, self.data_start + self.offsets[job.key], job, progress)
+    def write(self, job: TensorJob, start: int, stop: int, progress: ProgressFn | None) -> None:
+        """Write elements ``[start, stop)`` of ``job`` (one segment; other threads may write the rest)."""
+        offset = self.data_start + self.offsets[job.key] + start * job.dtype.itemsize
+        crc = _stream_range(self.fd, offset, job, start, stop, progress)
+        self._segment_crcs[job.key][start] = (crc, (stop - start) * job.dtype.itemsize)
 
     def finish(self) -> None:
-        """Patch the real checksums into the header, fsync and close."""
+        """Join each tensor's segment checksums, patch them into the header, fsync and close."""
+        for key, segments in self._segment_crcs.items():
+            self.checksums[key] = f"{combine_segments(segments[s] for s in sorted(segments)):08x}"
         self.metadata[META_CHECKSUMS] = json.dumps({j.key: self.checksums[j.key] for j in self.jobs},
                                                    separators=(",", ":"))
         header, _ = build_header([(j.key, j.dtype, tuple(j.source.shape)) for j in self.jobs], self.metadata)
@@ -182,10 +190,15 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
         root = tmp if sharded else dst.parent
         for group, name, fmeta in zip(groups, names, file_meta):
             writers.append(_FileWriter(root / name, group, fmeta))
-        tasks = [(w, j) for w in writers for j in w.jobs]
-        tasks.sort(key=lambda wj: -wj[1].nbytes)  # biggest first: better load balance across threads
-        with ThreadPoolExecutor(max_workers=threads or default_threads()) as pool:
-            for f in [pool.submit(w.write, j, progress) for w, j in tasks]:
+        threads = threads or default_threads()
+        # a big tensor is cut into segments so that it spreads over the threads, then biggest first
+        most = segment_bytes(sum(j.nbytes for j in jobs), threads)
+        tasks = [(w, j, start, stop) for w in writers for j in w.jobs
+                 for start, stop in split_elements(prod(j.source.shape), j.dtype.itemsize,
+                                                   most if j.source.is_contiguous() else j.nbytes)]
+        tasks.sort(key=lambda t: -(t[3] - t[2]) * t[1].dtype.itemsize)
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            for f in [pool.submit(w.write, j, start, stop, progress) for w, j, start, stop in tasks]:
                 f.result()
         for w in writers:
             w.finish()
