@@ -119,10 +119,13 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, checkp
                       threads: int | None = None, group: dist.ProcessGroup | None = None) -> RestoreReport:
     """Restore ``optimizer`` (built over the sharded ``model``) from the checkpoint subtree ``prefix``.
 
-    Per-parameter state tensors are read slice by slice into new tensors laid out like each
-    parameter's local shard (DTensors for FSDP2); scalar state (``step``) is copied whole;
-    param-group hyperparameters (lr, betas, weight_decay...) are restored. Every rank raises the
-    same `RestoreError` when the optimizer's parameters do not match the checkpoint.
+    Per-parameter state tensors are read slice by slice into tensors laid out like each
+    parameter's local shard (DTensors for FSDP2): the optimizer's existing state tensors when they
+    have that layout (overwritten in place, no second copy of the state), else new ones. Scalar
+    state (``step``) is copied whole; param-group hyperparameters (lr, betas, weight_decay...) are
+    restored. Every rank raises the same `RestoreError` when the optimizer's parameters do not match
+    the checkpoint (before anything is modified) or when the read or its check fails (then existing
+    state tensors may be partly overwritten, like the model's weights: restore again before training).
     """
     own = not isinstance(checkpoint, Checkpoint)
     ckpt = open_checkpoint(checkpoint)
@@ -159,7 +162,8 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, checkp
                     name_to_saved_key[name] = _key_text(pid)
                 new_groups.append({k: v for k, v in saved_group.items() if k not in _GROUP_SKIP})
             for slot in (s for group_slots in slots for s in group_slots):
-                state = _plan_param_state(slot, saved_state, name_to_saved_key, ckpt, lazy, tasks, report)
+                state = _plan_param_state(slot, saved_state, name_to_saved_key, ckpt, lazy, tasks, report,
+                                          optimizer.state.get(slot.param, {}))
                 if state:
                     new_state[slot.param] = state
         except (FsdpRestoreError, KeyError, ValueError, OSError) as e:
@@ -194,9 +198,24 @@ def _child(node: Any, name: str, prefix: str) -> Any:
     raise FsdpRestoreError(f"'{prefix}' in the checkpoint is not an optimizer state dict (no '{name}')")
 
 
+def _reusable(existing: Any, slot: _ParamSlot) -> torch.Tensor | None:
+    """The local tensor of an existing state tensor laid out exactly like ``slot``'s parameter, else None."""
+    if not isinstance(existing, torch.Tensor) or _is_dtensor(existing) != _is_dtensor(slot.param):
+        return None
+    if _is_dtensor(existing) and (existing.device_mesh != slot.param.device_mesh
+                                  or existing.placements != slot.param.placements):
+        return None
+    local = _local(existing)
+    same = (local.shape == slot.local.shape and local.dtype == slot.local.dtype and local.device == slot.local.device
+            and local.is_contiguous())
+    return local if same else None
+
+
 def _plan_param_state(slot: _ParamSlot, saved_state: dict[str, Any], name_to_key: dict[str, str], ckpt: Checkpoint,
-                      lazy: Any, tasks: list[ReadTask], report: RestoreReport) -> dict[str, Any]:
-    """New state tensors for one parameter, with read tasks for their local slices."""
+                      lazy: Any, tasks: list[ReadTask], report: RestoreReport,
+                      existing: dict[str, Any]) -> dict[str, Any]:
+    """State tensors for one parameter, with read tasks for their local slices: the optimizer's own
+    tensors when it already has state of that layout (restored in place), else new ones."""
     per_name = {n: saved_state.get(name_to_key.get(n, n)) for n in slot.names}
     present = {n: s for n, s in per_name.items() if s is not None}
     if not present:
@@ -219,9 +238,12 @@ def _plan_param_state(slot: _ParamSlot, saved_state: dict[str, Any], name_to_key
             value = unflatten(lazy, {"version": 1, "root": node})
             state[field] = value.clone() if isinstance(value, torch.Tensor) else value
             continue
-        # Fresh memory, first touched by the reads (on the read threads); only the padding the pieces
+        # Existing state of the same layout is overwritten in place: a new tensor would hold the optimizer
+        # state twice until the swap (the peak) and pay fresh page faults (measured: BENCHMARKS.md).
+        # Fresh memory is first touched by the reads (on the read threads); only the padding the pieces
         # do not cover is zeroed here. zeros_like cost 0.68 s per GB, mostly page faults on one thread.
-        local = torch.empty_like(slot.local)
+        reused = _reusable(existing.get(field), slot)
+        local = reused if reused is not None else torch.empty_like(slot.local)
         flat_local = local.view(-1)
         _zero_uncovered(flat_local, [(offset, numel) for _, offset, numel, _ in slot.pieces])
         for target, offset, numel, start in slot.pieces:
@@ -230,12 +252,15 @@ def _plan_param_state(slot: _ParamSlot, saved_state: dict[str, Any], name_to_key
             tasks.append(ReadTask(src_node["key"], base + start, Piece(flat_local[offset:offset + numel], start),
                                   Target(f"optim:{target.name}.{field}", target.global_shape, local.dtype, "state")))
         report.tensors += 1
-        if _is_dtensor(slot.param):
+        if reused is not None:
+            state[field] = existing[field]
+        elif _is_dtensor(slot.param):
             from torch.distributed.tensor import DTensor
 
-            local = DTensor.from_local(local, slot.param.device_mesh, slot.param.placements, run_check=False,
-                                       shape=slot.param.shape, stride=slot.param.stride())
-        state[field] = local
+            state[field] = DTensor.from_local(local, slot.param.device_mesh, slot.param.placements, run_check=False,
+                                              shape=slot.param.shape, stride=slot.param.stride())
+        else:
+            state[field] = local
     return state
 
 

@@ -136,6 +136,43 @@ def test_each_rank_reads_only_its_slice_of_optimizer_state(tmp_path):
     assert max(reads) < per_param / 2
 
 
+def _restore_again_worker(rank, world_size, path, how):
+    model = wrap(build("mlp", seed=77), how, world_size)
+    opt = _make_optimizer("adamw", model.parameters())
+    fsdp_restore.restore(model, path, optimizer=opt)
+
+    def local(v):
+        return v.to_local() if hasattr(v, "to_local") else v
+
+    first = {(id(p), k): local(v).clone() for p, st in opt.state.items() for k, v in st.items()}
+    objects = {(id(p), k): v for p, st in opt.state.items() for k, v in st.items() if local(v).dim() > 0}
+    params = list(opt.state)
+    # a few steps of training change every state tensor; one, in bf16, no longer has the parameter's layout
+    _train(model, opt, "mlp", 2, STEPS_BEFORE)
+    odd = params[0]
+    opt.state[odd]["exp_avg"] = opt.state[odd]["exp_avg"].to(torch.bfloat16)
+    fsdp_restore.restore(model, path, optimizer=opt)
+    reused = 0
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            assert torch.equal(local(v), first[(id(p), k)]), k  # bit for bit the checkpoint's state again
+            if (id(p), k) in objects:
+                if p is odd and k == "exp_avg":
+                    assert v is not objects[(id(p), k)] and local(v).dtype == torch.float32
+                else:
+                    assert v is objects[(id(p), k)]  # overwritten in place: no second copy of the state
+                    reused += 1
+    return reused
+
+
+@pytest.mark.parametrize("how", ["fsdp2", "fsdp1-FULL_SHARD-flat"])
+def test_restoring_into_existing_state_overwrites_it_in_place(tmp_path, how):
+    reference_run("mlp", "adamw", tmp_path / "ck.pt")
+    fsdp_restore.convert(tmp_path / "ck.pt", tmp_path / "ck.safetensors")
+    reused = run_ranks(_restore_again_worker, 3, tmp_path / "ck.safetensors", how)
+    assert all(r > 0 for r in reused)
+
+
 def _mismatch_worker(rank, world_size, path):
     model = wrap(build("mlp", seed=77), "fsdp2", world_size)
     params = [p for n, p in model.named_parameters() if not n.startswith("out")]
