@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "benchmark.py"
-RESTORE_METHODS = {"fsdp2": {"ours", "dcp", "broadcast", "every-rank-loads", "ours+optim"},
-                   "fsdp1": {"ours", "broadcast", "apply", "ours+optim"}}
+RESTORE_METHODS = {"fsdp2": {"ours", "ours-nocheck", "dcp", "broadcast", "every-rank-loads", "ours+optim"},
+                   "fsdp1": {"ours", "ours-nocheck", "broadcast", "apply", "ours+optim"}}
 
 
 def test_every_method_runs_and_ours_requests_only_its_share(tmp_path):
@@ -34,7 +34,7 @@ def test_every_method_runs_and_ours_requests_only_its_share(tmp_path):
     for r in rows:
         assert r["world_size"] == 2 and not r["cold_cache"]
         model = r["model_bytes"]
-        if r["method"] == "ours":  # each rank asks for its share of the model, and nothing else
+        if r["method"] in ("ours", "ours-nocheck"):  # each rank asks for its share of the model, and nothing else
             for requested in r["requested"]:
                 assert model / 2 <= requested <= model / 2 * 1.02, r
         elif r["method"] == "ours+optim":  # model + exp_avg + exp_avg_sq shares, plus the small extras
@@ -55,6 +55,6 @@ def test_llama_model_restores_by_every_method(tmp_path):
     assert {(r["fsdp"], r["method"]) for r in rows} == {(f, m) for f, ms in RESTORE_METHODS.items() for m in ms}
     for r in rows:
         assert r["model"] == "llama" and r["world_size"] == 3
-        if r["method"] == "ours":  # uneven shards (vocab 32003 over 3 ranks): still ~1/3 each
+        if r["method"] in ("ours", "ours-nocheck"):  # uneven shards (vocab 32003 over 3 ranks): still ~1/3 each
             for requested in r["requested"]:
                 assert r["model_bytes"] / 3 * 0.98 <= requested <= r["model_bytes"] / 3 * 1.02, r
