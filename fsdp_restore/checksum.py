@@ -10,6 +10,9 @@ segments' crcs are joined with :func:`crc32_combine` (what zlib's ``crc32_combin
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 _POLY = 0xEDB88320  # crc32's polynomial, bit-reflected: bit 31 is x^0, bit 0 is x^31
 _ONE = 1 << 31  # the polynomial 1 in that representation
@@ -76,3 +79,15 @@ def split_elements(numel: int, itemsize: int, max_bytes: int) -> list[tuple[int,
     parts = -(-numel // most)  # then near-equal ranges: none longer than ``most``
     bounds = [numel * i // parts for i in range(parts + 1)]
     return list(zip(bounds[:-1], bounds[1:]))
+
+
+def plan_segments(tensors: Iterable[tuple[T, int, int, bool]], threads: int) -> list[tuple[T, int, int]]:
+    """The tasks that ``threads`` threads share: ``tensors`` are ``(item, numel, itemsize, splittable)``;
+    returns ``(item, start, stop)`` element ranges, biggest first (better load balance). A splittable
+    tensor larger than `segment_bytes` is cut into near-equal segments."""
+    tensors = list(tensors)
+    most = segment_bytes(sum(numel * size for _, numel, size, _ in tensors), threads)
+    tasks = [(item, start, stop, (stop - start) * size) for item, numel, size, splittable in tensors
+             for start, stop in split_elements(numel, size, most if splittable else numel * size)]
+    tasks.sort(key=lambda t: -t[3])
+    return [(item, start, stop) for item, start, stop, _ in tasks]

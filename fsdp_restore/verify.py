@@ -21,7 +21,7 @@ from .flatten import flatten
 from .format import torch_dtype_name
 from .measure import Stopwatch
 from .read import Checkpoint
-from .checksum import combine_segments, segment_bytes, split_elements
+from .checksum import combine_segments, plan_segments
 from .write import default_threads, tensor_bytes
 
 CHUNK_BYTES = 16 * 1024 * 1024
@@ -157,26 +157,20 @@ def _verify_open(ckpt: Checkpoint, report: VerifyReport, against: Any, select: s
 
     threads = threads or default_threads()
     # a big tensor is cut into segments so that it spreads over the threads (crc32s are joined after)
-    most = segment_bytes(total, threads)
-    tasks = [(k, start, stop) for k in checked
-             for start, stop in split_elements(ckpt.entries[k].numel, ckpt.entries[k].itemsize, most)]
-    tasks.sort(key=lambda t: -(t[2] - t[1]) * ckpt.entries[t[0]].itemsize)
+    tasks = plan_segments(((k, ckpt.entries[k].numel, ckpt.entries[k].itemsize, True) for k in checked), threads)
     with ThreadPoolExecutor(max_workers=threads) as pool:
         results = list(pool.map(lambda t: _check_segment(ckpt, *t, source.get(t[0]), tick), tasks))
-    segments: dict[str, list[tuple[int, int, str | None]]] = {k: [] for k in checked}
+    segments: dict[str, list[tuple[int, int, int, str | None]]] = {k: [] for k in checked}
     for (key, start, stop), (crc, diff) in zip(tasks, results):
-        segments[key].append((start, crc, diff))
+        segments[key].append((start, crc, (stop - start) * ckpt.entries[key].itemsize, diff))
     for key, parts in segments.items():
         parts.sort()
-        entry = ckpt.entries[key]
-        diff = next((d for _, _, d in parts if d), None)  # the first difference in the tensor
+        diff = next((d for _, _, _, d in parts if d), None)  # the first difference in the tensor
         if diff:
             report.problems.append((key, diff))
         expected = ckpt.checksums.get(key)
         if expected is not None:  # with a diff too: a mismatch says the file changed after it was written
-            stops = [s for s, _, _ in parts[1:]] + [entry.numel]
-            actual = combine_segments((crc, (stop - start) * entry.itemsize)
-                                      for (start, crc, _), stop in zip(parts, stops))
+            actual = combine_segments((crc, nbytes) for _, crc, nbytes, _ in parts)
             if f"{actual:08x}" != expected:
                 report.problems.append((key, f"checksum mismatch: stored crc32 {expected}, data has {actual:08x}"))
     for key in ckpt.checksums.keys() - ckpt.entries.keys():

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .checksum import combine_segments, segment_bytes, split_elements
+from .checksum import combine_segments, plan_segments
 from .format import (DEFAULT_INDEX_NAME, FORMAT_VERSION, META_CAST, META_CHECKSUMS, META_FORMAT, META_STRUCTURE,
                      META_VERSION, build_header, torch_dtype_name)
 
@@ -191,14 +191,12 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
         for group, name, fmeta in zip(groups, names, file_meta):
             writers.append(_FileWriter(root / name, group, fmeta))
         threads = threads or default_threads()
-        # a big tensor is cut into segments so that it spreads over the threads, then biggest first
-        most = segment_bytes(sum(j.nbytes for j in jobs), threads)
-        tasks = [(w, j, start, stop) for w in writers for j in w.jobs
-                 for start, stop in split_elements(prod(j.source.shape), j.dtype.itemsize,
-                                                   most if j.source.is_contiguous() else j.nbytes)]
-        tasks.sort(key=lambda t: -(t[3] - t[2]) * t[1].dtype.itemsize)
+        # a big tensor is cut into segments so that it spreads over the threads (not a non-contiguous
+        # one: each segment would copy it whole)
+        tasks = plan_segments((((w, j), prod(j.source.shape), j.dtype.itemsize, j.source.is_contiguous())
+                               for w in writers for j in w.jobs), threads)
         with ThreadPoolExecutor(max_workers=threads) as pool:
-            for f in [pool.submit(w.write, j, start, stop, progress) for w, j, start, stop in tasks]:
+            for f in [pool.submit(w.write, j, start, stop, progress) for (w, j), start, stop in tasks]:
                 f.result()
         for w in writers:
             w.finish()
