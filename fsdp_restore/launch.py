@@ -37,8 +37,11 @@ def pick_backend(world_size: int) -> str:
 
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, store: str, backend: str, queue: Any,
-            args: tuple) -> None:
+            args: tuple, pg_timeout: float | None) -> None:
     os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    import faulthandler
+
+    faulthandler.enable()  # a rank that crashes (SIGSEGV, SIGABRT) prints where, on stderr
     import torch
     import torch.distributed as dist
 
@@ -46,7 +49,10 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, store: str, back
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size)
+        import datetime
+
+        kwargs = {"timeout": datetime.timedelta(seconds=pg_timeout)} if pg_timeout else {}
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size, **kwargs)
         result = fn(rank, world_size, *args)
         # Plain bytes: tensors sent as-is travel as shared-memory fds that die with this process.
         buf = io.BytesIO()
@@ -68,11 +74,12 @@ class RankFailure(RuntimeError):
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180,
-              backend: str | None = None) -> list[Any]:
+              backend: str | None = None, pg_timeout: float | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; returns results by rank.
 
     ``fn`` must be importable (module level). Raises `RankFailure` with every failing rank's
     traceback, when a rank dies without reporting, or on timeout (a hang is a failure).
+    ``pg_timeout``: the process group's collective timeout in seconds (torch's default if None).
     """
     import torch
 
@@ -82,7 +89,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(fn, r, world_size, store, backend, q, args), daemon=True)
+        procs = [ctx.Process(target=_worker, args=(fn, r, world_size, store, backend, q, args, pg_timeout), daemon=True)
                  for r in range(world_size)]
         for p in procs:
             p.start()
@@ -103,7 +110,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                 # The survivors now wait for the dead rank in a collective until their process-group
                 # timeout: give them a moment to report anything they have, then stop them.
                 if died_at is not None and time.monotonic() - died_at > DEAD_RANK_GRACE_S:
-                    first = min(r for r, (_, v) in results.items() if "without reporting" in v)
+                    first = min(r for r, (s, v) in results.items() if s == "error" and "without reporting" in v)
                     for r in range(world_size):
                         results.setdefault(r, ("error", f"stopped: rank {first} died, so this rank could not finish"))
                 if time.monotonic() > deadline:

@@ -60,3 +60,21 @@ def test_raising_rank_is_reported_with_its_traceback():
     with pytest.raises(RankFailure) as info:
         run_ranks(_rank_raises, 3, backend="gloo")
     assert set(info.value.errors) == {2} and "bad things on rank 2" in info.value.errors[2]
+
+
+def _one_finishes_one_dies_one_blocks(rank, world_size):
+    dist.barrier()
+    if rank == 0:
+        return "done"  # reports its result (bytes) before the others are judged
+    if rank == 1:
+        time.sleep(0.5)
+        os._exit(4)
+    time.sleep(600)
+
+
+def test_finished_dead_and_running_ranks_at_once():
+    """A finished rank's result is bytes: judging the dead rank must not trip over it (was a TypeError)."""
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_one_finishes_one_dies_one_blocks, 3, timeout=300, backend="gloo")
+    errors = info.value.errors
+    assert set(errors) == {1, 2} and "died with exit code 4" in errors[1] and "stopped: rank 1 died" in errors[2]
