@@ -1,6 +1,6 @@
 """fsdp_restore: move checkpoints between "one big .pt file" and "a model sharded over many GPUs".
 
-Pipeline: format -> flatten -> write/convert -> read -> restore -> check -> verify -> cli.
+Pipeline: format -> flatten -> write/convert -> read -> plan -> execute -> check -> restore -> verify -> cli.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from .errors import (FormatError, FsdpRestoreError, RestoreError, UnsafePickleEr
                      VerifyError)
 from .flatten import flatten, unflatten
 from .read import Checkpoint, find_safetensors_for, open_checkpoint
-from .optim import restore, restore_optimizer
-from .restore import RestoreReport, restore_model
+from .buffers import init_non_persistent_buffers
+from .plan import RestoreReport
+from .restore import RestoreResult, restore, restore_model, restore_optimizer
 from .verify import VerifyReport, inspect_checkpoint, verify
 
 __version__ = "0.1.0"
@@ -37,7 +38,8 @@ def load(path: str | os.PathLike[str], *, mmap: bool = True, trust_pickle: bool 
 
 
 __all__ = [
-    "Checkpoint", "ConvertReport", "FormatError", "FsdpRestoreError", "RestoreError", "UnsafePickleError",
-    "UnsupportedObjectError", "VerifyError", "convert", "find_safetensors_for", "flatten", "load", "load_pt",
-    "inspect_checkpoint", "open_checkpoint", "verify", "VerifyReport", "restore", "restore_model", "restore_optimizer", "RestoreReport", "save", "unflatten",
+    "Checkpoint", "ConvertReport", "FormatError", "FsdpRestoreError", "RestoreError", "RestoreReport", "RestoreResult",
+    "UnsafePickleError", "UnsupportedObjectError", "VerifyError", "VerifyReport", "convert", "find_safetensors_for",
+    "flatten", "init_non_persistent_buffers", "inspect_checkpoint", "load", "load_pt", "open_checkpoint", "restore",
+    "restore_model", "restore_optimizer", "save", "unflatten", "verify",
 ]

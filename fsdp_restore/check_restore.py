@@ -2,8 +2,9 @@
 
 Spawns N local ranks, builds the model with the user's factory (``module:function`` or
 ``path/to/file.py:function``), shards it with FSDP2 (on the meta device, then ``to_empty``) or FSDP1,
-restores with the NaN-fill check, then compares a crc32 of every restored local piece with a crc32 of
-the same elements read back from the file (cast to the model's dtype). The verdict is the exit code.
+restores with the NaN-fill check, then gathers every parameter's full value through FSDP itself and
+compares it bit for bit with the stored tensor read by `load` (an oracle that shares nothing with the
+restore's plan). The verdict is the exit code.
 """
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ import importlib
 import importlib.util
 import os
 import sys
-import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,12 +22,12 @@ from rich.console import Group
 from rich.table import Table
 from torch import nn
 
-from .errors import FsdpRestoreError
+from .errors import RestoreError
 from .launch import RankFailure, pick_backend, run_ranks
 from .read import Checkpoint
-from .restore import default_prefix, plan_model_reads, restore_model, tensor_sources
-from .shards import local_targets
-from .write import tensor_bytes
+from .buffers import init_non_persistent_buffers
+from .restore import default_prefix, restore_model
+from .verdict import agree, new_problems
 
 
 def load_factory(spec: str) -> Callable[[], nn.Module]:
@@ -70,7 +70,9 @@ def shard_model(factory: Callable[[], nn.Module], fsdp: str, device: torch.devic
         for block in _blocks(model):
             fully_shard(block)
         fully_shard(model)
-        return model.to_empty(device=device)
+        model.to_empty(device=device)
+        init_non_persistent_buffers(model)  # no checkpoint holds them; the restore's check verifies them
+        return model
     if fsdp == "fsdp1":
         import functools
 
@@ -86,36 +88,103 @@ def shard_model(factory: Callable[[], nn.Module], fsdp: str, device: torch.devic
     raise ValueError(f"--fsdp must be fsdp2 or fsdp1, not '{fsdp}'")
 
 
-def compare_with_file(model: nn.Module, ckpt: Checkpoint, prefix: str) -> tuple[int, list[str]]:
-    """crc32 of every restored local piece vs the same elements read from the file; (pieces, mismatches)."""
-    targets, aliases = local_targets(model)
-    sources, _ = tensor_sources(ckpt, prefix)
-    tasks, _, _ = plan_model_reads(targets, aliases, sources, ckpt, strict=False)
-    bad: set[str] = set()
-    for task in tasks:
-        dest = task.piece.dest
-        stored = torch.empty(dest.numel(), dtype=ckpt.entries[task.key].dtype)
-        ckpt.read_range(task.key, task.src_start, stored)
-        expected = stored.to(dest.dtype)
-        if zlib.crc32(tensor_bytes(expected)) != zlib.crc32(tensor_bytes(dest.detach().cpu().contiguous())):
-            bad.add(task.target.name)
-    return len(tasks), sorted(bad)
+def _expected_tensors(path: str, prefix: str) -> dict[str, torch.Tensor]:
+    """The stored weights by name, through `load` (the structure and memory-mapped safetensors reads),
+    not through the restore's plan; names a save_model file dropped as tied resolve to the kept one."""
+    from . import load
+
+    obj: Any = load(path)
+    for part in prefix.split(".") if prefix else []:
+        obj = obj[part]
+    if not isinstance(obj, dict):
+        raise ValueError(f"the checkpoint's '{prefix}' is not a dict of tensors")
+    with Checkpoint(path) as ckpt:
+        for dropped, kept in ckpt.tied_aliases().items():
+            if kept in obj:
+                obj.setdefault(dropped, obj[kept])
+    return obj
+
+
+def _full_values(model: nn.Module) -> Iterator[tuple[list[str], torch.Tensor]]:
+    """(names, full value) of every parameter and persistent buffer, one tensor (FSDP2) or one FSDP1
+    unit at a time, gathered by FSDP itself (``full_tensor``, ``summon_full_params``): collective, so
+    every rank walks the same order."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from .shards import _fsdp1_units, _join, clean_name
+
+    done: set[int] = set()
+    for unit_prefix, handle in _fsdp1_units(model):
+        flat = handle.flat_param
+        unit = next(m for m in model.modules() if isinstance(m, FSDP) and getattr(m, "_handle", None) is handle)
+        with FSDP.summon_full_params(unit, recurse=False, writeback=False):
+            for info, fqn in zip(flat._param_infos, flat._fqns):
+                yield [_join(unit_prefix, clean_name(fqn))], getattr(info.module, info.param_name).detach()
+            for shared in flat._shared_param_infos:
+                name = _join(unit_prefix, clean_name(_join(shared.module_name, shared.param_name)))
+                yield [name], getattr(shared.module, shared.param_name).detach()
+        done.add(id(flat))
+    names_of: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for raw, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in done or type(param).__name__ == "FlatParameter" or "_fsdp_wrapped_module" in raw:
+            continue
+        names_of.setdefault(id(param), []).append(clean_name(raw))
+        tensors[id(param)] = param
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for attr, buf in module._buffers.items():
+            if buf is not None and attr not in module._non_persistent_buffers_set:
+                names_of.setdefault(id(buf), []).append(clean_name(_join(mod_name, attr)))
+                tensors[id(buf)] = buf
+    for key, t in tensors.items():
+        yield names_of[key], (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+
+
+def compare_with_file(model: nn.Module, expected: dict[str, torch.Tensor]) -> tuple[int, list[str]]:
+    """Every parameter's and buffer's full value, gathered by FSDP, against ``expected`` (the stored
+    tensors read by `load`): an oracle that shares nothing with the restore's plan. Returns (tensors
+    compared, names that differ); each rank compares its share of the tensors."""
+    import torch.distributed as dist
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    compared, bad = 0, []
+    for i, (names, full) in enumerate(_full_values(model)):
+        if i % world != rank:
+            continue
+        stored = next((expected[n] for n in names if n in expected), None)
+        if stored is None:
+            continue  # strict restore already refused a missing name
+        compared += 1
+        got = full.cpu().contiguous()
+        want = stored.to(got.dtype).contiguous()
+        if got.shape != want.shape or not torch.equal(got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)):
+            bad.append(names[0])
+    return compared, bad
 
 
 def _worker(rank: int, world_size: int, path: str, factory_spec: str, fsdp: str, prefix: str | None) -> dict[str, Any]:
+    """One rank: build and shard, restore, compare; each phase ends in a verdict that every rank
+    shares, so a failure on one rank (a factory that raises) stops all of them at once."""
     import torch.distributed as dist
 
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     try:
-        model = shard_model(load_factory(factory_spec), fsdp, device)
-        with Checkpoint(path) as ckpt:
-            prefix = default_prefix(ckpt) if prefix is None else prefix
-            report = restore_model(model, ckpt, prefix=prefix, check=True)
-            pieces, mismatches = compare_with_file(model, ckpt, prefix)
+        problems = new_problems()
+        with problems.guard():
+            model = shard_model(load_factory(factory_spec), fsdp, device)
+            with Checkpoint(path) as ckpt:
+                prefix = default_prefix(ckpt) if prefix is None else prefix
+        agree(problems, "check-restore: building the model")
+        report = restore_model(model, path, prefix=prefix, check=True)
+        problems = new_problems()
+        with problems.guard():
+            expected = _expected_tensors(path, prefix or "")
+        agree(problems, "check-restore: reading the file for the comparison")
+        compared, mismatches = compare_with_file(model, expected)  # collectives only: FSDP's own gathers
         return {"tensors": report.tensors, "elements": report.elements, "bytes_read": report.bytes_read,
-                "seconds": report.seconds, "pieces": pieces, "mismatches": mismatches,
+                "seconds": report.seconds, "compared": compared, "mismatches": mismatches,
                 "nan_in_checkpoint": report.nan_in_checkpoint, "error": None}
-    except (FsdpRestoreError, ValueError, OSError) as e:
+    except RestoreError as e:
         return {"error": str(e)}
 
 
@@ -134,14 +203,14 @@ class CheckRestoreReport:
 
     def summary(self) -> Group:
         table = Table(title=f"check-restore {self.path}: {self.nproc} ranks, {self.fsdp}, {self.backend}")
-        for col in ("rank", "tensors", "elements", "bytes read", "seconds", "pieces checked", "verdict"):
+        for col in ("rank", "tensors", "elements", "bytes read", "seconds", "tensors compared", "verdict"):
             table.add_column(col, justify="right")
         for rank, r in enumerate(self.ranks):
             if r.get("error"):
                 table.add_row(str(rank), "", "", "", "", "", "[red]error[/]")
                 continue
             table.add_row(str(rank), str(r["tensors"]), str(r["elements"]), f"{r['bytes_read'] / 1e6:.2f} MB",
-                          f"{r['seconds']:.2f}", str(r["pieces"]), "[green]OK[/]" if not r["mismatches"] else "[red]FAIL[/]")
+                          f"{r['seconds']:.2f}", str(r["compared"]), "[green]OK[/]" if not r["mismatches"] else "[red]FAIL[/]")
         lines = [f"[red]FAIL[/] {p}" for p in self.problems] or ["[green]restore check passed[/]: every element"
                                                                  " restored (NaN-fill check) and equal to the file"]
         return Group(table, *lines)

@@ -310,6 +310,91 @@ def _lookup(node: dict[str, Any], tensors: Mapping[str, torch.Tensor], cache: di
 
 
 # ---------------------------------------------------------------------------------------------
+# validating a structure read from a file
+
+MAX_DEPTH = 256  # real checkpoints nest a few levels; the limit keeps every recursive walk safe
+_CONTAINERS = {"list", "tuple", "set", "frozenset"}
+_MAPPINGS = {"dict", "OrderedDict", "Namespace"}
+_STORED = {"tensor", "ndarray", "bytes", "bytearray"}
+_STRING_FIELDS = {"int": ("value",), "float": ("value",), "complex": ("real", "imag"), "np_scalar": ("dtype", "hex"),
+                  "dtype": ("value",), "device": ("value",), "path": ("class", "value"), "skipped": ("python_type",)}
+
+
+def validate_structure(structure: Any, where: object, keys: Mapping[str, Any] | None = None) -> None:
+    """Check a structure read from a file against the grammar of FORMAT.md, so that everything that walks
+    it afterwards can trust its shape: every node's fields have the right JSON types, nesting stays
+    within `MAX_DEPTH`, and every tensor node names a key of ``keys`` (when given). Raises `FormatError`
+    naming ``where`` and the path of the first bad node."""
+    if not isinstance(structure, dict) or structure.get("version") != STRUCTURE_VERSION or "root" not in structure:
+        raise FormatError(where, f"structure metadata is not {{'version': {STRUCTURE_VERSION}, 'root': ...}}")
+    stack: list[tuple[Any, str, int, bool]] = [(structure["root"], "", 0, False)]
+    while stack:
+        node, path, depth, is_key = stack.pop()
+
+        def bad(problem: str) -> FormatError:
+            return FormatError(where, f"structure at '{path or '<root>'}': {problem}")
+
+        if depth > MAX_DEPTH:
+            raise bad(f"nested deeper than {MAX_DEPTH} levels")
+        if node is None or type(node) in (str, bool):
+            continue
+        if type(node) is int:
+            if not _INT64[0] <= node <= _INT64[1]:
+                raise bad("a bare integer outside int64 (those are {'type': 'int'} nodes)")
+            continue
+        if not isinstance(node, dict) or not isinstance(node.get("type"), str):
+            raise bad(f"not a node: {str(node)[:60]}")
+        kind = node["type"]
+        if is_key and kind not in ("int", "float", "tuple", "dtype"):
+            raise bad(f"a {kind} node cannot be a dict key")
+        if kind in _MAPPINGS or kind in _CONTAINERS or kind == "Size":
+            items = node.get("items")
+            if not isinstance(items, list):
+                raise bad(f"{kind} node without an 'items' list")
+            if kind == "Size":
+                if not all(_is_json_int(i) and i >= 0 for i in items):
+                    raise bad("Size items must be non-negative integers")
+                continue
+            for i, item in enumerate(items):
+                if kind in _MAPPINGS:
+                    if not (isinstance(item, list) and len(item) == 2):
+                        raise bad(f"{kind} item {i} is not a [key, value] pair")
+                    key, value = item
+                    if kind == "Namespace" and not isinstance(key, str):
+                        raise bad(f"Namespace item {i} has a non-string name")
+                    label = key if isinstance(key, (str, int)) and not isinstance(key, bool) else f"<key {i}>"
+                    stack.append((key, _join(path, label), depth + 1, True))
+                    stack.append((value, _join(path, label), depth + 1, False))
+                else:
+                    stack.append((item, _join(path, i), depth + 1, is_key and kind == "tuple"))
+        elif kind in _STORED:
+            key = node.get("key")
+            if not isinstance(key, str) or (keys is not None and key not in keys):
+                raise bad(f"names tensor {str(key)[:60]!r}, which the file does not hold")
+            if kind == "ndarray" and not isinstance(node.get("dtype"), str):
+                raise bad("ndarray node without a dtype string")
+            view = node.get("view")
+            if view is not None:
+                if not (isinstance(view, dict) and _is_json_int(view.get("offset")) and view["offset"] >= 0
+                        and isinstance(view.get("shape"), list) and isinstance(view.get("stride"), list)
+                        and len(view["shape"]) == len(view["stride"])
+                        and all(_is_json_int(d) and d >= 0 for d in view["shape"])
+                        and all(_is_json_int(d) for d in view["stride"])):
+                    raise bad("view must be {'offset': int >= 0, 'shape': [ints >= 0], 'stride': [ints]} of equal"
+                              " lengths")
+        elif kind in _STRING_FIELDS:
+            missing = [f for f in _STRING_FIELDS[kind] if not isinstance(node.get(f), str)]
+            if missing:
+                raise bad(f"{kind} node needs string field(s) {', '.join(missing)}")
+        else:
+            raise bad(f"unknown node type {kind[:40]!r}")
+
+
+def _is_json_int(x: Any) -> bool:
+    return type(x) is int and _INT64[0] <= x <= _INT64[1]
+
+
+# ---------------------------------------------------------------------------------------------
 # navigating a structure without rebuilding it
 
 

@@ -153,17 +153,31 @@ def read_header(path: str | os.PathLike[str]) -> FileHeader:
         raise FormatError(path, f"cannot read: {e.strerror or e}") from None
     finally:
         os.close(fd)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FormatError(path, f"header is not valid JSON ({e})") from None
+    header = parse_json(raw, path, "header")
     if not isinstance(header, dict):
         raise FormatError(path, "header is not a JSON object")
     return _validate_header(path, header, 8 + n, file_size)
 
 
+def parse_json(raw: bytes | str, path: object, what: str) -> Any:
+    """``json.loads`` whose every failure is a `FormatError`: invalid UTF-8 or JSON, nesting deep enough
+    to exhaust the parser's recursion, integers of more digits than Python converts."""
+    try:
+        return json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FormatError(path, f"{what} is not valid JSON ({e})") from None
+    except RecursionError:
+        raise FormatError(path, f"{what} is nested too deeply to be a checkpoint") from None
+    except ValueError as e:  # e.g. an integer literal longer than sys.get_int_max_str_digits()
+        raise FormatError(path, f"{what} is not usable JSON ({e})") from None
+
+
+def _is_int(x: Any) -> bool:
+    return type(x) is int  # bool is an int subclass: true/false are not sizes
+
+
 def _validate_header(path: Path, header: dict[str, Any], data_start: int, file_size: int) -> FileHeader:
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = header.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise FormatError(path, "__metadata__ must map strings to strings")
@@ -174,15 +188,16 @@ def _validate_header(path: Path, header: dict[str, Any], data_start: int, file_s
         where = f"tensor '{key}'"
         if not isinstance(info, dict):
             raise FormatError(path, f"{where}: entry is not a JSON object")
-        dtype = NAME_TO_DTYPE.get(info.get("dtype"))  # type: ignore[arg-type]
+        name = info.get("dtype")
+        dtype = NAME_TO_DTYPE.get(name) if isinstance(name, str) else None
         if dtype is None:
-            raise FormatError(path, f"{where}: unknown dtype {info.get('dtype')!r}")
+            raise FormatError(path, f"{where}: unknown dtype {str(name)[:40]!r}")
         shape, offsets = info.get("shape"), info.get("data_offsets")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise FormatError(path, f"{where}: shape {shape!r} is not a list of non-negative integers")
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise FormatError(path, f"{where}: shape {str(shape)[:80]} is not a list of non-negative integers")
         if (not isinstance(offsets, list) or len(offsets) != 2
-                or not all(isinstance(o, int) and o >= 0 for o in offsets)):
-            raise FormatError(path, f"{where}: data_offsets {offsets!r} is not [begin, end]")
+                or not all(_is_int(o) and o >= 0 for o in offsets)):
+            raise FormatError(path, f"{where}: data_offsets {str(offsets)[:80]} is not [begin, end]")
         begin, end = offsets
         expected = prod(shape) * dtype.itemsize
         if end - begin != expected:
@@ -236,16 +251,18 @@ def read_index(path: Path) -> tuple[dict[str, Any], dict[str, Path]]:
     Shard names must stay inside the index's directory (no absolute paths, no ``..``).
     """
     try:
-        index = json.loads(path.read_text(encoding="utf-8"))
+        raw = path.read_bytes()
     except OSError as e:
         raise FormatError(path, f"cannot read index: {e.strerror or e}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FormatError(path, f"index is not valid JSON ({e})") from None
+    index = parse_json(raw, path, "index")
     if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
         raise FormatError(path, "index has no 'weight_map' object")
-    metadata = index.get("metadata") or {}
+    metadata = index.get("metadata", {})
     if not isinstance(metadata, dict):
         raise FormatError(path, "index 'metadata' is not an object")
+    for key in (META_STRUCTURE, META_VERSION):
+        if key in metadata and not isinstance(metadata[key], str):
+            raise FormatError(path, f"index metadata '{key}' is not a string")
     root = path.parent.resolve()
     weight_map: dict[str, Path] = {}
     for key, name in index["weight_map"].items():

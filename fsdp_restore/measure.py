@@ -7,16 +7,21 @@ import time
 from types import TracebackType
 
 
-def rss_anon_bytes() -> int:
-    """Current anonymous resident memory (heap, not page cache or mapped files), from /proc."""
+def status_bytes(field: str) -> int:
+    """A memory figure of this process from /proc/self/status (``RssAnon``, ``VmRSS``...), in bytes."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("RssAnon:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
+
+
+def rss_anon_bytes() -> int:
+    """Current anonymous resident memory (heap, not page cache or mapped files), from /proc."""
+    return status_bytes("RssAnon")
 
 
 def disk_read_bytes() -> int:
@@ -32,21 +37,23 @@ def disk_read_bytes() -> int:
 
 
 class PeakAnonMemory:
-    """Samples RssAnon in a background thread; ``peak`` is the highest value seen (Linux has no
-    peak-RssAnon counter: VmHWM also counts memory-mapped file pages, which are not the cost)."""
+    """Samples RssAnon (or ``field``) in a background thread; ``peak`` is the highest value seen (Linux
+    has no peak-RssAnon counter: VmHWM also counts memory-mapped file pages, which are not the cost).
+    ``field="VmRSS"`` counts pinned (page-locked) host buffers too, which the driver maps."""
 
-    def __init__(self, interval: float = 0.02) -> None:
+    def __init__(self, interval: float = 0.02, field: str = "RssAnon") -> None:
         self.interval = interval
+        self.field = field
         self.start = self.peak = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, rss_anon_bytes())
+            self.peak = max(self.peak, status_bytes(self.field))
 
     def __enter__(self) -> PeakAnonMemory:
-        self.start = self.peak = rss_anon_bytes()
+        self.start = self.peak = status_bytes(self.field)
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
@@ -55,7 +62,7 @@ class PeakAnonMemory:
         self._stop.set()
         if self._thread:
             self._thread.join()
-        self.peak = max(self.peak, rss_anon_bytes())
+        self.peak = max(self.peak, status_bytes(self.field))
 
 
 class Stopwatch:

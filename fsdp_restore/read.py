@@ -12,7 +12,7 @@ positional reads with ``POSIX_FADV_RANDOM`` read ~1.1x the slice. Every byte rea
 
 from __future__ import annotations
 
-import json
+import ctypes
 import os
 import threading
 from collections.abc import Iterator, Mapping
@@ -23,10 +23,9 @@ import torch
 from safetensors import safe_open
 
 from .errors import FormatError
-from .flatten import Structure, flat_structure, iter_nodes_with_keys, unflatten
+from .flatten import flat_structure, unflatten, validate_structure
 from .format import (DEFAULT_INDEX_NAME, INDEX_SUFFIX, META_CAST, META_CHECKSUMS, META_STRUCTURE, FileHeader,
-                     TensorEntry, read_header, read_index)
-from .write import tensor_bytes
+                     TensorEntry, parse_json, read_header, read_index)
 
 PT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
@@ -116,24 +115,13 @@ class Checkpoint:
         if structure_json is None:
             self.structure = flat_structure(list(self.entries))
         else:
-            try:
-                self.structure = json.loads(structure_json)
-            except json.JSONDecodeError as e:
-                raise FormatError(self.index_path or files[0], f"structure metadata is not valid JSON ({e})") from None
-            self._check_structure_keys()
+            where = self.index_path or files[0]
+            self.structure = parse_json(structure_json, where, "structure metadata")
+            validate_structure(self.structure, where, self.entries)
         self.bytes_read = 0
         self._lock = threading.Lock()
         self._fds: dict[Path, int] = {}
         self._lazy: dict[Path, Any] = {}
-
-    def _check_structure_keys(self) -> None:
-        where = self.index_path or next(iter(self.headers), self.path)
-        if not isinstance(self.structure, dict) or "root" not in self.structure:
-            raise FormatError(where, "structure metadata has no 'root'")
-        for path, node in iter_nodes_with_keys(self.structure["root"]):
-            if node["key"] not in self.entries:
-                raise FormatError(where, f"structure names tensor '{node['key']}' (at '{path}') but the file"
-                                  " holds no such tensor")
 
     # -- lazy, memory-mapped access (the `load` API) -------------------------------------------
 
@@ -200,7 +188,7 @@ class Checkpoint:
             return
         fd = self._fd(entry.file)
         offset = entry.offset + elem_start * entry.itemsize
-        view = memoryview(tensor_bytes(dest))
+        view = _writable_bytes(dest)
         total = len(view)
         while view:
             got = os.preadv(fd, [view], offset)
@@ -209,6 +197,16 @@ class Checkpoint:
             view, offset = view[got:], offset + got
         with self._lock:
             self.bytes_read += total
+
+    def tied_aliases(self) -> dict[str, str]:
+        """``{dropped name: kept name}`` recorded by ``safetensors.torch.save_model``, which stores one
+        name of each group of tied tensors and writes the others into the metadata."""
+        aliases: dict[str, str] = {}
+        for header in self.headers.values():
+            for dropped, kept in header.metadata.items():
+                if kept in self.entries and dropped not in self.entries and dropped != kept:
+                    aliases[dropped] = kept
+        return aliases
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -224,6 +222,13 @@ class Checkpoint:
 
     def __repr__(self) -> str:
         return f"Checkpoint({str(self.path)!r}, {len(self.entries)} tensors, {len(self.headers)} file(s))"
+
+
+def _writable_bytes(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory. Not ``t.numpy()``: a tensor viewed by
+    numpy has its storage marked non-resizable, and FSDP2 resizes parameter storage on reshard."""
+    nbytes = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
 
 
 class _LazyTensors(Mapping[str, torch.Tensor]):
@@ -247,12 +252,9 @@ def _json_meta(header: FileHeader, name: str) -> dict[str, str]:
     raw = header.metadata.get(name)
     if raw is None:
         return {}
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise FormatError(header.path, f"metadata '{name}' is not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise FormatError(header.path, f"metadata '{name}' is not a JSON object")
+    value = parse_json(raw, header.path, f"metadata '{name}'")
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise FormatError(header.path, f"metadata '{name}' is not a JSON object of strings")
     return value
 
 

@@ -1,18 +1,22 @@
-"""Restore model weights into a sharded (or plain) model on every rank, reading only this rank's bytes.
+"""Restore model weights and optimizer state on every rank, each rank reading only its own bytes.
 
-Planning and reading are separate, as in ``torch.distributed.checkpoint``: `plan_model_reads`
-matches this rank's `Target` pieces (see shards.py) to stored tensors, then `execute_reads` runs
-positional reads on a few threads straight into parameter memory (through a bounded staging
-buffer when the destination is on a GPU or of another dtype). Then the NaN-fill check runs and all
-ranks agree on one verdict.
+This module only orchestrates, in two phases with one verdict each (verdict.py):
+
+1. open the checkpoint, build the read plan for model and optimizer (plan.py), list what the check
+   covers from the model itself and validate the plan against it (check.py); agree. Nothing has
+   been modified when this fails.
+2. NaN-fill every element to restore, execute the plan (execute.py, or the ``FSDP.apply`` route in
+   apply.py), screen every element, read the rest of the checkpoint; agree. Then install the
+   optimizer state.
+
+Any exception on any rank in either phase becomes the same `RestoreError` on every rank.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,267 +24,245 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .check import ReadTask, agree, fill_nan, find_unrestored, floating, may_hold_nan, raise_if_problems
-from .errors import FsdpRestoreError
-from .flatten import iter_tensor_nodes
+from . import check as checks
+from .buffers import buffer_problems
+from .execute import DEFAULT_READ_THREADS, execute_reads
+from .flatten import unflatten
+from .plan import ReadPlan, RestoreReport, build_plan, default_prefix
 from .read import Checkpoint, open_checkpoint
-from .shards import Target, local_targets
+from .verdict import agree, new_problems
 
-STAGING_BYTES = 64 * 1024 * 1024  # bounded staging buffer for device or dtype-converting copies
-DEFAULT_READ_THREADS = 4
-READ_CHUNK_BYTES = 16 * 1024 * 1024  # pieces above this are split so that several threads share them
-
-
-@dataclass(frozen=True)
-class Source:
-    """Where a named tensor's elements start inside a stored tensor (views of a stored buffer too)."""
-
-    key: str
-    start: int
-    shape: tuple[int, ...]
+__all__ = ["RestoreReport", "RestoreResult", "default_prefix", "restore", "restore_model", "restore_optimizer"]
 
 
 @dataclass
-class RestoreReport:
-    """What a restore did on this rank."""
+class RestoreResult(Mapping[str, Any]):
+    """What `restore` returns: the rest of the checkpoint (``result["step"]``: a read-only mapping over
+    ``extra``) and the reports of the model and optimizer restores."""
 
-    tensors: int = 0
-    elements: int = 0
-    bytes_read: int = 0
-    seconds: float = 0.0
-    cast: list[str] = field(default_factory=list)  # "name: stored dtype -> model dtype"
-    nan_in_checkpoint: list[str] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)  # only when strict=False
-    unexpected: list[str] = field(default_factory=list)  # only when strict=False
-    prefix: str = ""
-    method: str = "read"
+    model: RestoreReport | None = None
+    optimizer: RestoreReport | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
 
+    def __getitem__(self, key: str) -> Any:
+        return self.extra[key]
 
-def tensor_sources(ckpt: Checkpoint, prefix: str) -> tuple[dict[str, Source], list[str]]:
-    """``{name: Source}`` for every tensor under dotted ``prefix``, plus names we cannot range-read."""
-    sources: dict[str, Source] = {}
-    unsupported: list[str] = []
-    lead = prefix + "." if prefix else ""
-    for path, node in iter_tensor_nodes(ckpt.structure["root"]):
-        if not path.startswith(lead):
-            continue
-        name = path[len(lead):]
-        entry = ckpt.entries[node["key"]]
-        view = node.get("view")
-        if view is None:
-            sources[name] = Source(node["key"], 0, entry.shape)
-            continue
-        shape = tuple(view["shape"])
-        contiguous = [1] * len(shape)
-        for d in range(len(shape) - 2, -1, -1):
-            contiguous[d] = contiguous[d + 1] * shape[d + 1]
-        if all(s == c for s, c, n in zip(view["stride"], contiguous, shape) if n > 1):
-            sources[name] = Source(node["key"], view["offset"], shape)
-        else:
-            unsupported.append(f"{name} (a strided view of '{node['key']}')")
-    return sources, unsupported
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.extra)
+
+    def __len__(self) -> int:
+        return len(self.extra)
 
 
-def default_prefix(ckpt: Checkpoint) -> str:
-    """``"model"`` when the top level holds a ``"model"`` subtree (a training checkpoint saved as
-    ``{"model": ..., "optim": ...}``); ``""`` for plain weight files (Hugging Face files, ``--select``
-    outputs, a converted ``torch.save(model.state_dict())``). Only the exact top-level key counts:
-    Hugging Face state dicts have flat keys that themselves start with ``model.`` (``LlamaForCausalLM``)."""
-    root = ckpt.structure["root"] if ckpt.has_structure else None
-    if not (isinstance(root, dict) and root.get("type") in ("dict", "OrderedDict")):
-        return ""
-    return "model" if any(k == "model" and isinstance(v, dict) and v.get("type") != "tensor"
-                          for k, v in root["items"]) else ""
-
-
-def plan_model_reads(targets: Sequence[Target], aliases: dict[str, str], sources: dict[str, Source],
-                     ckpt: Checkpoint, *, strict: bool, dtype_policy: str = "cast"
-                     ) -> tuple[list[ReadTask], dict[str, list[str]], RestoreReport]:
-    """Match targets to stored tensors; problems are collected, never raised here.
-
-    ``dtype_policy``: ``"cast"`` converts a stored dtype to the model's (and reports it), ``"error"``
-    makes any dtype difference a problem."""
-    if dtype_policy not in ("cast", "error"):
-        raise ValueError(f"dtype_policy must be 'cast' or 'error', not {dtype_policy!r}")
-    problems: dict[str, list[str]] = {"missing": [], "unexpected": [], "shape": [], "dtype": []}
-    report = RestoreReport()
-    tasks: list[ReadTask] = []
-    for target in targets:
-        src = sources.get(target.name)
-        if src is None:
-            (problems["missing"] if strict else report.missing).append(target.name)
-            continue
-        if tuple(src.shape) != tuple(target.global_shape):
-            problems["shape"].append(f"{target.name}: checkpoint {list(src.shape)} vs model {list(target.global_shape)}")
-            continue
-        stored = ckpt.entries[src.key].dtype
-        if stored != target.dtype:
-            if dtype_policy == "error":
-                problems["dtype"].append(f"{target.name}: checkpoint {stored} vs model {target.dtype}")
-                continue
-            report.cast.append(f"{target.name}: {stored} -> {target.dtype}")
-        report.tensors += 1
-        for piece in target.pieces:
-            tasks.append(ReadTask(src.key, src.start + piece.start, piece, target))
-    known = {t.name for t in targets} | set(aliases)
-    unexpected = sorted(set(sources) - known)
-    (problems["unexpected"] if strict else report.unexpected).extend(unexpected)
-    return tasks, {k: v for k, v in problems.items() if v}, report
-
-
-def read_piece(ckpt: Checkpoint, key: str, src_start: int, dest: torch.Tensor) -> None:
-    """Read into ``dest`` (1-D, contiguous): directly when it is CPU memory of the stored dtype, else
-    through a bounded staging buffer (pinned when the destination is on a GPU) with ``copy_``
-    doing the dtype cast and the host-to-device copy."""
-    entry = ckpt.entries[key]
-    if dest.device.type == "cpu" and dest.dtype == entry.dtype:
-        ckpt.read_range(key, src_start, dest)
-        return
-    n = dest.numel()
-    step = max(1, STAGING_BYTES // entry.itemsize)
-    pin = dest.device.type == "cuda"
-    staging = torch.empty(min(step, n), dtype=entry.dtype, pin_memory=pin)
-    with torch.no_grad():
-        for s in range(0, n, step):
-            m = min(step, n - s)
-            ckpt.read_range(key, src_start + s, staging[:m])
-            dest[s:s + m].copy_(staging[:m])
-
-
-def execute_reads(ckpt: Checkpoint, tasks: Sequence[ReadTask], threads: int, *, check: bool = False) -> None:
-    """Run every read task on ``threads`` threads; positional reads release the GIL, so reads overlap
-    each other, the copies into device memory and the checks.
-
-    Pieces are split into chunks of at most ``READ_CHUNK_BYTES`` so that one large tensor (an
-    embedding) is read by all threads at once rather than by one. With ``check``, each chunk is
-    NaN-filled, read and screened for NaN by one worker in a row: the fill (which is also what first
-    touches freshly allocated memory, page faults included) overlaps the other workers' reads
-    instead of delaying every read, and the screen runs while the chunk is still in cache, so that
-    the check afterwards only re-examines the pieces that need it."""
-    chunks: list[tuple[ReadTask, int, int]] = []  # (task, first element, element count)
-
-    def file_position(task: ReadTask) -> tuple[str, int]:
-        entry = ckpt.entries[task.key]
-        return str(entry.file), entry.offset + task.src_start * entry.itemsize
-
-    # In file order: the threads move through each file together, so the disk sees near-sequential
-    # reads and small slices (biases) are read next to their neighbours, not in a second sweep.
-    for task in sorted(tasks, key=file_position):
-        n = task.piece.dest.numel()
-        step = max(1, READ_CHUNK_BYTES // max(1, ckpt.entries[task.key].itemsize))
-        chunks.extend((task, s, min(step, n - s)) for s in range(0, n, step))
-        task.may_hold_nan = False if check else None
-
-    def read(chunk: tuple[ReadTask, int, int]) -> None:
-        task, start, count = chunk
-        dest = task.piece.dest[start:start + count]
-        if check and floating(dest.dtype):
-            dest.fill_(float("nan"))  # an element the read below fails to write stays NaN
-        read_piece(ckpt, task.key, task.src_start + start, dest)
-        if check and may_hold_nan(dest):
-            task.may_hold_nan = True  # only ever set to True, by any thread: no lock needed
-
-    with torch.no_grad():
-        if threads <= 1 or len(chunks) <= 1:
-            for chunk in chunks:
-                read(chunk)
-        else:
-            with ThreadPoolExecutor(max_workers=threads) as pool:
-                for f in [pool.submit(read, c) for c in chunks]:
-                    f.result()
-    for task in tasks:  # reached only when every chunk was read (a failed read raised above)
-        task.done = True
-
-
-def checked_reads(ckpt: Checkpoint, tasks: Sequence[ReadTask], report: RestoreReport, *, check: bool,
-                  read: Callable[[], None], prefill: bool = False) -> dict[str, list[str]]:
-    """Run ``read()`` then (with ``check``) look for planned elements left unrestored; with
-    ``prefill``, NaN-fill them all first (for readers that do not fill as they go, unlike
-    `execute_reads`). Returns this rank's problems instead of raising, so that every rank still
-    reaches the verdict collective."""
-    problems: dict[str, list[str]] = {}
+def _reshard_fsdp2(model: nn.Module) -> None:
+    """Put FSDP2 modules back on their sharded parameters (a forward with ``reshard_after_forward=False``
+    leaves them unsharded): the restore writes the sharded storage, which is what training keeps."""
     try:
-        with torch.no_grad():
-            if check and prefill:
-                fill_nan(tasks)
-            read()
-        if check:
-            result = find_unrestored(tasks, ckpt)
-            if result.unrestored:
-                problems["unrestored"] = result.unrestored
-            report.nan_in_checkpoint = result.nan_in_checkpoint
-    except (FsdpRestoreError, ValueError, OSError) as e:
-        problems["error"] = [str(e)]
-    return problems
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
-def _check_materialized(targets: Sequence[Target]) -> list[str]:
-    return [t.name for t in targets if any(p.dest.is_meta for p in t.pieces)]
+def _refuse_unsharded_fsdp1(model: nn.Module) -> None:
+    from .shards import _fsdp1_units
+
+    unsharded = []
+    for prefix, handle in _fsdp1_units(model):
+        shard = getattr(handle.flat_param, "_local_shard", None)  # set at FSDP's lazy init (first forward)
+        if handle.uses_sharded_strategy and shard is not None and handle.flat_param.data_ptr() != shard.data_ptr():
+            unsharded.append(prefix or "<root>")
+    if unsharded:
+        raise ValueError(f"FSDP1 units {', '.join(unsharded[:5])} hold unsharded parameters (inside"
+                         " summon_full_params, or between forward and backward): restore outside them")
+
+
+def _run(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint, *, weights: bool,
+         optimizer: torch.optim.Optimizer | None, prefix: str | None, optim_prefix: str, strict: bool, check: bool,
+         check_buffers: bool, method: str, threads: int | None, dtype_policy: str,
+         group: dist.ProcessGroup | None, extra_keys: tuple[str, ...] | None = None
+         ) -> tuple[ReadPlan, dict[str, Any]]:
+    """Both phases of a restore of ``weights`` and/or ``optimizer``; returns the plan (with its
+    reports) and, with ``extra_keys``, every other top-level entry of the checkpoint."""
+    t0 = time.perf_counter()
+    threads = threads or DEFAULT_READ_THREADS
+    own = not isinstance(checkpoint, Checkpoint)
+    ckpt: Checkpoint | None = None
+    plan = ReadPlan()
+    model_memory: list[checks.Storage] = []
+    optim_memory: list[checks.Storage] = []
+    coverage: dict[str, tuple[int, int]] = {}
+    prints: list[tuple[str, int]] = []
+    extra: dict[str, Any] = {}
+    what = "restore" if weights else "optimizer restore"
+    try:
+        # -- phase 1: open, plan, validate the plan against the model's memory (nothing is modified) --------
+        problems = new_problems(group)
+        with problems.guard():
+            if method not in ("read", "apply"):
+                raise ValueError(f"unknown method '{method}' (use 'read' or 'apply')")
+            ckpt = open_checkpoint(checkpoint)
+            _reshard_fsdp2(model)
+            _refuse_unsharded_fsdp1(model)
+            plan = build_plan(model, ckpt, prefix=prefix, strict=strict, dtype_policy=dtype_policy, weights=weights,
+                              optimizer=optimizer, optim_prefix=optim_prefix)
+            problems.update(plan.problems)
+            memory = checks.model_storages(model)  # from the model itself, not from the plan
+            if weights:
+                model_memory = checks.without(memory, plan.skipped)
+            if plan.optim is not None:
+                optim_memory = checks.optimizer_storages(plan.optim, memory)
+            problems.update(checks.validate_plan(plan, model_memory + optim_memory, ckpt))
+            coverage = checks.coverage_terms(plan.items)
+            if check and check_buffers:
+                buffer_issues, prints = buffer_problems(model)
+                problems.add("buffers", buffer_issues)
+        agree(problems, what, group, coverage=coverage, buffer_prints=prints)
+        assert ckpt is not None
+        timings = {"plan": time.perf_counter() - t0}
+
+        # -- phase 2: poison, read, screen -----------------------------------------------------------------
+        problems = new_problems(group)
+        before = ckpt.bytes_read
+        result = checks.CheckResult()
+        storages = model_memory + optim_memory
+        # host memory: the check fills and screens each chunk on the read threads (a ledger); GPU memory and
+        # the apply route: one fill pass before the reads and one screen pass after
+        ledger = checks.Ledger(storages) if check and method == "read" and all(
+            s.flat.device.type == "cpu" for s in storages) else None
+        with problems.guard():
+            with torch.no_grad():
+                t1_fill = time.perf_counter()
+                if check and ledger is None:
+                    checks.poison(storages, threads)
+                t1 = time.perf_counter()
+                if method == "apply":
+                    from .apply import execute_by_apply
+
+                    execute_by_apply(model, ckpt, plan.items, prefix=plan.model_report.prefix if plan.model_report
+                                     else "", threads=threads)
+                elif ledger is not None:
+                    execute_reads(ckpt, plan.items, threads, before=ledger.before, after=ledger.after,
+                                  poison_staging=True)
+                else:
+                    execute_reads(ckpt, plan.items, threads, poison_staging=check)
+                t2 = time.perf_counter()
+                timings["read"] = t2 - t1
+                if ledger is not None:
+                    result = checks.settle(storages, plan, ckpt, ledger)
+                elif check:
+                    result = checks.screen(storages, plan, ckpt, threads)
+                problems.add("unrestored", result.unrestored)
+                timings["check"] = (t1 - t1_fill) + (time.perf_counter() - t2)  # fill pass + verdict
+            if extra_keys is not None:
+                extra = _read_extra(ckpt, extra_keys)
+        t3 = time.perf_counter()
+        agree(problems, f"{what} check", group)
+        timings["agree"] = time.perf_counter() - t3
+
+        _fill_reports(plan, ckpt, result, bytes_read=ckpt.bytes_read - before, method=method,
+                      seconds=time.perf_counter() - t0, checked=(model_memory, optim_memory) if check else ([], []),
+                      timings=timings)
+        if plan.optim is not None:
+            plan.optim.install()
+        return plan, extra
+    finally:
+        if own and ckpt is not None:
+            ckpt.close()
+
+
+def _fill_reports(plan: ReadPlan, ckpt: Checkpoint, result: checks.CheckResult, *, bytes_read: int, method: str,
+                  seconds: float, checked: tuple[list[checks.Storage], list[checks.Storage]],
+                  timings: dict[str, float]) -> None:
+    """Counts per report. Bytes read: the model's are what its items asked for (the apply route: all it
+    read); the optimizer's are the rest (with the check's re-reads of NaN held by the file, if any)."""
+    model_bytes = bytes_read
+    if plan.model_report is not None and plan.optim_report is not None:
+        model_bytes = sum(i.dest.numel() * ckpt.entries[i.key].itemsize for i in plan.items
+                          if not i.name.startswith("optim:"))
+    for report, optim, memory in ((plan.model_report, False, checked[0]), (plan.optim_report, True, checked[1])):
+        if report is None:
+            continue
+        report.elements = sum(i.dest.numel() for i in plan.items if i.name.startswith("optim:") == optim)
+        report.nan_in_checkpoint = [n for n in result.nan_in_checkpoint if n.startswith("optim:") == optim]
+        report.checked_elements = sum(r.numel for s in memory if s.floating for r in s.regions)
+        report.bytes_read = bytes_read - model_bytes if optim else model_bytes
+        report.method = "optimizer" if optim else method
+        report.seconds = seconds
+        report.timings = dict(timings)
+
+
+def _read_extra(ckpt: Checkpoint, skip: tuple[str, ...]) -> dict[str, Any]:
+    """Every top-level entry but ``skip``, as ordinary objects; tensors read with exact positional reads."""
+    root = ckpt.structure["root"]
+    if not (isinstance(root, dict) and root.get("type") in ("dict", "OrderedDict")):
+        return {}
+    rest = {"type": "dict", "items": [[k, v] for k, v in root["items"] if k not in skip]}
+    return unflatten(ckpt.tensors(exact=True), {"version": 1, "root": rest})
 
 
 def restore_model(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint, *, prefix: str | None = None,
-                  strict: bool = True, check: bool = True, method: str = "read", threads: int | None = None,
-                  dtype_policy: str = "cast", group: dist.ProcessGroup | None = None) -> RestoreReport:
+                  strict: bool = True, check: bool = True, check_buffers: bool = True, method: str = "read",
+                  threads: int | None = None, dtype_policy: str = "cast",
+                  process_group: dist.ProcessGroup | None = None) -> RestoreReport:
     """Restore a model's weights from a checkpoint; call on every rank after sharding the model.
 
     ``checkpoint``: a path (file, sharded directory, or ``.pt`` with a ``.safetensors`` sibling) or
     an opened `Checkpoint`. ``prefix``: the dotted subtree holding the weights; default ``"model"``
-    for our full-checkpoint files and ``""`` for plain weight files. Works for FSDP2
-    (``fully_shard``, any DTensor layout), FSDP1 (every sharding strategy, ``use_orig_params``
-    either way), DDP and plain modules; a model built on the meta device must be materialized
-    (``to_empty``) first. Each rank reads only the bytes of its own shard. ``method="apply"``
-    uses the seed's FSDP1 route instead (``FSDP.apply`` summons each unit's full parameters and
-    copies whole tensors in; every rank reads everything). With ``check`` the restored elements
-    are NaN-filled first and verified after; every rank raises the same `RestoreError` when
-    anything is missing, unexpected (``strict``), mis-shaped or unrestored; ``dtype_policy="error"``
-    adds dtype differences to that list (default ``"cast"``: convert and report in ``report.cast``).
+    when the top level holds a ``model`` subtree, else ``""``. Works for FSDP2 (``fully_shard``, any
+    DTensor layout; unsharded modules are resharded first), FSDP1 (every sharding strategy,
+    ``use_orig_params`` either way), DDP and plain modules; a model built on the meta device must be
+    materialized (``to_empty``) first. Each rank reads only the bytes of its own shard.
+    ``method="apply"`` uses the seed's FSDP1 route instead (``FSDP.apply`` summons each unit's full
+    parameters; every rank reads everything).
+
+    With ``check``, every local element of every floating parameter and persistent buffer is NaN-filled
+    before the reads and screened after (``strict=False``: the missing names are left untouched), the
+    plan is validated against the model's memory before any read, and non-persistent buffers (which
+    no checkpoint holds) must be finite, equal on every rank and, where the module says how, equal to
+    their own initialisation (``check_buffers``). Every rank raises the same `RestoreError` for any
+    problem on any rank: missing / unexpected keys (``strict``), shapes, dtypes with
+    ``dtype_policy="error"`` (default ``"cast"``: converted and listed in ``report.cast``), unrestored
+    elements, or any exception.
     """
-    t0 = time.perf_counter()
-    own = not isinstance(checkpoint, Checkpoint)
-    ckpt: Checkpoint | None = None
-    problems: dict[str, list[str]] = {}
-    tasks: list[ReadTask] = []
-    report = RestoreReport(method=method)
-    try:
-        ckpt = open_checkpoint(checkpoint)
-        prefix = default_prefix(ckpt) if prefix is None else prefix
-        targets, aliases = local_targets(model)
-        unmaterialized = _check_materialized(targets)
-        if unmaterialized:
-            raise FsdpRestoreError(f"parameters on the meta device ({', '.join(unmaterialized[:5])}...): materialize"
-                                   " the model with model.to_empty(device=...) before restoring")
-        sources, unsupported = tensor_sources(ckpt, prefix)
-        if not sources and prefix:
-            raise FsdpRestoreError(f"the checkpoint has no tensors under prefix '{prefix}'; pass prefix='' for a"
-                                   " plain weights file, or the subtree that holds the model")
-        tasks, problems, report = plan_model_reads(targets, aliases, sources, ckpt, strict=strict,
-                                                   dtype_policy=dtype_policy)
-        report.method, report.prefix = method, prefix
-        if unsupported:
-            problems["unsupported"] = unsupported
-    except (FsdpRestoreError, ValueError, OSError) as e:
-        problems = {"error": [str(e)]}
-    try:
-        raise_if_problems(agree(problems, group), "restore")  # nothing has been modified yet
-        assert ckpt is not None
-        before = ckpt.bytes_read
+    plan, _ = _run(model, checkpoint, weights=True, optimizer=None, prefix=prefix, optim_prefix="optim", strict=strict,
+                   check=check, check_buffers=check_buffers, method=method, threads=threads,
+                   dtype_policy=dtype_policy, group=process_group)
+    assert plan.model_report is not None
+    return plan.model_report
 
-        def read() -> None:
-            if method == "apply":
-                from .apply import restore_by_apply
 
-                restore_by_apply(model, ckpt, tasks, prefix=prefix)
-            elif method == "read":
-                execute_reads(ckpt, tasks, threads or DEFAULT_READ_THREADS, check=check)
-            else:
-                raise ValueError(f"unknown method '{method}' (use 'read' or 'apply')")
+def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
+                      checkpoint: str | os.PathLike[str] | Checkpoint, *, prefix: str = "optim",
+                      model_prefix: str | None = None, check: bool = True, threads: int | None = None,
+                      process_group: dist.ProcessGroup | None = None) -> RestoreReport:
+    """Restore ``optimizer`` (built over the sharded ``model``) from the checkpoint subtree ``prefix``.
 
-        problems = checked_reads(ckpt, tasks, report, check=check, read=read, prefill=method == "apply")
-        raise_if_problems(agree(problems, group), "restore check")
-        report.bytes_read = ckpt.bytes_read - before
-        report.elements = sum(t.piece.dest.numel() for t in tasks)
-        report.seconds = time.perf_counter() - t0
-        return report
-    finally:
-        if own and ckpt is not None:
-            ckpt.close()
+    Per-parameter state tensors are read slice by slice into tensors laid out like each parameter's
+    local shard (DTensors for FSDP2): the optimizer's existing state tensors when they have that
+    layout (overwritten in place), else new ones. Scalar state (``step``) is copied whole and the
+    param-group hyperparameters are restored. ``model_prefix`` (default: as `restore_model`) is where
+    the model's parameter order is read when the saved state is keyed by integer ids. Every rank
+    raises the same `RestoreError` when the optimizer does not match the checkpoint (nothing is
+    modified then) or when a read or its check fails (the state is then not installed)."""
+    plan, _ = _run(model, checkpoint, weights=False, optimizer=optimizer, prefix=model_prefix,
+                   optim_prefix=prefix, strict=True, check=check, check_buffers=False, method="read", threads=threads,
+                   dtype_policy="cast", group=process_group)
+    assert plan.optim_report is not None
+    return plan.optim_report
+
+
+def restore(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint,
+            optimizer: torch.optim.Optimizer | None = None, *, model_key: str = "model", optim_key: str = "optim",
+            check: bool = True, check_buffers: bool = True, strict: bool = True, threads: int | None = None,
+            process_group: dist.ProcessGroup | None = None) -> RestoreResult:
+    """Restore model (and optimizer) state on every rank in one pass: one plan, one read phase, two
+    verdicts. Returns a `RestoreResult`: a mapping over every other top-level entry of the checkpoint
+    (step, scheduler, RNG states, config...) as ordinary Python objects, with ``.model`` and
+    ``.optimizer`` reports (``strict=False`` losses are in ``result.model.missing``)."""
+    plan, extra = _run(model, checkpoint, weights=True, optimizer=optimizer, prefix=model_key, optim_prefix=optim_key,
+                       strict=strict, check=check, check_buffers=check_buffers, method="read", threads=threads,
+                       dtype_policy="cast", group=process_group, extra_keys=(model_key, optim_key))
+    return RestoreResult(model=plan.model_report, optimizer=plan.optim_report, extra=extra)

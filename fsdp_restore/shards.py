@@ -152,7 +152,7 @@ def _tensor_target(name: str, tensor: torch.Tensor, kind: str) -> Target:
 def _dtensor_target(name: str, dt: torch.Tensor, kind: str) -> Target:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    local = dt.to_local()
+    local = dt._local_tensor if hasattr(dt, "_local_tensor") else dt.to_local()  # to_local() is an autograd call
     global_shape = tuple(dt.shape)
     local_shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
     target = Target(name, global_shape, dt.dtype, kind, layout="dtensor")

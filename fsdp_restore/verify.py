@@ -215,7 +215,7 @@ def _describe(node: Any, ckpt: Checkpoint, name: str) -> dict[str, Any]:
         return {"name": name, "kind": type(node).__name__ if node is not None else "None", "value": repr(node)[:60],
                 "bytes": 0, "tensors": 0}
     kind = node.get("type")
-    if "key" in node:
+    if kind in ("tensor", "ndarray", "bytes", "bytearray"):  # the validated structure: these carry a key
         entry = ckpt.entries[node["key"]]
         view = node.get("view")
         shape = view["shape"] if view else list(entry.shape)

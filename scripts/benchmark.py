@@ -241,6 +241,8 @@ def leave_read_limit(group: str) -> None:
 
 
 def _build(fsdp: str, kind: str, mb: float) -> torch.nn.Module:
+    from fsdp_restore import init_non_persistent_buffers
+
     with torch.device("meta"):
         model = build_model(kind, mb)
     if fsdp == "fsdp2":
@@ -249,13 +251,16 @@ def _build(fsdp: str, kind: str, mb: float) -> torch.nn.Module:
         for unit in wrap_units(model):
             fully_shard(unit)
         fully_shard(model)
-        return model.to_empty(device="cpu")
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        model.to_empty(device="cpu")
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    unit_types = {type(u) for u in wrap_units(model)}
-    return FSDP(model, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy(unit_types),
-                param_init_fn=lambda m: m.to_empty(device="cpu", recurse=False), use_orig_params=True)
+        unit_types = {type(u) for u in wrap_units(model)}
+        model = FSDP(model, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy(unit_types),
+                     param_init_fn=lambda m: m.to_empty(device="cpu", recurse=False), use_orig_params=True)
+    init_non_persistent_buffers(model)  # rotary inv_freq: in no checkpoint, uninitialised after to_empty
+    return model
 
 
 def restore_worker(rank: int, world_size: int, method: str, fsdp: str, kind: str, mb: float,
@@ -274,7 +279,6 @@ def restore_worker(rank: int, world_size: int, method: str, fsdp: str, kind: str
     from torch.distributed.checkpoint import HuggingFaceStorageReader  # noqa: F401
 
     import fsdp_restore.apply  # noqa: F401
-    import fsdp_restore.optim  # noqa: F401
 
     torch.empty(4).numpy()  # the first .numpy() call imports lazily too
 

@@ -52,12 +52,14 @@ def tiny_gpt2(seed: int = 0, **overrides: Any) -> torch.nn.Module:
     return GPT2LMHeadModel(GPT2Config(**cfg))
 
 
-def tiny_llama(seed: int = 0) -> torch.nn.Module:
+def tiny_llama(seed: int = 0, **overrides: Any) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=101, hidden_size=30, intermediate_size=46, num_hidden_layers=2,
-                                        num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=32))
+    cfg = dict(vocab_size=101, hidden_size=30, intermediate_size=46, num_hidden_layers=2, num_attention_heads=3,
+               num_key_value_heads=1, max_position_embeddings=32)
+    cfg.update(overrides)
+    return LlamaForCausalLM(LlamaConfig(**cfg))
 
 
 def training_checkpoint(model: torch.nn.Module, steps: int = 2, seed: int = 0) -> dict[str, Any]:
@@ -77,3 +79,10 @@ def training_checkpoint(model: torch.nn.Module, steps: int = 2, seed: int = 0) -
             "step": steps, "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
                                    "python": random.getstate()},
             "config": argparse.Namespace(lr=1e-3, name="tiny", layers=[1, 2])}
+
+
+def raw_safetensors(header_json: bytes | str, data: bytes = b"") -> bytes:
+    """A safetensors file from a raw header text (any JSON, valid or not), padded as the format asks."""
+    text = header_json.encode() if isinstance(header_json, str) else header_json
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + data

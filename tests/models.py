@@ -1,12 +1,15 @@
-"""Small real models and the ways tests wrap them (FSDP2, HSDP, FSDP1 strategies, DDP, plain)."""
+"""Small real models and the ways tests wrap them (FSDP2, HSDP, FSDP1 strategies, DDP, plain).
+
+`DEVICE` is where a rank's models live (set per rank by dist.run_ranks: the CPU under gloo, a GPU under
+nccl and gloo-cuda). Models are initialised on the CPU, so that a seed gives the same values everywhere.
+"""
 
 from __future__ import annotations
 
-import functools
-
 import torch
-import torch.distributed as dist
 from torch import nn
+
+DEVICE = torch.device("cpu")
 
 
 class MLP(nn.Module):
@@ -40,7 +43,15 @@ class TiedNet(nn.Module):
         self.head.weight = self.embed.weight
 
 
-def build(name: str, seed: int = 0, device: str = "cpu") -> nn.Module:
+def build(name: str, seed: int = 0, device: str | torch.device | None = None) -> nn.Module:
+    """The named model with seed-determined values, on ``device`` (default: `DEVICE`; "meta": no values)."""
+    if device is None or str(device) != "meta":
+        with torch.device("cpu"):
+            return _build(name, seed, "cpu").to(device or DEVICE)
+    return _build(name, seed, "meta")
+
+
+def _build(name: str, seed: int, device: str) -> nn.Module:
     from helpers import tiny_gpt2, tiny_llama
 
     with torch.device(device):
@@ -54,6 +65,8 @@ def build(name: str, seed: int = 0, device: str = "cpu") -> nn.Module:
             return tiny_gpt2(seed)
         if name == "llama":
             return tiny_llama(seed)
+        if name == "llama-tied":
+            return tiny_llama(seed, tie_word_embeddings=True)
     raise ValueError(name)
 
 
@@ -72,14 +85,15 @@ def wrap(model: nn.Module, how: str, world_size: int) -> nn.Module:
     if how == "plain":
         return model
     if how == "ddp":
-        return nn.parallel.DistributedDataParallel(model)
+        return nn.parallel.DistributedDataParallel(model, device_ids=[DEVICE] if DEVICE.type == "cuda" else None)
     if how in ("fsdp2", "hsdp"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = None
+        # an explicit mesh: left to itself, FSDP2 picks the GPU whenever the machine has one
+        mesh = init_device_mesh(DEVICE.type, (world_size,))
         if how == "hsdp":
-            mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+            mesh = init_device_mesh(DEVICE.type, (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
         for block in _blocks(model):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -94,10 +108,10 @@ def wrap(model: nn.Module, how: str, world_size: int) -> nn.Module:
         if strategy == "HYBRID_SHARD":
             from torch.distributed.device_mesh import init_device_mesh
 
-            kwargs["device_mesh"] = init_device_mesh("cpu", (2, world_size // 2))
+            kwargs["device_mesh"] = init_device_mesh(DEVICE.type, (2, world_size // 2))
         block_types = {type(b) for b in _blocks(model)}
         return FSDP(model, sharding_strategy=ShardingStrategy[strategy], use_orig_params=params == "orig",
-                    auto_wrap_policy=ModuleWrapPolicy(block_types), device_id=torch.device("cpu"), **kwargs)
+                    auto_wrap_policy=ModuleWrapPolicy(block_types), device_id=DEVICE, **kwargs)
     raise ValueError(how)
 
 
@@ -110,6 +124,27 @@ def full_state(model: nn.Module, how: str) -> dict[str, torch.Tensor]:
         # offload_to_cpu=False: torch 2.13 on CPU segfaults gathering with offload at world size 3.
         cfg = FullStateDictConfig(offload_to_cpu=False, rank0_only=False)
         with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):
-            return {k: v.clone() for k, v in model.state_dict().items()}
+            return {k: v.cpu().clone() for k, v in model.state_dict().items()}
     state = model.module.state_dict() if how == "ddp" else model.state_dict()
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in state.items()}
+    return {k: _full_tensor(v) for k, v in state.items()}
+
+
+def _full_tensor(v: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on the CPU. DTensors are gathered with ``full_tensor()``, except on GPU memory
+    under gloo, whose CUDA all-gather of uneven shards crashes (seen: torch 2.11): there every rank's
+    local block goes through ``all_gather_object`` and is placed by torch's own layout arithmetic."""
+    import torch.distributed as dist
+
+    if not hasattr(v, "full_tensor"):
+        return v.detach().cpu().clone()
+    if v.device.type == "cpu" or dist.get_backend() == "nccl":
+        return v.full_tensor().cpu().clone()
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(v.shape, v.device_mesh, v.placements)
+    blocks: list = [None] * dist.get_world_size()
+    dist.all_gather_object(blocks, (tuple(shape), tuple(offset), v.to_local().detach().cpu()))
+    full = torch.empty(v.shape, dtype=v.dtype)
+    for block_shape, block_offset, local in blocks:
+        full[tuple(slice(o, o + n) for o, n in zip(block_offset, block_shape))] = local
+    return full

@@ -1,96 +1,228 @@
-"""The NaN-fill check catches what a restore failed to write, and only that."""
+"""The check catches what a faulty plan or a faulty read did, naming the parameter, on every rank.
 
-import importlib
+Faults are injected into the real code path (the plan the restore builds, the reads it runs) on
+real gloo ranks; the check must not depend on the code it guards: a plan that loses a parameter is
+caught by validation, and still by the NaN screen when validation is switched off.
+"""
+
+from __future__ import annotations
+
+import re
 
 import pytest
 import torch
-from models import build
+from dist import GPU, backends, cases, run_ranks
+from models import build, wrap
 
 import fsdp_restore
-from fsdp_restore.check import fill_nan, find_unrestored, may_hold_nan
+from fsdp_restore import RestoreError
+from fsdp_restore.check import coverage_terms, model_storages, screen, validate_plan
+from fsdp_restore.plan import ReadItem, build_plan
 from fsdp_restore.read import Checkpoint
-from fsdp_restore.restore import execute_reads, plan_model_reads, tensor_sources
-from fsdp_restore.shards import local_targets
 
-restore_module = importlib.import_module("fsdp_restore.restore")  # the package re-exports a function `restore`
+VICTIM = "model.layers.0.mlp.up_proj.weight"  # [46, 30] in the tiny Llama: uneven rows at 2 and 3 ranks
+ROW = 30
 
 
-def _converted(tmp_path, state):
-    torch.save({"model": state}, tmp_path / "m.pt")
-    fsdp_restore.convert(tmp_path / "m.pt", tmp_path / "m.safetensors")
-    return tmp_path / "m.safetensors"
+@pytest.fixture(scope="module")
+def llama_ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("check")
+    torch.save({"model": build("llama").state_dict()}, root / "l.pt")
+    fsdp_restore.convert(root / "l.pt", root / "l.safetensors")
+    return root / "l.safetensors"
+
+
+def _inject(fault: str, rank: int) -> None:
+    """Patch this rank's restore path with ``fault`` (runs inside the rank's process)."""
+    import importlib
+
+    execute = importlib.import_module("fsdp_restore.execute")
+    restore = importlib.import_module("fsdp_restore.restore")  # the package's `restore` is the function
+
+    real_build = restore.build_plan
+
+    def faulty_build(*args, **kwargs):
+        plan = real_build(*args, **kwargs)
+        mine = [i for i in plan.items if i.name == VICTIM]
+        if fault in ("lose", "lose-unvalidated"):
+            plan.items = [i for i in plan.items if i.name != VICTIM]
+        elif fault == "shift":  # the rank holding the first row reads from one row further
+            for item in mine:
+                if item.global_start == 0:
+                    item.src_start += ROW
+                    item.global_start += ROW
+        elif fault == "shift-dest" and mine and mine[0].dest.numel() > ROW:
+            mine[0].dest = mine[0].dest[ROW:]  # the piece's first rows written one row further into local memory
+        return plan
+
+    restore.build_plan = faulty_build
+    if fault == "lose-unvalidated":
+        restore.checks.validate_plan = lambda *a, **k: {}
+    if fault == "silent-read" and rank == 1:  # the lowest-level read returns without writing a byte
+        from fsdp_restore.read import Checkpoint
+
+        real_read = Checkpoint.read_range
+
+        def read_nothing_for_victim(self, key, elem_start, dest):
+            if key != f"model.{VICTIM}":
+                real_read(self, key, elem_start, dest)
+
+        Checkpoint.read_range = read_nothing_for_victim
+    if fault == "skipped-chunk" and rank == 1:  # the executor drops the victim's chunks, yet marks it done
+        real_chunked = execute.chunked
+        execute.chunked = lambda items, ckpt: [c for c in real_chunked(items, ckpt) if c[0].name != VICTIM]
+
+
+def _restore_with_fault(rank, world_size, path, how, fault):
+    _inject(fault, rank)
+    model = wrap(build("llama", seed=7), how, world_size)
+    with pytest.raises(RestoreError) as info:
+        fsdp_restore.restore_model(model, path)
+    return str(info.value)
+
+
+EXPECTED = {"lose": "plan: never planned", "lose-unvalidated": "not restored",
+            # rows split over ranks: the ranks' global coverage no longer adds up; a tensor held whole by
+            # one rank: its last row is read from past the tensor's end
+            "shift": "do not cover|reads outside", "shift-dest": "plan: never planned",
+            "silent-read": "not restored", "skipped-chunk": "not restored"}
+
+
+@pytest.mark.parametrize("fault", list(EXPECTED))
+@pytest.mark.parametrize("how,world_size", [("fsdp2", 2), ("fsdp2", 3), ("fsdp1-FULL_SHARD-flat", 2),
+                                            ("fsdp1-FULL_SHARD-flat", 3)])
+def test_fault_is_caught_naming_the_parameter_on_every_rank(llama_ckpt, fault, how, world_size):
+    messages = run_ranks(_restore_with_fault, world_size, llama_ckpt, how, fault)
+    assert len(set(messages)) == 1, messages  # one verdict, the same text on every rank
+    assert VICTIM in messages[0] and re.search(EXPECTED[fault], messages[0]), messages[0]
+
+
+@pytest.mark.parametrize("fault", list(EXPECTED))
+@pytest.mark.parametrize("world_size,backend", cases(1, only=GPU) + cases(2, only=GPU))
+def test_fault_is_caught_on_the_gpu(llama_ckpt, fault, world_size, backend):
+    """The same faults with the model in GPU memory: the fill and the screen run on the device."""
+    if fault in ("shift", "silent-read", "skipped-chunk") and world_size == 1:
+        pytest.skip("needs a second rank (the fault is injected on rank 1, or shows between ranks)")
+    messages = run_ranks(_restore_with_fault, world_size, llama_ckpt, "fsdp2", fault, backend=backend)
+    assert len(set(messages)) == 1, messages
+    assert VICTIM in messages[0] and re.search(EXPECTED[fault], messages[0]), messages[0]
+
+
+# ---- the parts, in one process -------------------------------------------------------------------------
 
 
 def _plan(path, model):
     ckpt = Checkpoint(path)
-    targets, aliases = local_targets(model)
-    sources, _ = tensor_sources(ckpt, "model")
-    tasks, problems, _ = plan_model_reads(targets, aliases, sources, ckpt, strict=True)
-    assert not problems
-    return ckpt, tasks
+    plan = build_plan(model, ckpt, prefix="model")
+    assert not plan.problems
+    return ckpt, plan
 
 
-def test_skipped_read_is_named(tmp_path):
+@pytest.fixture
+def mlp_ckpt(tmp_path):
+    torch.save({"model": build("mlp").state_dict()}, tmp_path / "m.pt")
+    fsdp_restore.convert(tmp_path / "m.pt", tmp_path / "m.safetensors")
+    return tmp_path / "m.safetensors"
+
+
+def test_exact_plan_validates(mlp_ckpt):
     model = build("mlp", seed=5)
-    ckpt, tasks = _plan(_converted(tmp_path, build("mlp").state_dict()), model)
-    fill_nan(tasks)
-    skipped = [t for t in tasks if t.target.name in ("blocks.0.bias", "counter")]
-    execute_reads(ckpt, [t for t in tasks if t not in skipped], threads=2)
-    result = find_unrestored(tasks, ckpt)
-    assert result.unrestored == ["blocks.0.bias (5 elements)", "counter (4 elements)"]
-    assert torch.isnan(model.blocks[0].bias).all()  # the poison is visible, not silently kept old values
+    ckpt, plan = _plan(mlp_ckpt, model)
+    assert validate_plan(plan, model_storages(model), ckpt) == {}
+    assert all(a == 0 and b == 0 for a, b in coverage_terms(plan.items).values())  # one rank covers all
 
 
-@pytest.mark.parametrize("chunk_bytes", [16 * 2**20, 40])
-def test_partly_written_piece_is_caught(tmp_path, monkeypatch, chunk_bytes):
-    """A read that leaves one element unwritten is caught, whether or not the piece was split in chunks."""
+def test_lost_integer_buffer_is_caught_by_validation(mlp_ckpt):
+    """Integer tensors cannot hold NaN: the validated plan is their coverage."""
     model = build("mlp", seed=5)
-    ckpt, tasks = _plan(_converted(tmp_path, build("mlp").state_dict()), model)
-    monkeypatch.setattr(restore_module, "READ_CHUNK_BYTES", chunk_bytes)
-    real_read = restore_module.read_piece
-    target = model.inp.weight.data.view(-1)
-
-    def read_but_skip_one(ckpt, key, src_start, dest):
-        real_read(ckpt, key, src_start, dest)
-        if dest.data_ptr() <= target[23].data_ptr() < dest.data_ptr() + dest.numel() * dest.element_size():
-            dest.view(-1)[(target[23].data_ptr() - dest.data_ptr()) // dest.element_size()] = float("nan")
-
-    monkeypatch.setattr(restore_module, "read_piece", read_but_skip_one)
-    execute_reads(ckpt, tasks, threads=2, check=True)
-    assert find_unrestored(tasks, ckpt).unrestored == ["inp.weight (1 elements)"]
+    ckpt, plan = _plan(mlp_ckpt, model)
+    plan.items = [i for i in plan.items if i.name != "counter"]
+    assert validate_plan(plan, model_storages(model), ckpt) == {"plan: never planned (elements left unread)": ["counter"]}
 
 
-def test_unscreened_pieces_are_examined(tmp_path):
-    """Pieces written outside execute_reads (the apply route) carry no screen result and are checked in full."""
+def test_item_outside_the_model_or_its_tensor(mlp_ckpt):
     model = build("mlp", seed=5)
-    ckpt, tasks = _plan(_converted(tmp_path, build("mlp").state_dict()), model)
-    execute_reads(ckpt, tasks, threads=1, check=True)
-    model.inp.weight.data[2, 3] = float("nan")
-    assert find_unrestored(tasks, ckpt).unrestored == []  # screened clean after the read: not re-examined
-    for task in tasks:
-        task.may_hold_nan = None
-    assert find_unrestored(tasks, ckpt).unrestored == ["inp.weight (1 elements)"]
+    ckpt, plan = _plan(mlp_ckpt, model)
+    stray = torch.empty(5)
+    item = next(i for i in plan.items if i.name == "blocks.1.bias")
+    plan.items.append(ReadItem(item.key, 0, stray, "blocks.1.bias", 0, 5))
+    plan.items.append(ReadItem(item.key, 3, model.blocks[0].bias.data.view(-1), "blocks.0.bias", 0, 5))
+    problems = validate_plan(plan, model_storages(model), ckpt)
+    assert problems["plan: writes outside the model's memory"] == ["blocks.1.bias"]
+    assert problems["plan: reads outside its stored tensor"] == ["blocks.0.bias"]
+    assert problems["plan: planned twice"] == ["blocks.0.bias"]
+
+
+def test_screen_covers_memory_the_plan_never_mentions(mlp_ckpt):
+    """The screen walks the model's storage, not the plan: an element the plan never mentions is found."""
+    model = build("mlp", seed=5)
+    ckpt, plan = _plan(mlp_ckpt, model)
+    storages = model_storages(model)
+    for item in plan.items:
+        fsdp_restore.execute.read_piece(ckpt, item.key, item.src_start, item.dest)
+        item.done = True
+    model.out.weight.data[1, 2] = float("nan")
+    plan.items = [i for i in plan.items if i.name != "out.weight"]  # the plan no longer knows out.weight
+    assert screen(storages, plan, ckpt, threads=2).unrestored == ["out.weight (1 elements)"]
+
+
+def test_nan_held_by_the_file_is_reported_apart(tmp_path):
+    state = build("mlp").state_dict()
+    state["out.weight"][0, 0] = float("nan")
+    torch.save({"model": state}, tmp_path / "n.pt")
+    fsdp_restore.convert(tmp_path / "n.pt", tmp_path / "n.safetensors")
+    model = build("mlp", seed=5)
+    report = fsdp_restore.restore_model(model, tmp_path / "n.safetensors")
+    assert report.nan_in_checkpoint == ["out.weight"]
+    assert report.checked_elements == sum(t.numel() for t in model.state_dict().values() if t.is_floating_point())
+
+
+def test_strict_false_leaves_accepted_missing_names_untouched(tmp_path):
+    state = build("mlp").state_dict()
+    del state["blocks.1.weight"]
+    torch.save({"model": state}, tmp_path / "p.pt")
+    fsdp_restore.convert(tmp_path / "p.pt", tmp_path / "p.safetensors")
+    model = build("mlp", seed=5)
+    before = model.blocks[1].weight.detach().clone()
+    report = fsdp_restore.restore_model(model, tmp_path / "p.safetensors", strict=False)
+    assert report.missing == ["blocks.1.weight"] and torch.equal(model.blocks[1].weight, before)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.complex64])
-def test_nan_screen(dtype):
-    x = torch.ones(1000, dtype=dtype)
-    assert not may_hold_nan(x)
-    x[17] = float("nan")
-    assert may_hold_nan(x)
-    y = torch.ones(10, dtype=dtype)
-    y[0], y[1] = float("inf"), float("-inf")
-    assert may_hold_nan(y) and not torch.isnan(y).any()  # a false alarm, cleared by the exact check
-    assert not may_hold_nan(torch.zeros(0, dtype=dtype))
-    assert not may_hold_nan(torch.arange(5))  # integers cannot hold NaN
+def test_screen_sees_one_nan_in_any_floating_dtype(tmp_path, dtype):
+    t = torch.ones(1000, dtype=dtype)
+    torch.save({"model": {"t": t}}, tmp_path / "t.pt")
+    fsdp_restore.convert(tmp_path / "t.pt", tmp_path / "t.safetensors")
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("t", torch.zeros(1000, dtype=dtype))
+
+    model = Holder()
+    ckpt, plan = _plan(tmp_path / "t.safetensors", model)
+    storages = model_storages(model)
+    for item in plan.items:
+        fsdp_restore.execute.read_piece(ckpt, item.key, item.src_start, item.dest)
+        item.done = True
+    assert screen(storages, plan, ckpt, threads=1).unrestored == []
+    model.t[17] = float("nan")
+    assert screen(storages, plan, ckpt, threads=1).unrestored == ["t (1 elements)"]
+    model.t[17], model.t[0], model.t[1] = 1, float("inf"), float("-inf")  # inf - inf: a false alarm, cleared
+    assert screen(storages, plan, ckpt, threads=1).unrestored == []
 
 
-def test_all_restored_passes_and_source_nan_is_reported(tmp_path):
-    state = build("mlp").state_dict()
-    state["out.weight"][0, 0] = float("nan")
-    model = build("mlp", seed=5)
-    ckpt, tasks = _plan(_converted(tmp_path, state), model)
-    fill_nan(tasks)
-    execute_reads(ckpt, tasks, threads=2)
-    result = find_unrestored(tasks, ckpt)
-    assert result.unrestored == [] and result.nan_in_checkpoint == ["out.weight"]
+@pytest.fixture(scope="module")
+def llama_bf16_ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("check16")
+    torch.save({"model": build("llama").state_dict()}, root / "l.pt")
+    fsdp_restore.convert(root / "l.pt", root / "l.safetensors", dtype="bf16")
+    return root / "l.safetensors"
+
+
+@pytest.mark.parametrize("backend", backends(2, only=("gloo", "gloo-cuda")))
+def test_silent_read_through_a_staging_buffer_is_caught(llama_bf16_ckpt, backend):
+    """A bf16 file into an fp32 model goes through a staging buffer (cast): a read that writes nothing must
+    leave NaN, not the bytes a previous chunk left in the buffer."""
+    messages = run_ranks(_restore_with_fault, 2, llama_bf16_ckpt, "fsdp2", "silent-read", backend=backend)
+    assert len(set(messages)) == 1 and VICTIM in messages[0] and "not restored" in messages[0], messages[0]

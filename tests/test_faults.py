@@ -4,7 +4,6 @@ interrupted or failed conversion leaves nothing under the final name; a failing 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import struct
 import subprocess

@@ -170,3 +170,84 @@ def test_float_repr_is_exact():
     values = [0.1, 1e-310, 2.0**-1074, math.pi, -0.0]
     back, _, _ = roundtrip(values)
     assert [v.hex() for v in back] == [v.hex() for v in values]
+
+
+# ---- structures read from a file: every malformed one is a FormatError ------------------------------------
+
+_junk = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
+                     | st.text(max_size=4), lambda c: st.lists(c, max_size=3)
+                     | st.dictionaries(st.text(max_size=4), c, max_size=3), max_leaves=6)
+_TYPES = ["dict", "OrderedDict", "list", "tuple", "set", "frozenset", "tensor", "ndarray", "bytes", "int", "float",
+          "complex", "np_scalar", "dtype", "Size", "device", "Namespace", "path", "skipped", "zzz"]
+
+
+def _node(children):
+    """A node of the structure grammar with every field either right or junk."""
+    def slot(valid):
+        return st.one_of(valid, _junk)
+
+    pair = st.lists(st.tuples(slot(st.text(max_size=3)), children).map(list), max_size=3)
+    return st.fixed_dictionaries(
+        {"type": st.one_of(st.sampled_from(_TYPES), _junk)},
+        optional={"items": slot(st.one_of(pair, st.lists(children, max_size=3))),
+                  "key": slot(st.sampled_from(["k", "ghost"])), "dtype": slot(st.just("<f4")),
+                  "value": slot(st.sampled_from(["3", "nan", "float32", "cpu"])), "real": slot(st.just("1.0")),
+                  "imag": slot(st.just("2.0")), "hex": slot(st.just("0000803f")), "class": slot(st.just("PosixPath")),
+                  "view": slot(st.fixed_dictionaries({"offset": slot(st.integers(0, 2)),
+                                                      "shape": slot(st.lists(st.integers(0, 2), max_size=2)),
+                                                      "stride": slot(st.lists(st.integers(-1, 2), max_size=2))}))})
+
+
+_structure = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.text(max_size=3), _node,
+                          max_leaves=10)
+
+
+def _file_with_structure(tmp_path, structure_text: str):
+    from helpers import raw_safetensors
+
+    header = {"__metadata__": {"fsdp_restore.structure": structure_text},
+              "k": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+    path = tmp_path / "s.safetensors"
+    path.write_bytes(raw_safetensors(json.dumps(header), b"\0" * 8))
+    return path
+
+
+def _use_every_way(path):
+    """What the CLI and the restore do with a structure: only FormatError may escape."""
+    import fsdp_restore
+    from fsdp_restore.plan import default_prefix, tensor_sources
+
+    try:
+        with fsdp_restore.Checkpoint(path) as ckpt:
+            default_prefix(ckpt)
+            tensor_sources(ckpt, "")
+        fsdp_restore.load(path)
+        fsdp_restore.inspect_checkpoint(path)
+        fsdp_restore.verify(path)
+    except FormatError as e:
+        assert str(path) in str(e) or "<structure>" in str(e)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.one_of(_structure.map(lambda r: {"version": 1, "root": r}), _junk))
+def test_fuzz_structure_grammar(tmp_path_factory, structure):
+    _use_every_way(_file_with_structure(tmp_path_factory.mktemp("fz"), json.dumps(structure)))
+
+
+@pytest.mark.parametrize("text", [
+    '{"version": 1, "root": ' + '{"type": "list", "items": [' * 5000 + "]}" * 5000 + "}",  # within JSON's limit
+    '{"version": 1, "root": ' + "[" * 100_000 + "]" * 100_000 + "}",
+    '{"version": 1, "root": {"type": "dict", "items": [[["a"], 1]]}}',  # a list as a key
+    '{"version": 1, "root": {"type": "dict", "items": [[{"type": "list", "items": []}, 1]]}}',
+    '{"version": 1, "root": {"type": "tensor", "key": ["k"]}}',
+    '{"version": 1, "root": {"type": "tensor", "key": "k", "view": {"offset": true, "shape": [1], "stride": [1]}}}',
+    '{"version": 1, "root": {"type": "Size", "items": [1, "2"]}}',
+    '{"version": 1, "root": 18446744073709551616}',
+])
+def test_crafted_structure_is_a_format_error(tmp_path, text):
+    path = _file_with_structure(tmp_path, text)
+    with pytest.raises(FormatError) as info:
+        import fsdp_restore
+
+        fsdp_restore.Checkpoint(path)
+    assert str(path) in str(info.value)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist import run_ranks
+from dist import NCCL, cases, run_ranks
 from models import build, wrap
 
 import fsdp_restore
@@ -23,9 +23,12 @@ def _batch(model_name: str, step: int):
 
 
 def _loss(model, model_name, batch):
+    import models
+
+    x = batch[0].to(models.DEVICE)
     if model_name == "mlp":
-        return model(batch[0]).pow(2).mean()
-    return model(input_ids=batch[0], labels=batch[0]).loss
+        return model(x).pow(2).mean()
+    return model(input_ids=x, labels=x).loss
 
 
 def _make_optimizer(kind: str, params, named: bool = False):
@@ -93,6 +96,20 @@ def test_resume_mlp_adamw_equals_never_stopping(tmp_path, how, world_size):
     _check_same(run_ranks(_resume, world_size, tmp_path / "ck.pt", "mlp", how, "adamw"), ref_losses, ref_params)
 
 
+@pytest.mark.parametrize("how", ["fsdp2", "fsdp1-FULL_SHARD-flat"])
+@pytest.mark.parametrize("world_size,backend", cases(1, only=NCCL) + cases(2, only=NCCL))  # training: NCCL
+def test_resume_on_the_gpu(tmp_path, how, world_size, backend):
+    """Model and AdamW state restored into GPU shards (pinned staging, side streams, the check on the device)."""
+    ref_losses, ref_params = reference_run("mlp", "adamw", tmp_path / "ck.pt")
+    fsdp_restore.convert(tmp_path / "ck.pt", tmp_path / "ck.safetensors")
+    # GPU kernels sum in another order than the CPU reference: a looser tolerance than CPU resumes
+    results = run_ranks(_resume, world_size, tmp_path / "ck.safetensors", "mlp", how, "adamw", backend=backend)
+    for losses, params in results:
+        assert losses == pytest.approx(ref_losses, rel=1e-4, abs=1e-5)
+        for k, v in ref_params.items():
+            torch.testing.assert_close(params[k], v, atol=1e-4, rtol=1e-3)
+
+
 @pytest.mark.parametrize("kind", ["sgd", "adagrad", "adam"])
 def test_resume_other_optimizers(tmp_path, kind):
     ref_losses, ref_params = reference_run("mlp", kind, tmp_path / "ck.pt")
@@ -118,7 +135,7 @@ def test_resume_with_param_names(tmp_path):
 
 
 def _bytes_worker(rank, world_size, path):
-    from fsdp_restore.optim import restore_optimizer
+    from fsdp_restore import restore_optimizer
 
     model = wrap(build("gpt2", seed=77), "fsdp2", world_size)
     opt = _make_optimizer("adamw", model.parameters())
@@ -210,7 +227,7 @@ def test_fqn_keyed_optimizer_state(tmp_path):
 
 def test_state_padding_outside_every_piece_is_zeroed():
     """New state tensors start uninitialized; whatever no piece covers (FSDP1 padding) must be zero."""
-    from fsdp_restore.optim import _zero_uncovered
+    from fsdp_restore.plan import _zero_uncovered
 
     flat = torch.full((20,), 7.0)
     _zero_uncovered(flat, [(12, 3), (2, 4), (4, 3)])  # unsorted, overlapping ranges

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist import run_ranks
+from dist import GLOO, GPU, NCCL, backends, cases, run_ranks
 from models import build, full_state, wrap
 
 import fsdp_restore
@@ -41,17 +41,19 @@ def ckpts(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_fsdp2_mlp_every_world_size(ckpts, world_size):
-    results = run_ranks(_restore_and_compare, world_size, ckpts["mlp"], "mlp", "fsdp2", {})
+@pytest.mark.parametrize("world_size,backend", [c for ws in (1, 2, 3, 4) for c in cases(ws)])
+def test_fsdp2_mlp_every_world_size(ckpts, world_size, backend):
+    results = run_ranks(_restore_and_compare, world_size, ckpts["mlp"], "mlp", "fsdp2", {}, backend=backend)
     total = sum(r["bytes_read"] for r in results)
     buffers = (5 * 4 + 4 * 8) * (world_size - 1)  # buffers are replicated: every rank reads them
     assert total <= ckpts["mlp_bytes"] + buffers, (total, ckpts["mlp_bytes"])
 
 
-@pytest.mark.parametrize("model_name,world_size", [("gpt2", 2), ("gpt2", 3), ("llama", 3), ("llama", 4)])
-def test_fsdp2_transformers(ckpts, model_name, world_size):
-    results = run_ranks(_restore_and_compare, world_size, ckpts[model_name], model_name, "fsdp2", {})
+@pytest.mark.parametrize("model_name,world_size,backend", cases(2, "gpt2", only=GLOO) + cases(3, "gpt2", only=GLOO)
+                         + cases(3, "llama", only=GLOO) + cases(4, "llama", only=GLOO) + cases(1, "llama", only=GPU)
+                         + cases(3, "llama", only=GPU))
+def test_fsdp2_transformers(ckpts, model_name, world_size, backend):
+    results = run_ranks(_restore_and_compare, world_size, ckpts[model_name], model_name, "fsdp2", {}, backend=backend)
     total = sum(r["bytes_read"] for r in results)
     assert total <= ckpts[model_name + "_bytes"] * 1.02 + 4096 * world_size, (total, ckpts[model_name + "_bytes"])
 
@@ -62,10 +64,17 @@ def test_hsdp_2d_mesh(ckpts):
     assert sum(r["bytes_read"] for r in results) <= 2 * ckpts["llama_bytes"] * 1.02
 
 
+def fsdp1_cases(world_size: int, *values) -> list:
+    """FSDP1 gathers its full state with collectives gloo cannot run on GPU memory: NCCL only on a GPU."""
+    return cases(world_size, *values, only=("gloo", "nccl")) + cases(1, *values, only=NCCL)
+
+
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
 @pytest.mark.parametrize("params", ["orig", "flat"])
-def test_fsdp1_strategies(ckpts, strategy, params):
-    results = run_ranks(_restore_and_compare, 2, ckpts["gpt2"], "gpt2", f"fsdp1-{strategy}-{params}", {})
+@pytest.mark.parametrize("world_size,backend", fsdp1_cases(2))
+def test_fsdp1_strategies(ckpts, strategy, params, world_size, backend):
+    results = run_ranks(_restore_and_compare, world_size, ckpts["gpt2"], "gpt2", f"fsdp1-{strategy}-{params}", {},
+                        backend=backend)
     total = sum(r["bytes_read"] for r in results)
     factor = 2 if strategy == "NO_SHARD" else 1
     assert total <= factor * ckpts["gpt2_bytes"] * 1.02 + 8192, (total, ckpts["gpt2_bytes"])
@@ -94,13 +103,13 @@ def _restore_in_tiny_chunks(rank, world_size, path, model_name, how, options):
     import importlib
 
     # 52 bytes: every piece is split into many chunks that end mid-row and are read by different threads
-    importlib.import_module("fsdp_restore.restore").READ_CHUNK_BYTES = 52
+    importlib.import_module("fsdp_restore.execute").READ_CHUNK_BYTES = 52
     return _restore_and_compare(rank, world_size, path, model_name, how, options)
 
 
-@pytest.mark.parametrize("how", ["fsdp2", "fsdp1-FULL_SHARD-flat"])
-def test_pieces_split_into_chunks_restore_exactly(ckpts, how):
-    run_ranks(_restore_in_tiny_chunks, 3, ckpts["llama"], "llama", how, {"threads": 3})
+@pytest.mark.parametrize("how,world_size,backend", cases(3, "fsdp2") + fsdp1_cases(3, "fsdp1-FULL_SHARD-flat"))
+def test_pieces_split_into_chunks_restore_exactly(ckpts, how, world_size, backend):
+    run_ranks(_restore_in_tiny_chunks, world_size, ckpts["llama"], "llama", how, {"threads": 3}, backend=backend)
 
 
 @pytest.mark.parametrize("how", ["plain", "ddp"])
@@ -117,15 +126,29 @@ def _restore_meta(rank, world_size, path):
     fully_shard(model)
     with pytest.raises(RestoreError, match="meta device.*to_empty"):
         restore_model(model, path)
-    model.to_empty(device="cpu")  # uninitialized memory: only the restore gives it values
+    import models
+
+    model.to_empty(device=models.DEVICE)  # uninitialized memory: only the restore gives it values
+    # ...but no checkpoint holds the rotary embedding's non-persistent inv_freq: refused, with the fix
+    with pytest.raises(RestoreError, match="(?s)rotary_emb.inv_freq.*init_non_persistent_buffers"):
+        restore_model(model, path)
+    assert fsdp_restore.init_non_persistent_buffers(model) == ["model.rotary_emb.inv_freq",
+                                                               "model.rotary_emb.original_inv_freq"]
     restore_model(model, path)
     expected = fsdp_restore.load(path)["model"]
     got = full_state(model, "fsdp2")
-    return all(torch.equal(got[k], v) for k, v in expected.items())
+    reference = build("llama", seed=0, device=models.DEVICE)  # the checkpoint's model, built for real
+    ids = torch.arange(12, device=models.DEVICE).view(2, 6)
+    return (all(torch.equal(got[k], v) for k, v in expected.items())
+            and torch.equal(model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq)
+            and torch.allclose(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-5, atol=1e-6))
 
 
-def test_meta_device_model_materialized_with_to_empty(ckpts):
-    assert all(run_ranks(_restore_meta, 2, ckpts["llama"]))
+@pytest.mark.parametrize("world_size,backend", cases(2, only=("gloo", "nccl")) + cases(1, only=NCCL))  # forward
+def test_meta_device_model_needs_its_non_persistent_buffers(ckpts, world_size, backend):
+    """A meta-built Llama's rotary inv_freq is uninitialised after to_empty and in no checkpoint: the restore
+    refuses it naming the fix; after init_non_persistent_buffers the logits equal the really built model's."""
+    assert all(run_ranks(_restore_meta, world_size, ckpts["llama"], backend=backend))
 
 
 def _restore_expect_error(rank, world_size, path, how, options):
@@ -161,11 +184,12 @@ def test_non_strict_reports_instead_of_failing(ckpts, tmp_path):
     assert missing == ["blocks.1.weight"] and unexpected == []
 
 
-def test_dtype_cast_is_reported(ckpts, tmp_path):
+@pytest.mark.parametrize("backend", backends(2))
+def test_dtype_cast_is_reported(ckpts, tmp_path, backend):
     src = tmp_path / "mlp.pt"
     torch.save({"model": build("mlp").state_dict()}, src)
     fsdp_restore.convert(src, tmp_path / "bf16.safetensors", dtype="bf16")
-    results = run_ranks(_restore_and_compare, 2, tmp_path / "bf16.safetensors", "mlp", "fsdp2", {})
+    results = run_ranks(_restore_and_compare, 2, tmp_path / "bf16.safetensors", "mlp", "fsdp2", {}, backend=backend)
     assert any("inp.weight: torch.bfloat16 -> torch.float32" in c for c in results[0]["cast"])
 
 
@@ -175,12 +199,13 @@ def _nan_worker(rank, world_size, path):
     return report.nan_in_checkpoint
 
 
-def test_nan_in_checkpoint_is_not_unrestored(tmp_path):
+@pytest.mark.parametrize("backend", backends(2))
+def test_nan_in_checkpoint_is_not_unrestored(tmp_path, backend):
     state = build("mlp").state_dict()
     state["inp.weight"][4, 6] = float("nan")  # the last row: on the last rank
     torch.save({"model": state}, tmp_path / "nan.pt")
     fsdp_restore.convert(tmp_path / "nan.pt", tmp_path / "nan.safetensors")
-    found = run_ranks(_nan_worker, 2, tmp_path / "nan.safetensors")
+    found = run_ranks(_nan_worker, 2, tmp_path / "nan.safetensors", backend=backend)
     assert found[1] == ["inp.weight"] and found[0] == []
 
 
@@ -300,3 +325,77 @@ def test_no_rank_materializes_a_full_tensor(tmp_path):
         # Half the 32 MB shard: any copy of the slice or the 64 MB tensor fails this; thread stacks and the
         # verdict exchange (a few MB, seen 8.0 MB under load) do not.
         assert extra < 16 * 2**20, extra
+
+
+# ---- tied weights stored under either name ------------------------------------------------------------
+
+
+def _restore_tied(rank, world_size, path, model_name, how):
+    model = wrap(build(model_name, seed=1234), how, world_size)
+    report = restore_model(model, path)  # strict: the tied name missing from the file is no problem
+    got = full_state(model, how)
+    reference = build(model_name, seed=0, device="cpu")
+    return report.missing, all(torch.equal(got[k], v) for k, v in reference.state_dict().items())
+
+
+@pytest.mark.parametrize("model_name", ["gpt2", "llama-tied"])
+@pytest.mark.parametrize("how,world_size,backend", cases(2, "fsdp2") + cases(2, "plain") + fsdp1_cases(2, "fsdp1-FULL_SHARD-orig"))
+def test_tied_weight_stored_under_the_other_name(tmp_path, model_name, how, world_size, backend):
+    """safetensors' save_model keeps one name of a tied pair (GPT-2, Llama with tie_word_embeddings: lm_head.weight)
+    and records the other in its metadata: every name tied to the stored tensor is restored."""
+    from safetensors.torch import save_model
+
+    model = build(model_name, seed=0)
+    save_model(model, str(tmp_path / "tied.safetensors"))
+    with fsdp_restore.Checkpoint(tmp_path / "tied.safetensors") as ckpt:
+        stored = set(ckpt.entries)
+    embed = "transformer.wte.weight" if model_name == "gpt2" else "model.embed_tokens.weight"
+    assert "lm_head.weight" in stored and embed not in stored  # the case this test is about
+    for missing, equal in run_ranks(_restore_tied, world_size, tmp_path / "tied.safetensors", model_name, how,
+                                    backend=backend):
+        assert missing == [] and equal
+
+
+# ---- FSDP2 parameters left unsharded by a forward -----------------------------------------------------
+
+
+def _restore_unsharded(rank, world_size, path):
+    from torch.distributed.fsdp import fully_shard
+
+    import models
+
+    model = build("llama", seed=1234)
+    for layer in model.model.layers:
+        fully_shard(layer, reshard_after_forward=False)
+    fully_shard(model, reshard_after_forward=False)
+    ids = torch.arange(12, device=models.DEVICE).view(2, 6)
+    model(input_ids=ids)  # leaves every unit unsharded
+    restore_model(model, path)
+    expected = fsdp_restore.load(path)["model"]
+    got = full_state(model, "fsdp2")
+    same = all(torch.equal(got[k], v) for k, v in expected.items())
+    logits = model(input_ids=ids).logits  # resharding and the next forward still work
+    model.reshard()
+    reference = build("llama", seed=0)
+    return same and torch.allclose(logits, reference(input_ids=ids).logits, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("world_size,backend", cases(2, only=("gloo", "nccl")) + cases(1, only=NCCL))  # forward
+def test_fsdp2_unsharded_parameters_are_restored_into_the_sharded_storage(ckpts, world_size, backend):
+    assert all(run_ranks(_restore_unsharded, world_size, ckpts["llama"], backend=backend))
+
+
+def _restore_inside_summon(rank, world_size, path):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    model = wrap(build("mlp", seed=3), "fsdp1-FULL_SHARD-flat", world_size)
+    model(torch.randn(2, 7))  # lazy init
+    with FSDP.summon_full_params(model):
+        with pytest.raises(RestoreError, match="unsharded parameters"):
+            restore_model(model, path)
+    restore_model(model, path)
+    return True
+
+
+def test_fsdp1_restore_inside_summon_full_params_is_refused(ckpts):
+    assert all(run_ranks(_restore_inside_summon, 2, ckpts["mlp"]))

@@ -1,0 +1,72 @@
+"""Every malformed header is a FormatError naming the file: proven with a grammar-based fuzz that puts
+lists, objects, bools, huge integers and deep nesting into every slot of a safetensors header."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import raw_safetensors
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fsdp_restore import FormatError
+from fsdp_restore.format import read_header
+
+DEEP = 100_000
+
+
+def _deep(opening: str, closing: str) -> str:
+    return opening * DEEP + closing * DEEP
+
+
+# JSON values of every kind, including the ones no field may hold
+_scalars = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.sampled_from([2**64, -1, 0, 10**30])
+            | st.floats(allow_nan=False) | st.text(max_size=6) | st.sampled_from(["F32", "I8", "BF16", "F7"]))
+_junk = st.recursive(_scalars, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
+                     max_leaves=8)
+
+
+def _slot(valid):
+    return st.one_of(valid, _junk)
+
+
+_entry = st.fixed_dictionaries({"dtype": _slot(st.sampled_from(["F32", "U8"])),
+                                "shape": _slot(st.lists(st.integers(0, 3), max_size=2)),
+                                "data_offsets": _slot(st.just([0, 4]))})
+_header = st.dictionaries(st.text(min_size=1, max_size=5), _slot(_entry), max_size=3).flatmap(
+    lambda h: st.one_of(st.just(h), _junk.map(lambda m: {**h, "__metadata__": m}),
+                        st.dictionaries(st.text(max_size=3), _junk, max_size=2).map(lambda m: {**h, "__metadata__": m})))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(_header, st.binary(max_size=16))
+def test_fuzz_header_grammar(tmp_path, header, data):
+    path = tmp_path / "g.safetensors"
+    path.write_bytes(raw_safetensors(json.dumps(header), data))
+    try:
+        read_header(path)
+    except FormatError as e:
+        assert str(path) in str(e)
+
+
+@pytest.mark.parametrize("name,text,message", [
+    ("dtype_list", '{"a": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}', "unknown dtype"),
+    ("dtype_dict", '{"a": {"dtype": {"x": 1}, "shape": [1], "data_offsets": [0, 4]}}', "unknown dtype"),
+    ("shape_bool", '{"a": {"dtype": "F32", "shape": [true], "data_offsets": [0, 4]}}', "shape"),
+    ("offset_bool", '{"a": {"dtype": "U8", "shape": [1], "data_offsets": [false, true]}}', "data_offsets"),
+    ("huge_int", '{"a": {"dtype": "U8", "shape": [' + "9" * 5000 + '], "data_offsets": [0, 1]}}', "not usable JSON"),
+    ("huge_shape", '{"a": {"dtype": "U8", "shape": [18446744073709551616], "data_offsets": [0, 1]}}', "need"),
+    ("deep_list", _deep("[", "]"), "nested too deeply"),
+    ("deep_dict", _deep('{"a":', "}"), "nested too deeply"),
+    ("metadata_list", '{"__metadata__": []}', "__metadata__"),
+    ("metadata_null", '{"__metadata__": null}', "__metadata__"),
+    ("metadata_nested", '{"__metadata__": {"k": {"v": 1}}}', "__metadata__"),
+    ("entry_list", '{"a": [1, 2]}', "not a JSON object"),
+])
+def test_crafted_header_is_a_format_error(tmp_path, name, text, message):
+    path = tmp_path / f"{name}.safetensors"
+    path.write_bytes(raw_safetensors(text, b"\0" * 4))
+    with pytest.raises(FormatError, match=message) as info:
+        read_header(path)
+    assert str(path) in str(info.value)

@@ -1,0 +1,136 @@
+"""A failure on one rank fails every rank with the same error, in seconds, never a hang.
+
+Each fault is injected on rank 1 only, in a different phase and entry point; the process group's
+timeout is 60 s, so ranks that finish within the test's bound did not wait for it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+
+import pytest
+import torch
+from dist import GPU, backends, run_ranks
+from models import build, wrap
+
+import fsdp_restore
+from fsdp_restore import RestoreError
+
+BOUND_S = 20  # well under the 60 s process-group timeout
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("verdict")
+    model = build("mlp")
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 7)).sum().backward()
+    opt.step()
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": 1}, root / "m.pt")
+    fsdp_restore.convert(root / "m.pt", root / "good.safetensors")
+    blob = bytearray((root / "good.safetensors").read_bytes())
+    blob[9:13] = b"\xff\xfe{["  # inside the header JSON
+    (root / "corrupt.safetensors").write_bytes(bytes(blob))
+    return root
+
+
+def _inject(fault: str) -> None:
+    from fsdp_restore.read import Checkpoint
+
+    plan = importlib.import_module("fsdp_restore.plan")
+    restore = importlib.import_module("fsdp_restore.restore")
+    if fault == "read-runtime-error":
+        real = Checkpoint.read_range
+
+        def failing_read(self, key, elem_start, dest):
+            if key.startswith("model.") or key.startswith("optim.state"):  # tensors the plan reads, not the header's
+                raise RuntimeError("injected read failure")
+            real(self, key, elem_start, dest)
+        Checkpoint.read_range = failing_read
+    elif fault == "plan-type-error":
+        def failing_plan(*args, **kwargs):
+            raise TypeError("injected planning failure")
+        restore.build_plan = failing_plan
+    elif fault == "optimizer-attribute-error":
+        def failing_state(*args, **kwargs):
+            raise AttributeError("injected optimizer failure")
+        plan._plan_param_state = failing_state
+
+
+def _entry(rank, world_size, root, fault, entry):
+    path = root / "good.safetensors"
+    if rank == 1:
+        if fault == "missing-file":
+            path = root / "nowhere.safetensors"
+        elif fault == "corrupt-file":
+            path = root / "corrupt.safetensors"
+        else:
+            _inject(fault)
+    model = wrap(build("mlp", seed=3), "fsdp2", world_size)
+    opt = torch.optim.AdamW(model.parameters())
+    t0 = time.monotonic()
+    with pytest.raises(RestoreError) as info:
+        if entry == "restore_model":
+            fsdp_restore.restore_model(model, path)
+        elif entry == "restore_optimizer":
+            fsdp_restore.restore_optimizer(opt, model, path)
+        else:
+            fsdp_restore.restore(model, path, optimizer=opt)
+    return str(info.value), time.monotonic() - t0
+
+
+CASES = [("missing-file", "restore_model", "nowhere.safetensors"),
+         ("corrupt-file", "restore", "corrupt.safetensors"),
+         ("read-runtime-error", "restore_model", "RuntimeError: injected read failure"),
+         ("read-runtime-error", "restore", "RuntimeError: injected read failure"),
+         ("plan-type-error", "restore_model", "TypeError: injected planning failure"),
+         ("optimizer-attribute-error", "restore_optimizer", "AttributeError: injected optimizer failure"),
+         ("optimizer-attribute-error", "restore", "AttributeError: injected optimizer failure")]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("fault,entry,text", CASES)
+def test_one_failing_rank_fails_every_rank_at_once(ckpts, world_size, fault, entry, text):
+    results = run_ranks(_entry, world_size, ckpts, fault, entry, timeout=120, pg_timeout=60)
+    messages = {m for m, _ in results}
+    assert len(messages) == 1, messages  # the same text on every rank
+    message = messages.pop()
+    assert text in message and "[rank 1]" in message, message
+    assert max(s for _, s in results) < BOUND_S
+
+
+@pytest.mark.parametrize("backend", backends(2, only=GPU))
+@pytest.mark.parametrize("fault,entry,text", [CASES[2], CASES[6]])
+def test_one_failing_rank_on_the_gpu(ckpts, backend, fault, entry, text):
+    results = run_ranks(_entry, 2, ckpts, fault, entry, backend=backend, timeout=120, pg_timeout=60)
+    messages = {m for m, _ in results}
+    assert len(messages) == 1 and text in messages.pop()
+    assert max(s for _, s in results) < BOUND_S
+
+
+def _failing_factory_worker(rank, world_size, path, spec):
+    from fsdp_restore.check_restore import _worker
+
+    return _worker(rank, world_size, path, spec, "fsdp2", None)
+
+
+def test_check_restore_factory_failing_on_one_rank(tmp_path):
+    """check-restore's own phases (build the model, compare) agree too: a factory that fails on rank 1 only
+    does not leave rank 0 waiting in the restore's first collective."""
+    (tmp_path / "factory.py").write_text(
+        "import os, torch\n"
+        "def build():\n"
+        "    if os.environ['RANK'] == '1':\n"
+        "        raise KeyError('no such layer on this rank')\n"
+        "    torch.manual_seed(0)\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(4, 4))\n")
+    torch.manual_seed(0)
+    torch.save({"model": torch.nn.Sequential(torch.nn.Linear(4, 4)).state_dict()}, tmp_path / "f.pt")
+    fsdp_restore.convert(tmp_path / "f.pt", tmp_path / "f.safetensors")
+    t0 = time.monotonic()
+    results = run_ranks(_failing_factory_worker, 2, str(tmp_path / "f.safetensors"),
+                        f"{tmp_path / 'factory.py'}:build", timeout=120, pg_timeout=60)
+    assert time.monotonic() - t0 < BOUND_S + 10
+    errors = {r["error"] for r in results}
+    assert len(errors) == 1 and "KeyError: no such layer on this rank [rank 1]" in errors.pop()
