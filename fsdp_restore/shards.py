@@ -14,6 +14,7 @@ starts. Restoring is then "read these element ranges into these views", whatever
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from itertools import product
 from math import prod
@@ -149,20 +150,14 @@ def _tensor_target(name: str, tensor: torch.Tensor, kind: str) -> Target:
     return target
 
 
-def _dtensor_target(name: str, dt: torch.Tensor, kind: str) -> Target:
+@functools.lru_cache(maxsize=4096)
+def _block_runs(global_shape: tuple[int, ...], mesh: object, placements: tuple) -> tuple[tuple[int, ...], list[int], int]:
+    """(local shape, global start of each contiguous run, run length) of this rank's block of a DTensor
+    layout. Cached: a model's layers share a handful of shapes and layouts, and torch's layout arithmetic
+    costs tens of microseconds per call (thousands of parameters per restore)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    local = dt._local_tensor if hasattr(dt, "_local_tensor") else dt.to_local()  # to_local() is an autograd call
-    global_shape = tuple(dt.shape)
-    local_shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
-    target = Target(name, global_shape, dt.dtype, kind, layout="dtensor")
-    if tuple(local.shape) != tuple(local_shape):
-        raise ValueError(f"{name}: local shard shape {tuple(local.shape)} differs from the layout's {tuple(local_shape)}")
-    if local.numel() == 0:
-        return target
-    if not local.is_contiguous():
-        raise ValueError(f"{name}: non-contiguous local shard is not supported")
-    flat_local = local.detach().view(-1)
+    local_shape, offset = compute_local_shape_and_global_offset(global_shape, mesh, placements)
     ndim = len(global_shape)
     # k: the last dim where the block is partial; dims after it are whole, so each run is contiguous.
     k = 0
@@ -173,7 +168,22 @@ def _dtensor_target(name: str, dt: torch.Tensor, kind: str) -> Target:
     run = prod(local_shape[k:])
     strides = [prod(global_shape[d + 1:]) for d in range(ndim)]
     outer = [range(offset[d], offset[d] + local_shape[d]) for d in range(k)]
-    for i, idx in enumerate(product(*outer)):
-        start = sum(j * strides[d] for d, j in enumerate(idx)) + (offset[k] * strides[k] if ndim else 0)
-        target.pieces.append(Piece(flat_local[i * run:(i + 1) * run], start))
+    base = offset[k] * strides[k] if ndim else 0
+    starts = [sum(j * strides[d] for d, j in enumerate(idx)) + base for idx in product(*outer)]
+    return tuple(local_shape), starts, run
+
+
+def _dtensor_target(name: str, dt: torch.Tensor, kind: str) -> Target:
+    local = dt._local_tensor if hasattr(dt, "_local_tensor") else dt.to_local()  # to_local() is an autograd call
+    global_shape = tuple(dt.shape)
+    local_shape, starts, run = _block_runs(global_shape, dt.device_mesh, tuple(dt.placements))
+    target = Target(name, global_shape, dt.dtype, kind, layout="dtensor")
+    if tuple(local.shape) != local_shape:
+        raise ValueError(f"{name}: local shard shape {tuple(local.shape)} differs from the layout's {local_shape}")
+    if local.numel() == 0:
+        return target
+    if not local.is_contiguous():
+        raise ValueError(f"{name}: non-contiguous local shard is not supported")
+    flat_local = local.detach().view(-1)
+    target.pieces.extend(Piece(flat_local[i * run:(i + 1) * run], start) for i, start in enumerate(starts))
     return target
