@@ -6,13 +6,14 @@ Pipeline: format -> flatten -> write/convert -> read -> plan -> execute -> check
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 from .convert import ConvertReport, convert, load_pt, save
 from .errors import (FormatError, FsdpRestoreError, RestoreError, UnsafePickleError, UnsupportedObjectError,
                      VerifyError)
 from .flatten import flatten, unflatten
-from .read import Checkpoint, find_safetensors_for, open_checkpoint
+from .read import Checkpoint, find_safetensors_for, open_checkpoint, stale_sibling
 from .buffers import init_non_persistent_buffers
 from .plan import RestoreReport
 from .restore import RestoreResult, restore, restore_model, restore_optimizer
@@ -27,8 +28,15 @@ def load(path: str | os.PathLike[str], *, mmap: bool = True, trust_pickle: bool 
     Our safetensors files (or sharded directories) come back with memory-mapped tensors: nothing
     is read until used; ``mmap=False`` reads every tensor eagerly with large positional reads
     (for network filesystems). Given ``x.pt``, a sibling ``x.safetensors`` (file or directory) is
-    used when one exists, as OLMo does; otherwise the ``.pt`` is loaded safely (see `load_pt`).
+    used when one exists and was converted from ``x.pt`` as it is now, as OLMo does; otherwise the
+    ``.pt`` is loaded safely (see `load_pt`), with a warning when a sibling exists but is stale.
     """
+    stale = stale_sibling(path)
+    if stale is not None:
+        warnings.warn(f"{stale[0]} was not converted from {path} as it is now ({stale[1]}): loading {path} instead;"
+                      f" convert it again to use the fast path: fsdp-restore convert {path} {stale[0]} --force",
+                      stacklevel=2)
+        return load_pt(path, trust_pickle=trust_pickle)
     if find_safetensors_for(path) is not None:
         if mmap:
             return Checkpoint(path).load()

@@ -23,9 +23,9 @@ from rich.text import Text
 from .errors import FsdpRestoreError
 
 CONVERT_DEFAULTS: dict[str, Any] = {
-    "dtype": None,  # bf16 | fp16 | fp32: cast floating tensors
-    "cast_include": ["*"],  # key patterns (fnmatch) that the cast applies to
-    "cast_exclude": [],  # key patterns kept in their dtype, e.g. "optim.*"
+    "dtype": None,  # bf16 | fp16 | fp32: cast the model's floating weights
+    "cast_include": None,  # key patterns (fnmatch) the cast applies to; default: the model's weights
+    "cast_exclude": [],  # key patterns kept in their dtype
     "max_shard_size": None,  # e.g. 5GB: write a directory of shards plus an index json
     "select": None,  # e.g. model: write only this subtree, with plain keys
     "threads": None,  # default: every core
@@ -95,6 +95,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
                         ("peak anonymous memory", human_bytes(report.peak_anon_bytes)),
                         ("threads", str(report.threads))]:
         table.add_row(name, value)
+    for group, info in report.cast.items():
+        out.print(f"cast: {group}: {info['tensors']} tensors ("
+                  + ", ".join(f"{n} {label}" for label, n in info["casts"].items()) + ")")
     out.print(table)
     return 0
 
@@ -120,7 +123,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         report = verify(args.path, against=args.against, select=args.select, threads=args.threads,
                         trust_pickle=args.trust_pickle, progress=lambda d, t: progress.update(task, completed=d, total=t))
     render_verify(report, out)
-    return 0 if report.ok else 1
+    return report.exit_code
 
 
 def cmd_check_restore(args: argparse.Namespace) -> int:
@@ -141,7 +144,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("src")
     p.add_argument("dst", help="a .safetensors file, or a directory with --max-shard-size")
     p.add_argument("--config", help="YAML options file (see configs/convert.yaml)")
-    p.add_argument("--dtype", help="cast floating tensors: bf16, fp16 or fp32")
+    p.add_argument("--dtype", help="cast the model's floating weights: bf16, fp16 or fp32 (optimizer state and"
+                                   " scalars keep theirs unless cast_include names them)")
     p.add_argument("--max-shard-size", help="e.g. 5GB: write shards plus model.safetensors.index.json")
     p.add_argument("--select", help="only this subtree, e.g. model")
     p.add_argument("--threads", type=int)
@@ -158,7 +162,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int, default=3, help="tree depth shown (totals include everything below)")
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("verify", help="check a converted checkpoint (checksums; --against the source .pt)")
+    p = sub.add_parser("verify", help="check a converted checkpoint (checksums; --against the source .pt)",
+                       description="Exit 0: identical (bit for bit, or every checksum verified) or identical up to"
+                                   " the casts the file declares; 1: a problem; 3: only the header could be"
+                                   " checked (no checksums, no --against)")
     p.add_argument("path")
     p.add_argument("--against", help="the source .pt: compare structure and every tensor bit for bit")
     p.add_argument("--select", help="the subtree of the source that was converted (convert --select)")

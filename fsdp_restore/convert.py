@@ -26,11 +26,37 @@ import torch
 
 from .errors import FormatError, UnsafePickleError
 from .flatten import flatten, iter_nodes_with_keys
-from .format import torch_dtype_from_string
+from .format import META_SOURCE, torch_dtype_from_string, torch_dtype_name
 from .measure import PeakAnonMemory, Stopwatch
+from .provenance import source_identity
 from .write import ProgressFn, TensorJob, default_threads, write_safetensors
 
 _CASTABLE = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+_GLOB = re.compile(r"[*?\[]")
+
+
+def cast_target(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """The ``--dtype`` of a conversion: floating targets only. A cast to an integer type turns weights into
+    zeros and wraps counters (301 -> 45 in int8); nothing in a checkpoint is meant to be stored that way."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        dtype = torch_dtype_from_string(dtype)
+    if dtype not in _CASTABLE:
+        raise ValueError(f"dtype {str(dtype).removeprefix('torch.')} is not a floating target: --dtype takes bf16,"
+                         " fp16, fp32 or fp64 (casting to an integer or bool type would silently change values)")
+    return dtype
+
+
+def default_cast_scope(structure: dict[str, Any]) -> list[str]:
+    """What a ``--dtype`` cast applies to by default: the model's weights. That is the ``model`` subtree of a
+    training checkpoint (``{"model": ..., "optim": ...}``), and everything in a plain weights file.
+    Optimizer state keeps its precision: Adam's moments and step counter in bf16 change the run."""
+    root = structure.get("root")
+    if isinstance(root, dict) and root.get("type") in ("dict", "OrderedDict") and any(
+            k == "model" and isinstance(v, dict) and v.get("type") != "tensor" for k, v in root["items"]):
+        return ["model.*"]
+    return ["*"]
 
 
 def _allowlist() -> list[Any]:
@@ -158,6 +184,7 @@ class ConvertReport:
     peak_anon_bytes: int
     threads: int
     checksums: dict[str, str] = field(default_factory=dict, repr=False)
+    cast: dict[str, dict[str, Any]] = field(default_factory=dict)  # by group, see `cast_groups`
 
     @property
     def throughput(self) -> float:
@@ -165,22 +192,39 @@ class ConvertReport:
 
 
 def plan_jobs(tensors: dict[str, torch.Tensor], structure: dict[str, Any], dtype: torch.dtype | None,
-              cast_include: Sequence[str] = ("*",), cast_exclude: Sequence[str] = ()) -> list[TensorJob]:
+              cast_include: Sequence[str] | None = None, cast_exclude: Sequence[str] = ()) -> list[TensorJob]:
     """One job per stored tensor, with the output dtype chosen by the cast policy.
 
-    Only floating tensors of tensor nodes are cast (never numpy arrays or bytes, which must come
-    back as they were), and only when their key matches an include pattern and no exclude pattern.
+    Only floating tensors of tensor nodes are cast (never numpy arrays or bytes, which must come back as
+    they were), only when their key matches an include pattern (default: `default_cast_scope`) and no
+    exclude pattern, and a 0-dim tensor (a step counter, a scalar) only when a pattern names it exactly.
     """
+    dtype = cast_target(dtype)
     tensor_keys = {node["key"] for _, node in iter_nodes_with_keys(structure["root"]) if node["type"] == "tensor"}
+    include = list(cast_include) if cast_include is not None else default_cast_scope(structure)
 
     def out_dtype(key: str, t: torch.Tensor) -> torch.dtype:
-        if (dtype is None or t.dtype not in _CASTABLE or key not in tensor_keys
-                or not any(fnmatch.fnmatchcase(key, p) for p in cast_include)
-                or any(fnmatch.fnmatchcase(key, p) for p in cast_exclude)):
+        if dtype is None or t.dtype not in _CASTABLE or key not in tensor_keys:
+            return t.dtype
+        if any(fnmatch.fnmatchcase(key, p) for p in cast_exclude):
+            return t.dtype
+        named = [p for p in include if fnmatch.fnmatchcase(key, p)]
+        if not named or (t.dim() == 0 and not any(p == key and not _GLOB.search(p) for p in named)):
             return t.dtype
         return dtype
 
     return [TensorJob(key, t, out_dtype(key, t)) for key, t in tensors.items()]
+
+
+def cast_groups(casts: dict[str, tuple[str, str]]) -> dict[str, dict[str, Any]]:
+    """``{key: (from, to)}`` grouped by the key's top-level name: ``{group: {"tensors": n, "casts": {"f -> t": n}}}``."""
+    groups: dict[str, dict[str, Any]] = {}
+    for key, (before, after) in casts.items():
+        g = groups.setdefault(key.split(".", 1)[0], {"tensors": 0, "casts": {}})
+        g["tensors"] += 1
+        label = f"{before} -> {after}"
+        g["casts"][label] = g["casts"].get(label, 0) + 1
+    return groups
 
 
 def save(obj: Any, path: str | os.PathLike[str], *, max_shard_size: int | str | None = None,
@@ -195,7 +239,7 @@ def save(obj: Any, path: str | os.PathLike[str], *, max_shard_size: int | str | 
 
 
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: torch.dtype | str | None = None,
-            cast_include: Sequence[str] = ("*",), cast_exclude: Sequence[str] = (),
+            cast_include: Sequence[str] | None = None, cast_exclude: Sequence[str] = (),
             max_shard_size: int | str | None = None, select: str | None = None, threads: int | None = None,
             force: bool = False, trust_pickle: bool = False, allow_globals: Sequence[str] = (),
             on_unsupported: str = "error", progress: Callable[[int, int], None] | None = None) -> ConvertReport:
@@ -206,20 +250,25 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
     stays near ``threads x 32 MB``. ``select`` keeps one subtree (``"model"`` writes the weights
     with plain keys a ``load_state_dict`` accepts). ``progress(done_bytes, total_bytes)`` is
     called as data is written.
+
+    ``dtype`` (bf16, fp16, fp32, fp64) casts the model's floating weights (`default_cast_scope`); optimizer
+    state and 0-dim values keep their dtype unless ``cast_include`` patterns name them (a 0-dim tensor
+    only by its exact key). ``report.cast`` lists what was cast, by group.
     """
-    if isinstance(dtype, str):
-        dtype = torch_dtype_from_string(dtype)
+    dtype = cast_target(dtype)
     if not Path(src).is_file():
         raise FormatError(src, "no such file")
     if Path(dst).exists() and not force:
         raise FileExistsError(f"{dst} already exists; pass force=True (CLI: --force) to replace it")
     threads = threads or default_threads()
     with PeakAnonMemory() as mem, Stopwatch() as clock:
+        identity = source_identity(src)  # before reading: a source rewritten meanwhile will not match it
         obj = select_subtree(load_pt(src, trust_pickle=trust_pickle, allow_globals=allow_globals), select)
         tensors, structure = flatten(obj, on_unsupported=on_unsupported)  # type: ignore[arg-type]
         jobs = plan_jobs(tensors, structure, dtype, cast_include, cast_exclude)
         total = sum(j.nbytes for j in jobs)
-        n_cast = sum(j.dtype != j.source.dtype for j in jobs)
+        casts = {j.key: (torch_dtype_name(j.source.dtype), torch_dtype_name(j.dtype)) for j in jobs
+                 if j.dtype != j.source.dtype}
         done = [0]
 
         def on_bytes(n: int) -> None:
@@ -229,10 +278,10 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
 
         result = write_safetensors(dst, jobs, structure_json=json.dumps(structure, separators=(",", ":")),
                                    max_shard_size=parse_size(max_shard_size), threads=threads, force=force,
-                                   progress=on_bytes)
+                                   progress=on_bytes, metadata={META_SOURCE: json.dumps(identity)})
         del obj, tensors, jobs
     return ConvertReport(src=str(src), dst=str(dst), files=[str(p) for p in result.paths],
                          tensors=len(result.checksums), nbytes=result.nbytes,
-                         cast_tensors=n_cast,
+                         cast_tensors=len(casts), cast=cast_groups(casts),
                          seconds=clock.seconds, peak_anon_bytes=mem.peak, threads=threads,
                          checksums=result.checksums)

@@ -27,6 +27,7 @@ META_VERSION = "fsdp_restore.format_version"
 META_STRUCTURE = "fsdp_restore.structure"  # JSON of the nested object, see flatten.py
 META_CHECKSUMS = "fsdp_restore.checksums"  # JSON {key: 8 hex digits of crc32}
 META_CAST = "fsdp_restore.cast"  # JSON {key: original dtype name} for tensors cast on conversion
+META_SOURCE = "fsdp_restore.source"  # JSON {name, size, mtime_ns, fingerprint} of the converted .pt (provenance.py)
 
 INDEX_SUFFIX = ".safetensors.index.json"
 DEFAULT_INDEX_NAME = "model.safetensors.index.json"
@@ -260,7 +261,7 @@ def read_index(path: Path) -> tuple[dict[str, Any], dict[str, Path]]:
     metadata = index.get("metadata", {})
     if not isinstance(metadata, dict):
         raise FormatError(path, "index 'metadata' is not an object")
-    for key in (META_STRUCTURE, META_VERSION):
+    for key in (META_STRUCTURE, META_VERSION, META_SOURCE):
         if key in metadata and not isinstance(metadata[key], str):
             raise FormatError(path, f"index metadata '{key}' is not a string")
     root = path.parent.resolve()

@@ -379,9 +379,9 @@ def _plan_optimizer(plan: ReadPlan, model: nn.Module, targets: Sequence[Target],
         for name, pid in zip(saved, saved_group.get("params", [])):
             name_to_saved_key[name] = _key_text(pid)
         optim.groups.append({k: v for k, v in saved_group.items() if k not in _GROUP_SKIP})
-    for slot in (s for group_slots in slots for s in group_slots):
+    for slot, saved_group in ((s, g) for group_slots, g in zip(slots, saved_groups) for s in group_slots):
         state = _plan_param_state(plan, slot, saved_state, name_to_saved_key, ckpt, lazy,
-                                  optim.optimizer.state.get(slot.param, {}))
+                                  optim.optimizer.state.get(slot.param, {}), saved_group)
         if state:
             optim.state[slot.param] = state
 
@@ -404,10 +404,25 @@ def _node_shape(ckpt: Checkpoint, node: dict[str, Any]) -> tuple[int, ...]:
     return tuple(view["shape"]) if view else ckpt.entries[node["key"]].shape
 
 
+def _as_the_optimizer_holds(value: torch.Tensor, param: torch.Tensor, key: str, group: dict[str, Any]) -> torch.Tensor:
+    """A state value placed as ``Optimizer.load_state_dict`` places it (torch's policy, see
+    ``Optimizer._process_value_according_to_param_policy``): ``step`` stays as saved, or becomes float32
+    on the parameter's device for ``fused`` / ``capturable`` optimizers; other floating state takes the
+    parameter's dtype and device."""
+    if key == "step":
+        if group.get("fused") or group.get("capturable"):
+            return value.to(dtype=torch.float32, device=param.device)
+        return value
+    if param.is_floating_point():
+        return value.to(dtype=param.dtype, device=param.device)
+    return value.to(device=param.device)
+
+
 def _plan_param_state(plan: ReadPlan, slot: _ParamSlot, saved_state: dict[str, Any], name_to_key: dict[str, str],
-                      ckpt: Checkpoint, lazy: Any, existing: dict[str, Any]) -> dict[str, Any]:
+                      ckpt: Checkpoint, lazy: Any, existing: dict[str, Any], group: dict[str, Any]) -> dict[str, Any]:
     """State tensors for one parameter, with read items for their local slices: the optimizer's own
-    tensors when it already has state of that layout (restored in place), else new ones."""
+    tensors when it already has state of that layout (restored in place), else new ones. Every dtype
+    change is reported; state placed as the optimizer's own ``load_state_dict`` would place it."""
     report, optim = plan.optim_report, plan.optim
     assert report is not None and optim is not None
     per_name = {n: saved_state.get(name_to_key.get(n, n)) for n in slot.names}
@@ -430,13 +445,27 @@ def _plan_param_state(plan: ReadPlan, slot: _ParamSlot, saved_state: dict[str, A
         if not shaped:
             # scalar state (step) or anything not laid out like the parameter: small, copied whole
             value = unflatten(lazy, {"version": 1, "root": node})
-            state[fld] = value.clone() if isinstance(value, torch.Tensor) else value
+            if isinstance(value, torch.Tensor):
+                if value.dim() > 0 and _is_dtensor(slot.param):
+                    raise FsdpRestoreError(
+                        f"optimizer state '{fld}' of {first_name} has shape {list(value.shape)}, unlike the parameter's"
+                        f" {list(slot.param.shape)}, and cannot be restored into a sharded (DTensor) parameter: how the"
+                        " optimizer shards it is its own (Adafactor's row/column factors); restore this optimizer"
+                        " from torch.distributed.checkpoint's optimizer state dict instead")
+                placed = _as_the_optimizer_holds(value, slot.param, fld, group)
+                if placed.dtype != value.dtype:
+                    report.cast.append(f"optim:{first_name}.{fld}: {value.dtype} -> {placed.dtype}")
+                value = placed.clone() if placed is value else placed
+            state[fld] = value
             continue
         # Existing state of the same layout is overwritten in place: a new tensor would hold the optimizer
         # state twice until the swap (the peak) and pay fresh page faults (measured: BENCHMARKS.md).
         # Only the padding that no piece covers is zeroed here (FSDP1 flat-parameter padding).
         reused = _reusable(existing.get(fld), slot)
         local = reused if reused is not None else torch.empty_like(slot.local)
+        stored = ckpt.entries[node["key"]].dtype
+        if stored != local.dtype:  # as load_state_dict: state takes the parameter's dtype (reported)
+            report.cast.append(f"optim:{first_name}.{fld}: {stored} -> {local.dtype}")
         flat_local = local.view(-1)
         _zero_uncovered(flat_local, [(offset, numel) for _, offset, numel, _ in slot.pieces])
         for target, offset, numel, start in slot.pieces:

@@ -24,8 +24,9 @@ from safetensors import safe_open
 
 from .errors import FormatError
 from .flatten import flat_structure, unflatten, validate_structure
-from .format import (DEFAULT_INDEX_NAME, INDEX_SUFFIX, META_CAST, META_CHECKSUMS, META_STRUCTURE, FileHeader,
-                     TensorEntry, parse_json, read_header, read_index)
+from .format import (DEFAULT_INDEX_NAME, INDEX_SUFFIX, META_CAST, META_CHECKSUMS, META_SOURCE, META_STRUCTURE,
+                     FileHeader, TensorEntry, parse_json, read_header, read_index)
+from .provenance import mismatch
 
 PT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
@@ -41,6 +42,29 @@ def find_safetensors_for(path: str | os.PathLike[str]) -> Path | None:
         sibling = path.with_suffix(".safetensors")
         return sibling if sibling.exists() else None
     return path
+
+
+def recorded_source(checkpoint: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The source identity a conversion recorded (metadata ``fsdp_restore.source``), or None."""
+    index, files = _resolve_files(Path(checkpoint))
+    raw = read_index(index)[0].get(META_SOURCE) if index is not None else read_header(files[0]).metadata.get(META_SOURCE)
+    if raw is None:
+        return None
+    value = parse_json(raw, index or files[0], f"metadata '{META_SOURCE}'")
+    if not isinstance(value, dict):
+        raise FormatError(index or files[0], f"metadata '{META_SOURCE}' is not a JSON object")
+    return value
+
+
+def stale_sibling(path: str | os.PathLike[str]) -> tuple[Path, str] | None:
+    """For ``x.pt`` with an ``x.safetensors`` sibling that was not converted from ``x.pt`` as it is now:
+    (the sibling, why). None otherwise (no sibling, a matching one, or a path that is not a ``.pt``)."""
+    path = Path(path)
+    sibling = find_safetensors_for(path)
+    if sibling is None or sibling == path or not path.is_file():
+        return None
+    why = mismatch(recorded_source(sibling), path, sibling)
+    return (sibling, why) if why else None
 
 
 def _resolve_files(path: Path) -> tuple[Path | None, list[Path]]:
@@ -79,13 +103,20 @@ class Checkpoint:
         if resolved is None:
             raise FormatError(path, "not a safetensors checkpoint and no .safetensors sibling exists;"
                               " convert it first: fsdp-restore convert SRC DST")
+        stale = stale_sibling(path)
+        if stale is not None:
+            raise FormatError(stale[0], f"was not converted from {path} as it is now ({stale[1]}); convert it"
+                              f" again: fsdp-restore convert {path} {stale[0]} --force (or open {stale[0]}"
+                              " itself to use it as it is)")
         self.path = resolved
         self.index_path, files = _resolve_files(resolved)
         self.headers: dict[Path, FileHeader] = {}
         self.entries: dict[str, TensorEntry] = {}
         self.checksums: dict[str, str] = {}
         self.cast: dict[str, str] = {}
+        self.source: dict[str, Any] | None = None  # the converted .pt's identity (provenance.py), if recorded
         structure_json: str | None = None
+        metadata: dict[str, Any] = {}
         if self.index_path is not None:
             metadata, weight_map = read_index(self.index_path)
             structure_json = metadata.get(META_STRUCTURE)
@@ -95,9 +126,12 @@ class Checkpoint:
                     raise FormatError(self.index_path, f"shard {shard.name} named in the weight_map is missing")
         else:
             weight_map = {}
+        source_json = metadata.get(META_SOURCE) if self.index_path is not None else None
         for file in files:
             header = read_header(file)
             self.headers[file] = header
+            if source_json is None and self.index_path is None:
+                source_json = header.metadata.get(META_SOURCE)
             if structure_json is None and self.index_path is None:
                 structure_json = header.metadata.get(META_STRUCTURE)
             self.checksums.update(_json_meta(header, META_CHECKSUMS))
@@ -111,6 +145,9 @@ class Checkpoint:
         for key, shard in weight_map.items():
             if key not in self.entries:
                 raise FormatError(shard, f"index says tensor '{key}' is in this shard but it is not")
+        if source_json is not None:
+            source = parse_json(source_json, self.index_path or files[0], f"metadata '{META_SOURCE}'")
+            self.source = source if isinstance(source, dict) else None
         self.has_structure = structure_json is not None
         if structure_json is None:
             self.structure = flat_structure(list(self.entries))

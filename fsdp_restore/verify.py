@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.tree import Tree
 
 from .errors import FsdpRestoreError
-from .flatten import flatten
+from .flatten import flatten, iter_nodes_with_keys
 from .format import torch_dtype_name
 from .measure import Stopwatch
 from .read import Checkpoint
@@ -27,9 +27,31 @@ from .write import default_threads, tensor_bytes
 CHUNK_BYTES = 16 * 1024 * 1024
 
 
+IDENTICAL = "identical"
+IDENTICAL_UP_TO_CAST = "identical up to the declared cast"
+HEADER_ONLY = "header only"
+FAILED = "failed"
+EXIT_CODES = {IDENTICAL: 0, IDENTICAL_UP_TO_CAST: 0, FAILED: 1, HEADER_ONLY: 3}
+
+
+@dataclass
+class CastChange:
+    """How much a declared cast changed a tensor, measured against the source."""
+
+    key: str
+    before: str
+    after: str
+    max_abs: float
+    max_rel: float
+
+
 @dataclass
 class VerifyReport:
-    """The verdict: ``ok`` only when every check held. ``problems`` are (key or file, message)."""
+    """What `verify` proved. ``verdict``: `IDENTICAL` (bit for bit against the source, or, without one,
+    every tensor's checksum verified), `IDENTICAL_UP_TO_CAST` (against the source after the casts the
+    file declares; ``casts`` says how much each changed), `HEADER_ONLY` (no source and not every tensor
+    has a checksum: only the header and the checksums there are were checked) or `FAILED`.
+    ``problems`` are (key or file, message)."""
 
     path: str
     against: str | None = None
@@ -39,10 +61,24 @@ class VerifyReport:
     nbytes: int = 0
     seconds: float = 0.0
     problems: list[tuple[str, str]] = field(default_factory=list)
+    casts: list[CastChange] = field(default_factory=list)
+
+    @property
+    def verdict(self) -> str:
+        if self.problems:
+            return FAILED
+        if self.against is not None:
+            return IDENTICAL_UP_TO_CAST if self.casts else IDENTICAL
+        return IDENTICAL if self.checksummed == self.tensors else HEADER_ONLY
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        """The checkpoint was proven: identical, or identical up to its declared casts."""
+        return self.verdict in (IDENTICAL, IDENTICAL_UP_TO_CAST)
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.verdict]
 
 
 def _read_chunks(ckpt: Checkpoint, key: str, start: int, stop: int):
@@ -57,25 +93,56 @@ def _read_chunks(ckpt: Checkpoint, key: str, start: int, stop: int):
         yield first, piece
 
 
+@dataclass
+class _CastStats:
+    """Running measures of what a cast changed (over the segments of one tensor)."""
+
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    integer_valued: bool = True  # every finite source value is a whole number (a counter, an index)
+    changed: bool = False
+
+    def update(self, src: torch.Tensor, stored: torch.Tensor) -> None:
+        src64, back = src.double(), stored.to(src.dtype).double()
+        finite = torch.isfinite(src64) & torch.isfinite(back)
+        diff = (back - src64).abs()[finite]
+        if diff.numel():
+            self.max_abs = max(self.max_abs, float(diff.max()))
+            self.max_rel = max(self.max_rel, float((diff / src64.abs()[finite].clamp_min(1e-30)).max()))
+        self.changed |= bool((back != src64).any()) and not bool((back.isnan() & src64.isnan()).all())
+        whole = src64[torch.isfinite(src64)]
+        self.integer_valued &= bool((whole == whole.round()).all())
+
+    def merge(self, other: _CastStats) -> None:
+        self.max_abs, self.max_rel = max(self.max_abs, other.max_abs), max(self.max_rel, other.max_rel)
+        self.integer_valued &= other.integer_valued
+        self.changed |= other.changed
+
+
 def _check_segment(ckpt: Checkpoint, key: str, start: int, stop: int, source: torch.Tensor | None,
-                   progress: Callable[[int], None]) -> tuple[int, str | None]:
+                   progress: Callable[[int], None]) -> tuple[int, str | None, _CastStats | None]:
     """One pass over elements ``[start, stop)`` of ``key``: their crc32, and (when ``source`` is given)
-    None if they equal the source's after the recorded cast, else what differs."""
+    None if they equal the source's after the recorded cast, else what differs; for a cast tensor, how
+    much the cast changed it."""
     entry = ckpt.entries[key]
     flat = source.detach().reshape(-1) if source is not None else None
+    cast = _CastStats() if flat is not None and flat.dtype != entry.dtype else None
     crc, diff = 0, None
     for first, piece in _read_chunks(ckpt, key, start, stop):
         crc = zlib.crc32(tensor_bytes(piece), crc)
         if flat is not None and diff is None:  # after the first difference, only the checksum goes on
-            expected = flat[first:first + piece.numel()].to(entry.dtype).contiguous().view(torch.uint8)
+            src = flat[first:first + piece.numel()]
+            expected = src.to(entry.dtype).contiguous().view(torch.uint8)
             actual = piece.view(torch.uint8)
             if not torch.equal(expected, actual):
                 same = (expected.reshape(piece.numel(), -1) == actual.reshape(piece.numel(), -1)).all(dim=1)
                 at = first + int((~same).nonzero()[0])
                 diff = (f"bytes differ from the source (first at flat element {at},"
                         f" {int((~same).sum())} elements in that chunk)")
+            elif cast is not None:
+                cast.update(src, piece)
         progress(piece.numel() * piece.element_size())
-    return crc, diff
+    return crc, diff, cast
 
 
 def _source_mismatch(ckpt: Checkpoint, key: str, source: torch.Tensor) -> str | None:
@@ -111,6 +178,40 @@ def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | No
     return report
 
 
+def _stored_names(structure: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any] | None]]:
+    """``{name: (stored key, view or None)}`` for every tensor, ndarray and bytes node of a structure."""
+    return {path: (node["key"], node.get("view")) for path, node in iter_nodes_with_keys(structure["root"])}
+
+
+def _match_by_name(ckpt: Checkpoint, src_tensors: dict[str, torch.Tensor], src_structure: dict[str, Any],
+                   report: VerifyReport, select: str | None) -> dict[str, torch.Tensor]:
+    """The source tensor of every stored key, matched by *name* (the path in the nested object), so that
+    tied names are aliases whichever of them either side stores: a file that keeps both names of a tied
+    pair, or one that keeps one and records the other (``save_model``), matches a source that stores it
+    once. Names on one side only are problems."""
+    src_names = _stored_names(src_structure)
+    ck_names = _stored_names(ckpt.structure)
+    for dropped, kept in ckpt.tied_aliases().items():
+        ck_names.setdefault(dropped, (kept, None))
+    if not select and src_names and not (src_names.keys() & ck_names.keys()):
+        report.problems.append(("<structure>", "no tensor name in common with the source; if the checkpoint"
+                                " was converted with --select, pass the same --select to verify"))
+    for name in sorted(src_names.keys() - ck_names.keys()):
+        report.problems.append((name, "in the source but missing from the checkpoint"))
+    for name in sorted(ck_names.keys() - src_names.keys()):
+        report.problems.append((name, "in the checkpoint but not in the source"))
+    source: dict[str, torch.Tensor] = {}
+    for name, (key, view) in ck_names.items():
+        if view is not None or key in source or name not in src_names or key not in ckpt.entries:
+            continue  # a view is checked through its base tensor; an alias through its first name
+        src_key, src_view = src_names[name]
+        tensor = src_tensors[src_key]
+        if src_view is not None:
+            tensor = tensor.as_strided(src_view["shape"], src_view["stride"], tensor.storage_offset() + src_view["offset"])
+        source[key] = tensor
+    return source
+
+
 def _verify_open(ckpt: Checkpoint, report: VerifyReport, against: Any, select: str | None, threads: int | None,
                  trust_pickle: bool, progress: Callable[[int, int], None] | None) -> None:
     report.tensors = len(ckpt.entries)
@@ -130,17 +231,10 @@ def _verify_open(ckpt: Checkpoint, report: VerifyReport, against: Any, select: s
         except KeyError as e:
             report.problems.append((str(against), str(e).strip("'\"")))
             return
-        if not select and not (src_tensors.keys() & ckpt.entries.keys()):
-            report.problems.append(("<structure>", "no tensor key in common with the source; if the checkpoint"
-                                    " was converted with --select, pass the same --select to verify"))
         if ckpt.has_structure and src_structure != ckpt.structure:
             report.problems.append(("<structure>", "nested structure differs from the source"
                                     " (keys, types or non-tensor values)"))
-        for key in src_tensors.keys() - ckpt.entries.keys():
-            report.problems.append((key, "in the source but missing from the checkpoint"))
-        for key in ckpt.entries.keys() - src_tensors.keys():
-            report.problems.append((key, "in the checkpoint but not in the source"))
-        source = {k: t for k, t in src_tensors.items() if k in ckpt.entries}
+        source = _match_by_name(ckpt, src_tensors, src_structure, report, select)
     for key in list(source):
         mismatch = _source_mismatch(ckpt, key, source[key])
         if mismatch:
@@ -161,13 +255,18 @@ def _verify_open(ckpt: Checkpoint, report: VerifyReport, against: Any, select: s
     with ThreadPoolExecutor(max_workers=threads) as pool:
         results = list(pool.map(lambda t: _check_segment(ckpt, *t, source.get(t[0]), tick), tasks))
     segments: dict[str, list[tuple[int, int, int, str | None]]] = {k: [] for k in checked}
-    for (key, start, stop), (crc, diff) in zip(tasks, results):
+    stats: dict[str, _CastStats] = {}
+    for (key, start, stop), (crc, diff, cast) in zip(tasks, results):
         segments[key].append((start, crc, (stop - start) * ckpt.entries[key].itemsize, diff))
+        if cast is not None:
+            stats.setdefault(key, _CastStats(integer_valued=True)).merge(cast)
     for key, parts in segments.items():
         parts.sort()
         diff = next((d for _, _, _, d in parts if d), None)  # the first difference in the tensor
         if diff:
             report.problems.append((key, diff))
+        elif key in stats:
+            _judge_cast(report, key, ckpt, source[key], stats[key])
         expected = ckpt.checksums.get(key)
         if expected is not None:  # with a diff too: a mismatch says the file changed after it was written
             actual = combine_segments((crc, nbytes) for _, crc, nbytes, _ in parts)
@@ -181,6 +280,19 @@ def _verify_open(ckpt: Checkpoint, report: VerifyReport, against: Any, select: s
     report.problems.sort()
 
 
+def _judge_cast(report: VerifyReport, key: str, ckpt: Checkpoint, source: torch.Tensor, st: _CastStats) -> None:
+    """A declared cast is acceptable on weights; one that changed a whole-number tensor (a counter, an
+    index) or a 0-dim value (a step) changed what the run will do, and fails the verification."""
+    before, after = torch_dtype_name(source.dtype), torch_dtype_name(ckpt.entries[key].dtype)
+    report.casts.append(CastChange(key, before, after, st.max_abs, st.max_rel))
+    if st.changed and source.dim() == 0:
+        report.problems.append((key, f"the cast {before} -> {after} changed this 0-dim value"
+                                     f" ({source.item()!r} -> {source.to(ckpt.entries[key].dtype).item()!r})"))
+    elif st.changed and st.integer_valued:
+        report.problems.append((key, f"the cast {before} -> {after} changed a tensor of whole numbers (a counter"
+                                     f" or index?) by up to {st.max_abs:g}"))
+
+
 def render_verify(report: VerifyReport, console: Console) -> None:
     table = Table(title=f"verify {report.path}" + (f" against {report.against}" if report.against else ""))
     table.add_column("check")
@@ -188,10 +300,25 @@ def render_verify(report: VerifyReport, console: Console) -> None:
     table.add_row("tensors", str(report.tensors))
     table.add_row("checksums verified", f"{report.checksummed}/{report.tensors}")
     if report.against:
-        table.add_row("compared bit for bit", str(report.compared))
+        table.add_row("compared with the source", str(report.compared))
+        if report.casts:
+            table.add_row("cast on conversion (declared)", str(len(report.casts)))
     table.add_row("bytes read", f"{report.nbytes / 1e6:.1f} MB in {report.seconds:.2f} s")
-    table.add_row("verdict", "[green]OK[/]" if report.ok else f"[red]{len(report.problems)} problem(s)[/]")
+    colour = {IDENTICAL: "green", IDENTICAL_UP_TO_CAST: "green", HEADER_ONLY: "yellow", FAILED: "red"}[report.verdict]
+    text = report.verdict if report.verdict != FAILED else f"{len(report.problems)} problem(s)"
+    table.add_row("verdict", f"[{colour}]{text}[/]")
     console.print(table)
+    if report.casts:
+        worst = sorted(report.casts, key=lambda c: -c.max_rel)
+        console.print(f"{len(report.casts)} tensors differ from the source only by their declared cast; largest changes:",
+                      highlight=False)
+        for c in worst[:5]:
+            console.print(f"  {c.key}: {c.before} -> {c.after}, max abs {c.max_abs:.3g}, max rel {c.max_rel:.3g}",
+                          highlight=False)
+    if report.verdict == HEADER_ONLY:
+        console.print(f"[yellow]only the header was checked[/]: {report.tensors - report.checksummed} tensors carry no"
+                      " checksum (a file written by another tool?); pass --against SOURCE.pt to compare every tensor",
+                      highlight=False)
     for where, what in report.problems:
         console.print(f"[red]FAIL[/] {where}: {what}", markup=True, highlight=False)
 
@@ -204,10 +331,14 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A JSON-able description: files, totals, and the structure as a tree with sizes per subtree."""
     with Checkpoint(path) as ckpt:
         tree = _describe(ckpt.structure["root"], ckpt, "")
+        from .convert import cast_groups
+
+        casts = {k: (v, torch_dtype_name(ckpt.entries[k].dtype)) for k, v in ckpt.cast.items() if k in ckpt.entries}
         return {"path": str(ckpt.path), "files": [str(Path(p)) for p in ckpt.headers],
                 "has_structure": ckpt.has_structure, "tensors": len(ckpt.entries),
                 "bytes": sum(e.nbytes for e in ckpt.entries.values()),
-                "checksums": len(ckpt.checksums), "cast": ckpt.cast, "tree": tree}
+                "checksums": len(ckpt.checksums), "cast": ckpt.cast, "cast_groups": cast_groups(casts),
+                "source": ckpt.source, "tree": tree}
 
 
 def _describe(node: Any, ckpt: Checkpoint, name: str) -> dict[str, Any]:
@@ -269,3 +400,9 @@ def render_inspect(info: dict[str, Any], console: Console, max_depth: int = 3) -
     console.print(root)
     console.print(f"{info['tensors']} tensors, {info['bytes'] / 1e6:.2f} MB in {len(info['files'])} file(s);"
                   f" {info['checksums']} checksums; structure: {'yes' if info['has_structure'] else 'none (plain file)'}")
+    for group, g in info.get("cast_groups", {}).items():
+        console.print(f"cast on conversion: {group}: {g['tensors']} tensors ("
+                      + ", ".join(f"{n} {label}" for label, n in g["casts"].items()) + ")", highlight=False)
+    source = info.get("source")
+    if source:
+        console.print(f"converted from {source.get('name')} ({source.get('size')} bytes)", highlight=False)

@@ -160,13 +160,13 @@ def split_into_shards(jobs: Sequence[TensorJob], max_shard_size: int) -> list[li
 
 def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *, structure_json: str | None,
                       max_shard_size: int | None = None, threads: int | None = None, force: bool = False,
-                      progress: ProgressFn | None = None) -> WriteResult:
+                      progress: ProgressFn | None = None, metadata: dict[str, str] | None = None) -> WriteResult:
     """Write ``jobs`` to ``dst`` atomically: one file, or (with ``max_shard_size``) a directory of
     ``model-0000k-of-0000n.safetensors`` shards plus ``model.safetensors.index.json``.
 
     Everything is written under a temporary name next to ``dst``, fsynced, then renamed; on any
     error the temporaries are removed and ``dst`` is untouched. An existing ``dst`` is replaced only
-    with ``force=True``.
+    with ``force=True``. ``metadata`` goes into every file's header (and the index).
     """
     dst = Path(dst)
     if dst.exists() and not force:
@@ -174,7 +174,7 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
     dst.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(dst)
     tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    meta = {META_FORMAT: "pt", META_VERSION: FORMAT_VERSION}
+    meta = {META_FORMAT: "pt", META_VERSION: FORMAT_VERSION, **(metadata or {})}
     sharded = max_shard_size is not None
     if sharded:
         tmp.mkdir()

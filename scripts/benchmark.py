@@ -152,7 +152,9 @@ def convert_method(method: str, src: str, dst: str) -> dict[str, Any]:
         elif method == "ours-bf16":
             import fsdp_restore
 
-            fsdp_restore.convert(src, dst, force=True, dtype="bf16")
+            # every floating tensor, optimizer state included (the default casts only the model's weights):
+            # the same work as the rows recorded before that default changed
+            fsdp_restore.convert(src, dst, force=True, dtype="bf16", cast_include=["*"])
         elif method == "olmo":
             save_file(_olmo_flatten(torch.load(src, weights_only=False)), dst)
         elif method == "mmap+save_file":

@@ -213,3 +213,98 @@ def test_peak_anonymous_memory_is_bounded(tmp_path, dtype):
     largest = 128 * 2**20
     assert stats["bytes"] == (2**30 if dtype is None else 2**29)
     assert stats["peak"] - stats["base"] < 256 * 2**20 + largest, stats
+
+
+# ---- casts are explicit and safe by default ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int32", "bool", "uint8"])
+def test_non_floating_dtype_is_refused(train_ckpt, tmp_path, dtype):
+    src, _ = train_ckpt
+    with pytest.raises(ValueError, match="not a floating target"):
+        convert(src, tmp_path / "x.safetensors", dtype=dtype)
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_default_cast_scope_is_the_model_weights(train_ckpt, tmp_path):
+    """--dtype bf16 on a training checkpoint: weights cast; Adam's moments, the step counter and every 0-dim
+    value keep their dtype (301.0 stays 301.0, not 300.0)."""
+    _, ckpt = train_ckpt
+    state = torch.load(train_ckpt[0], weights_only=False)
+    state["optim"]["state"][0]["step"] = torch.tensor(301.0)
+    src = tmp_path / "step301.pt"
+    torch.save(state, src)
+    report = convert(src, tmp_path / "bf16.safetensors", dtype="bf16")
+    back = fsdp_restore.load(tmp_path / "bf16.safetensors")
+    assert all(t.dtype == torch.bfloat16 for k, t in back["model"].items() if ckpt["model"][k].is_floating_point())
+    assert back["optim"]["state"][0]["exp_avg"].dtype == torch.float32
+    assert back["optim"]["state"][0]["step"].dtype == torch.float32 and back["optim"]["state"][0]["step"].item() == 301.0
+    assert set(report.cast) == {"model"} and report.cast["model"]["casts"] == {"float32 -> bfloat16": report.cast_tensors}
+    info = fsdp_restore.inspect_checkpoint(tmp_path / "bf16.safetensors")
+    assert info["cast_groups"] == report.cast
+
+
+def test_cast_of_optimizer_state_and_scalars_needs_patterns_that_name_them(train_ckpt, tmp_path):
+    src, _ = train_ckpt
+    convert(src, tmp_path / "a.safetensors", dtype="bf16", cast_include=["model.*", "optim.*"])
+    back = fsdp_restore.load(tmp_path / "a.safetensors")
+    assert back["optim"]["state"][0]["exp_avg"].dtype == torch.bfloat16
+    assert back["optim"]["state"][0]["step"].dtype == torch.float32  # 0-dim: a glob does not name it
+    convert(src, tmp_path / "b.safetensors", dtype="bf16", cast_include=["model.*", "optim.state.0.step"])
+    assert fsdp_restore.load(tmp_path / "b.safetensors")["optim"]["state"][0]["step"].dtype == torch.bfloat16
+
+
+def test_plain_weights_file_casts_everything_floating(tmp_path):
+    state = {"model.embed.weight": torch.randn(4, 3), "lm_head.weight": torch.randn(4, 3), "count": torch.tensor(7)}
+    torch.save(state, tmp_path / "w.pt")
+    report = convert(tmp_path / "w.pt", tmp_path / "w.safetensors", dtype="fp16")
+    back = fsdp_restore.load(tmp_path / "w.safetensors")
+    assert back["model.embed.weight"].dtype == back["lm_head.weight"].dtype == torch.float16
+    assert back["count"].dtype == torch.int64 and report.cast_tensors == 2
+
+
+def test_cli_int8_is_one_clear_error(train_ckpt, tmp_path):
+    src, _ = train_ckpt
+    res = subprocess.run([sys.executable, "-m", "fsdp_restore", "convert", str(src), str(tmp_path / "o.safetensors"),
+                          "--dtype", "int8"], capture_output=True, text=True)
+    assert res.returncode == 1 and "not a floating target" in res.stderr and "Traceback" not in res.stderr
+
+
+# ---- no stale sibling ----------------------------------------------------------------------------------
+
+
+def _resave(src, step):
+    state = torch.load(src, weights_only=False)
+    state["step"] = step
+    state["model"]["transformer.wte.weight"] = state["model"]["transformer.wte.weight"] + step
+    torch.save(state, src)
+
+
+def test_stale_sibling_is_never_used_silently(train_ckpt, tmp_path):
+    src, ckpt = train_ckpt
+    pt = tmp_path / "run.pt"
+    pt.write_bytes(src.read_bytes())
+    convert(pt, tmp_path / "run.safetensors")
+    assert fsdp_restore.load(pt)["step"] == ckpt["step"]  # a matching sibling: the fast path
+    os.utime(pt)  # touched, or copied: another time, the same bytes; the fingerprint says it still matches
+    assert fsdp_restore.load(pt)["step"] == ckpt["step"]
+    _resave(pt, 99)  # the run saved again under the same name
+    with pytest.warns(UserWarning, match="not converted from .*run.pt as it is now"):
+        back = fsdp_restore.load(pt)
+    assert back["step"] == 99  # the .pt, loaded safely, not the old sibling
+    for opener in (fsdp_restore.Checkpoint, fsdp_restore.inspect_checkpoint):
+        with pytest.raises(FormatError, match="convert it again"):
+            opener(pt)
+    with pytest.raises(fsdp_restore.RestoreError, match="convert it again"):
+        fsdp_restore.restore_model(tiny_gpt2(), pt)
+    assert fsdp_restore.Checkpoint(tmp_path / "run.safetensors").source["size"] != pt.stat().st_size
+
+
+def test_sibling_without_a_record_is_stale_when_older(tmp_path):
+    from safetensors.torch import save_file
+
+    torch.save({"a": torch.ones(2)}, tmp_path / "m.pt")
+    save_file({"a": torch.zeros(2)}, str(tmp_path / "m.safetensors"))  # another tool: no source recorded
+    os.utime(tmp_path / "m.safetensors", ns=(1, 1))
+    with pytest.warns(UserWarning, match="older than"):
+        assert torch.equal(fsdp_restore.load(tmp_path / "m.pt")["a"], torch.ones(2))

@@ -239,3 +239,103 @@ def test_state_padding_outside_every_piece_is_zeroed():
     full = torch.full((5,), 7.0)
     _zero_uncovered(full, [(0, 5)])
     assert torch.equal(full, torch.full((5,), 7.0))
+
+
+# ---- state as the optimizer itself would hold it --------------------------------------------------------
+
+
+def _resume_fused(rank, world_size, path):
+    model = wrap(build("mlp", seed=77), "fsdp2", world_size)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.9), weight_decay=0.1, fused=True)
+    fsdp_restore.restore(model, path, optimizer=opt)
+    steps = {(v.dtype, v.device.type) for st in opt.state.values() for k, v in st.items() if k == "step"}
+    losses = _train(model, opt, "mlp", STEPS_AFTER, STEPS_BEFORE)
+    from models import full_state
+
+    return losses, full_state(model, "fsdp2"), steps
+
+
+def test_fused_adamw_resume_equals_never_stopping(tmp_path):
+    """AdamW(fused=True) keeps `step` as float32 on the parameter's device: restored where it expects it."""
+    model = build("mlp", seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.9), weight_decay=0.1, fused=True)
+    _train(model, opt, "mlp", STEPS_BEFORE, 0)
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, tmp_path / "ck.pt")
+    ref_losses = _train(model, opt, "mlp", STEPS_AFTER, STEPS_BEFORE)
+    fsdp_restore.convert(tmp_path / "ck.pt", tmp_path / "ck.safetensors")
+    for losses, params, steps in run_ranks(_resume_fused, 2, tmp_path / "ck.safetensors"):
+        assert steps == {(torch.float32, "cpu")}
+        assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(params[k], v, atol=1e-5, rtol=1e-4)
+
+
+def _resume_bf16(rank, world_size, path):
+    model = wrap(build("mlp", seed=77).to(torch.bfloat16), "fsdp2", world_size)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.9), weight_decay=0.1)
+    result = fsdp_restore.restore(model, path, optimizer=opt)
+    moments = {v.dtype for st in opt.state.values() for k, v in st.items() if k != "step"}
+    batch_losses = []
+    for step in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
+        loss = model(_batch("mlp", step)[0].to(torch.bfloat16)).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        batch_losses.append(float(loss))
+    return result.model.cast, result.optimizer.cast, moments, batch_losses
+
+
+def test_bf16_model_with_fp32_moments_reports_the_cast_and_resumes_close(tmp_path):
+    """fp32 training checkpoint into a bf16 model: weights and moments are cast as load_state_dict would, every
+    cast is in the reports, and training continues within bf16's precision of the fp32 run (documented
+    tolerance: losses within 2%)."""
+    ref_losses, _ = reference_run("mlp", "adamw", tmp_path / "ck.pt")
+    fsdp_restore.convert(tmp_path / "ck.pt", tmp_path / "ck.safetensors")
+    model_cast, optim_cast, moments, losses = run_ranks(_resume_bf16, 2, tmp_path / "ck.safetensors")[0]
+    assert "inp.weight: torch.float32 -> torch.bfloat16" in model_cast
+    assert "optim:inp.weight.exp_avg: torch.float32 -> torch.bfloat16" in optim_cast
+    assert "optim:inp.weight.exp_avg_sq: torch.float32 -> torch.bfloat16" in optim_cast
+    assert moments == {torch.bfloat16}
+    assert losses == pytest.approx(ref_losses, rel=2e-2)
+
+
+class _FactoredState(torch.optim.Optimizer):
+    """A minimal optimizer whose state is not shaped like its parameter (Adafactor-style row factors)."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state[p]
+                if "row" not in st:
+                    st["row"] = torch.zeros(p.shape[0], device=p.device, dtype=p.dtype)
+                st["row"].add_(p.grad.pow(2).sum(dim=-1) if p.dim() > 1 else p.grad.pow(2))
+                p.sub_(group["lr"] * p.grad)
+
+
+def _factored_worker(rank, world_size, path, how):
+    model = wrap(build("mlp", seed=77), how, world_size)
+    opt = _FactoredState(model.parameters())
+    try:
+        fsdp_restore.restore(model, path, optimizer=opt)
+    except RestoreError as e:
+        return str(e)
+    return {type(v).__name__ for st in opt.state.values() for v in st.values()}
+
+
+@pytest.mark.parametrize("how", ["plain", "fsdp2"])
+def test_state_not_shaped_like_its_parameter(tmp_path, how):
+    model = build("mlp", seed=0)
+    opt = _FactoredState(model.parameters())
+    model(torch.randn(3, 7)).sum().backward()
+    opt.step()
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, tmp_path / "f.pt")
+    fsdp_restore.convert(tmp_path / "f.pt", tmp_path / "f.safetensors")
+    results = run_ranks(_factored_worker, 2, tmp_path / "f.safetensors", how)
+    if how == "plain":
+        assert results == [{"Tensor"}] * 2  # restored whole, on the parameter's device
+    else:  # a DTensor parameter: refused, naming the parameter and the key, on every rank
+        assert len(set(results)) == 1 and "optimizer state 'row' of inp.weight" in results[0]

@@ -96,3 +96,77 @@ def test_inspect_json(good):
     model = info["tree"]["children"][0]
     assert model["name"] == "model" and model["bytes"] == 600 and model["tensors"] == 2
     json.dumps(info)
+
+
+# ---- three verdicts, and exit codes that tell them apart --------------------------------------------------
+
+
+def _cli(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "fsdp_restore", "verify", *map(str, args)], capture_output=True,
+                          text=True)
+
+
+def test_identical_verdict(good):
+    src, dst = good
+    assert verify(dst).verdict == "identical" and verify(dst, against=src).verdict == "identical"
+    res = _cli(dst, "--against", src)
+    assert res.returncode == 0 and "identical" in res.stdout
+
+
+def test_identical_up_to_the_declared_cast(tmp_path):
+    src = tmp_path / "src.pt"
+    torch.save({"model": {"w": torch.linspace(-3, 3, 101), "ids": torch.arange(10.0)}, "step": 5}, src)
+    fsdp_restore.convert(src, tmp_path / "bf16.safetensors", dtype="bf16")
+    report = verify(tmp_path / "bf16.safetensors", against=src)
+    assert report.verdict == "identical up to the declared cast", report.problems
+    assert {c.key for c in report.casts} == {"model.w", "model.ids"}
+    w = next(c for c in report.casts if c.key == "model.w")
+    assert 0 < w.max_rel < 2**-8 and w.before == "float32" and w.after == "bfloat16"  # bf16's 8-bit mantissa
+    res = _cli(tmp_path / "bf16.safetensors", "--against", src)
+    assert res.returncode == 0 and "identical up to the declared cast" in res.stdout
+
+
+def test_cast_that_changes_a_counter_or_a_scalar_fails(tmp_path):
+    src = tmp_path / "src.pt"
+    torch.save({"model": {"w": torch.ones(3)}, "optim": {"step": torch.tensor(301.0), "seen": torch.arange(250.0, 260.0)}},
+               src)
+    fsdp_restore.convert(src, tmp_path / "all.safetensors", dtype="bf16",
+                         cast_include=["model.*", "optim.seen", "optim.step"])
+    report = verify(tmp_path / "all.safetensors", against=src)
+    problems = dict(report.problems)
+    assert report.verdict == "failed" and set(problems) == {"optim.step", "optim.seen"}
+    assert "0-dim" in problems["optim.step"] and "301.0 -> 300.0" in problems["optim.step"]
+    assert "whole numbers" in problems["optim.seen"]
+
+
+def test_header_only_verdict_for_a_file_without_checksums(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.ones(3)}, str(tmp_path / "foreign.safetensors"))
+    report = verify(tmp_path / "foreign.safetensors")
+    assert report.verdict == "header only" and not report.ok and report.exit_code == 3
+    res = _cli(tmp_path / "foreign.safetensors")
+    assert res.returncode == 3 and "--against" in res.stdout
+
+
+@pytest.mark.parametrize("writer", ["both_names", "save_model"])
+def test_tied_names_are_aliases_whichever_side_stores_them(tmp_path, writer):
+    """A source that stores a tied pair once (torch.save of a GPT-2 state dict) against a file that keeps both
+    names, or one name and the other in its metadata (safetensors' save_model)."""
+    from helpers import tiny_gpt2
+    from safetensors.torch import save_file, save_model
+
+    model = tiny_gpt2()
+    torch.save(model.state_dict(), tmp_path / "src.pt")
+    if writer == "both_names":
+        save_file({k: v.clone().contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "m.safetensors"))
+    else:
+        save_model(model, str(tmp_path / "m.safetensors"))
+    report = verify(tmp_path / "m.safetensors", against=tmp_path / "src.pt")
+    assert report.ok, report.problems
+    other = tiny_gpt2(seed=3)
+    torch.save(other.state_dict(), tmp_path / "other.pt")
+    assert not verify(tmp_path / "m.safetensors", against=tmp_path / "other.pt").ok  # still compares the values

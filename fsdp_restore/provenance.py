@@ -1,0 +1,60 @@
+"""Where a converted checkpoint came from: the identity of its source file, recorded at conversion
+(metadata ``fsdp_restore.source``) and checked when ``x.pt`` is opened through its ``x.safetensors``
+sibling, so that a sibling converted from an older ``x.pt`` is never used silently.
+
+The identity is the file's size, its modification time (ns) and a fingerprint: the crc32 of its zip
+directory (every member's name, crc32 and size: a few KB read, yet any change of content changes it),
+or for a legacy non-zip file the crc32 of its first and last MB. Size and time decide quickly; the
+fingerprint settles a copy that changed the time but not the bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+import zlib
+from pathlib import Path
+from typing import Any
+
+_EDGE = 1024 * 1024
+
+
+def fingerprint(path: str | os.PathLike[str]) -> str:
+    """8 hex digits: crc32 of the zip directory (names, crc32s, sizes), or of the first and last MB."""
+    path = Path(path)
+    crc = 0
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as z:
+            for info in z.infolist():
+                crc = zlib.crc32(f"{info.filename}:{info.CRC:08x}:{info.file_size}\n".encode(), crc)
+    else:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            crc = zlib.crc32(f.read(_EDGE))
+            f.seek(max(0, size - _EDGE))
+            crc = zlib.crc32(f.read(_EDGE), crc)
+    return f"{crc:08x}"
+
+
+def source_identity(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """What the conversion records about its source."""
+    st = os.stat(path)
+    return {"name": Path(path).name, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "fingerprint": fingerprint(path)}
+
+
+def mismatch(recorded: dict[str, Any] | None, source: str | os.PathLike[str], converted: str | os.PathLike[str]) -> str | None:
+    """Why ``converted`` (whose recorded source identity is ``recorded``) is not a conversion of ``source``
+    as it is now, or None when it is. Without a record (an older or foreign conversion), a
+    ``converted`` file older than ``source`` is taken as stale."""
+    st = os.stat(source)
+    if not recorded:
+        if os.stat(converted).st_mtime_ns < st.st_mtime_ns:
+            return f"{Path(converted).name} is older than {Path(source).name} and records no source to compare"
+        return None
+    if recorded.get("size") != st.st_size:
+        return f"{Path(source).name} is {st.st_size} bytes now, {recorded.get('size')} when converted"
+    if recorded.get("mtime_ns") == st.st_mtime_ns:
+        return None
+    if recorded.get("fingerprint") != fingerprint(source):
+        return f"{Path(source).name} changed since it was converted (same size, other content)"
+    return None
