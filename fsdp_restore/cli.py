@@ -33,6 +33,7 @@ CONVERT_DEFAULTS: dict[str, Any] = {
     "trust_pickle": False,  # run arbitrary pickle code in the source (only for files you trust)
     "allow_globals": [],  # extra data-only classes the safe unpickler may build, "module.Name"
     "on_unsupported": "error",  # error | skip (drop unsupported values with a warning)
+    "tag": None,  # a DeepSpeed checkpoint directory's tag (default: the one 'latest' names)
 }
 
 err = Console(stderr=True)
@@ -73,7 +74,7 @@ def _progress() -> Progress:
 def cmd_convert(args: argparse.Namespace) -> int:
     from .convert import convert
 
-    flags = {"dtype": args.dtype, "max_shard_size": args.max_shard_size, "select": args.select,
+    flags = {"dtype": args.dtype, "max_shard_size": args.max_shard_size, "select": args.select, "tag": args.tag,
              "threads": args.threads, "force": True if args.force else None,
              "trust_pickle": True if args.trust_pickle else None,
              "allow_globals": args.allow_global or None}
@@ -140,14 +141,16 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("convert", help="stream a torch.save .pt file into safetensors")
-    p.add_argument("src")
+    p = sub.add_parser("convert", help="stream a torch.save .pt file, a DeepSpeed ZeRO or a DCP checkpoint"
+                                       " directory into safetensors")
+    p.add_argument("src", help="a torch.save file, a DeepSpeed checkpoint directory (ZeRO 1-3) or a DCP directory")
     p.add_argument("dst", help="a .safetensors file, or a directory with --max-shard-size")
     p.add_argument("--config", help="YAML options file (see configs/convert.yaml)")
     p.add_argument("--dtype", help="cast the model's floating weights: bf16, fp16 or fp32 (optimizer state and"
                                    " scalars keep theirs unless cast_include names them)")
     p.add_argument("--max-shard-size", help="e.g. 5GB: write shards plus model.safetensors.index.json")
     p.add_argument("--select", help="only this subtree, e.g. model")
+    p.add_argument("--tag", help="DeepSpeed checkpoint tag to convert, e.g. global_step1000 (default: latest)")
     p.add_argument("--threads", type=int)
     p.add_argument("--force", action="store_true", help="replace an existing destination")
     p.add_argument("--trust-pickle", action="store_true", help="execute the file's pickle (trusted files only)")
@@ -167,7 +170,7 @@ def make_parser() -> argparse.ArgumentParser:
                                    " the casts the file declares; 1: a problem; 3: only the header could be"
                                    " checked (no checksums, no --against)")
     p.add_argument("path")
-    p.add_argument("--against", help="the source .pt: compare structure and every tensor bit for bit")
+    p.add_argument("--against", help="the source (.pt, DeepSpeed or DCP directory): compare every tensor")
     p.add_argument("--select", help="the subtree of the source that was converted (convert --select)")
     p.add_argument("--threads", type=int)
     p.add_argument("--trust-pickle", action="store_true")

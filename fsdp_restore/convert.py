@@ -8,16 +8,13 @@ the pickle is refused *before* unpickling, unless the caller opts in with ``trus
 from __future__ import annotations
 
 import argparse
-import fnmatch
 import importlib
 import json
 import os
 import pathlib
-import re
 import warnings
 import zipfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,39 +22,12 @@ import numpy as np
 import torch
 
 from .errors import FormatError, UnsafePickleError
-from .flatten import flatten, iter_nodes_with_keys
-from .format import META_SOURCE, torch_dtype_from_string, torch_dtype_name
+from .flatten import flatten
+from .format import META_SOURCE
+from .jobs import ConvertReport, cast_groups, cast_target, parse_size, plan_jobs, write_converted
 from .measure import PeakAnonMemory, Stopwatch
 from .provenance import source_identity
-from .write import ProgressFn, TensorJob, default_threads, write_safetensors
-
-_CASTABLE = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-_GLOB = re.compile(r"[*?\[]")
-
-
-def cast_target(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    """The ``--dtype`` of a conversion: floating targets only. A cast to an integer type turns weights into
-    zeros and wraps counters (301 -> 45 in int8); nothing in a checkpoint is meant to be stored that way."""
-    if dtype is None:
-        return None
-    if isinstance(dtype, str):
-        dtype = torch_dtype_from_string(dtype)
-    if dtype not in _CASTABLE:
-        raise ValueError(f"dtype {str(dtype).removeprefix('torch.')} is not a floating target: --dtype takes bf16,"
-                         " fp16, fp32 or fp64 (casting to an integer or bool type would silently change values)")
-    return dtype
-
-
-def default_cast_scope(structure: dict[str, Any]) -> list[str]:
-    """What a ``--dtype`` cast applies to by default: the model's weights. That is the ``model`` subtree of a
-    training checkpoint (``{"model": ..., "optim": ...}``), and everything in a plain weights file.
-    Optimizer state keeps its precision: Adam's moments and step counter in bf16 change the run."""
-    root = structure.get("root")
-    if isinstance(root, dict) and root.get("type") in ("dict", "OrderedDict") and any(
-            k == "model" and isinstance(v, dict) and v.get("type") != "tensor" for k, v in root["items"]):
-        return ["model.*"]
-    return ["*"]
-
+from .write import ProgressFn, default_threads, write_safetensors
 
 def _allowlist() -> list[Any]:
     """Globals a weights_only unpickler may resolve in a checkpoint: data types, never callables
@@ -159,72 +129,42 @@ def select_subtree(obj: Any, select: str | None) -> Any:
     return node
 
 
-def parse_size(text: str | int | None) -> int | None:
-    """``"5GB"`` -> 5_000_000_000, ``"512MiB"`` -> 536_870_912; ints pass through."""
-    if text is None or isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(I?B)?\s*", str(text).upper())
-    if not m:
-        raise ValueError(f"cannot parse size '{text}' (examples: 5GB, 512MiB, 1000000)")
-    base = 1024 if m.group(3) == "IB" else 1000
-    return int(float(m.group(1)) * base ** " KMGT".index(m.group(2) or " "))
+def _convert_directory(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: torch.dtype | None,
+                       cast_include: Sequence[str] | None, cast_exclude: Sequence[str], max_shard_size: int | str | None,
+                       select: str | None, threads: int | None, force: bool, on_unsupported: str,
+                       progress: Callable[[int, int], None] | None, tag: str | None) -> ConvertReport:
+    """A sharded checkpoint directory in (DeepSpeed ZeRO: `zero.read_zero`; DCP: `dcp_in.read_dcp`), streamed
+    out: each tensor held in pieces is assembled range by range as it is written."""
+    from .dcp_in import is_dcp_checkpoint, read_dcp
+    from .zero import is_zero_checkpoint, read_zero
 
-
-@dataclass
-class ConvertReport:
-    """What `convert` did and what it cost."""
-
-    src: str
-    dst: str
-    files: list[str]
-    tensors: int
-    nbytes: int
-    cast_tensors: int
-    seconds: float
-    peak_anon_bytes: int
-    threads: int
-    checksums: dict[str, str] = field(default_factory=dict, repr=False)
-    cast: dict[str, dict[str, Any]] = field(default_factory=dict)  # by group, see `cast_groups`
-
-    @property
-    def throughput(self) -> float:
-        return self.nbytes / self.seconds if self.seconds else 0.0
-
-
-def plan_jobs(tensors: dict[str, torch.Tensor], structure: dict[str, Any], dtype: torch.dtype | None,
-              cast_include: Sequence[str] | None = None, cast_exclude: Sequence[str] = ()) -> list[TensorJob]:
-    """One job per stored tensor, with the output dtype chosen by the cast policy.
-
-    Only floating tensors of tensor nodes are cast (never numpy arrays or bytes, which must come back as
-    they were), only when their key matches an include pattern (default: `default_cast_scope`) and no
-    exclude pattern, and a 0-dim tensor (a step counter, a scalar) only when a pattern names it exactly.
-    """
-    dtype = cast_target(dtype)
-    tensor_keys = {node["key"] for _, node in iter_nodes_with_keys(structure["root"]) if node["type"] == "tensor"}
-    include = list(cast_include) if cast_include is not None else default_cast_scope(structure)
-
-    def out_dtype(key: str, t: torch.Tensor) -> torch.dtype:
-        if dtype is None or t.dtype not in _CASTABLE or key not in tensor_keys:
-            return t.dtype
-        if any(fnmatch.fnmatchcase(key, p) for p in cast_exclude):
-            return t.dtype
-        named = [p for p in include if fnmatch.fnmatchcase(key, p)]
-        if not named or (t.dim() == 0 and not any(p == key and not _GLOB.search(p) for p in named)):
-            return t.dtype
-        return dtype
-
-    return [TensorJob(key, t, out_dtype(key, t)) for key, t in tensors.items()]
-
-
-def cast_groups(casts: dict[str, tuple[str, str]]) -> dict[str, dict[str, Any]]:
-    """``{key: (from, to)}`` grouped by the key's top-level name: ``{group: {"tensors": n, "casts": {"f -> t": n}}}``."""
-    groups: dict[str, dict[str, Any]] = {}
-    for key, (before, after) in casts.items():
-        g = groups.setdefault(key.split(".", 1)[0], {"tensors": 0, "casts": {}})
-        g["tensors"] += 1
-        label = f"{before} -> {after}"
-        g["casts"][label] = g["casts"].get(label, 0) + 1
-    return groups
+    if not (is_zero_checkpoint(src) or is_dcp_checkpoint(src)):
+        raise FormatError(src, "a directory, but neither a DeepSpeed ZeRO checkpoint ('latest', or a global_step*"
+                          " tag with *_optim_states.pt files) nor a DCP checkpoint (.metadata + *.distcp)")
+    if Path(dst).exists() and not force:
+        raise FileExistsError(f"{dst} already exists; pass force=True (CLI: --force) to replace it")
+    threads = threads or default_threads()
+    with PeakAnonMemory() as mem, Stopwatch() as clock:
+        if is_dcp_checkpoint(src):
+            obj, pieces = read_dcp(src)
+            label = str(src)
+        else:
+            obj, pieces, layout = read_zero(src, tag=tag)
+            label = str(layout.tag_dir)
+        tensors, structure = flatten(select_subtree(obj, select), on_unsupported=on_unsupported)  # type: ignore[arg-type]
+        readers = {}
+        for key, t in tensors.items():
+            held = pieces.get(t.data_ptr())
+            if held is not None:  # a tensor held in pieces: its real shape and dtype, and how to read it
+                tensors[key], readers[key] = held
+        result, casts = write_converted(tensors, structure, dst, readers=readers, dtype=dtype,
+                                        cast_include=cast_include, cast_exclude=cast_exclude,
+                                        max_shard_size=max_shard_size, threads=threads, force=force, progress=progress)
+        del obj, tensors, readers, pieces
+    return ConvertReport(src=label, dst=str(dst), files=[str(p) for p in result.paths],
+                         tensors=len(result.checksums), nbytes=result.nbytes, cast_tensors=len(casts),
+                         cast=cast_groups(casts), seconds=clock.seconds, peak_anon_bytes=mem.peak, threads=threads,
+                         checksums=result.checksums)
 
 
 def save(obj: Any, path: str | os.PathLike[str], *, max_shard_size: int | str | None = None,
@@ -242,7 +182,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
             cast_include: Sequence[str] | None = None, cast_exclude: Sequence[str] = (),
             max_shard_size: int | str | None = None, select: str | None = None, threads: int | None = None,
             force: bool = False, trust_pickle: bool = False, allow_globals: Sequence[str] = (),
-            on_unsupported: str = "error", progress: Callable[[int, int], None] | None = None) -> ConvertReport:
+            on_unsupported: str = "error", progress: Callable[[int, int], None] | None = None,
+            tag: str | None = None) -> ConvertReport:
     """Stream a ``torch.save`` file into our safetensors format and report what it cost.
 
     The input is memory-mapped (``torch.load(mmap=True, weights_only=True)``); tensor bytes go
@@ -251,11 +192,20 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
     with plain keys a ``load_state_dict`` accepts). ``progress(done_bytes, total_bytes)`` is
     called as data is written.
 
+    ``src`` may also be a DeepSpeed ZeRO checkpoint directory (stages 1-3; ``tag`` picks a tag, default:
+    ``latest``), consolidated into the same format: the fp32 master weights, frozen parameters and buffers
+    under ``model``, per-parameter optimizer state under ``optim``, the rest of the run's state as it was;
+    or a DCP directory (``dcp.save``), rebuilt as the object that was saved.
+
     ``dtype`` (bf16, fp16, fp32, fp64) casts the model's floating weights (`default_cast_scope`); optimizer
     state and 0-dim values keep their dtype unless ``cast_include`` patterns name them (a 0-dim tensor
     only by its exact key). ``report.cast`` lists what was cast, by group.
     """
     dtype = cast_target(dtype)
+    if Path(src).is_dir():
+        return _convert_directory(src, dst, dtype=dtype, cast_include=cast_include, cast_exclude=cast_exclude,
+                                  max_shard_size=max_shard_size, select=select, threads=threads, force=force,
+                                  on_unsupported=on_unsupported, progress=progress, tag=tag)
     if not Path(src).is_file():
         raise FormatError(src, "no such file")
     if Path(dst).exists() and not force:
@@ -265,21 +215,10 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
         identity = source_identity(src)  # before reading: a source rewritten meanwhile will not match it
         obj = select_subtree(load_pt(src, trust_pickle=trust_pickle, allow_globals=allow_globals), select)
         tensors, structure = flatten(obj, on_unsupported=on_unsupported)  # type: ignore[arg-type]
-        jobs = plan_jobs(tensors, structure, dtype, cast_include, cast_exclude)
-        total = sum(j.nbytes for j in jobs)
-        casts = {j.key: (torch_dtype_name(j.source.dtype), torch_dtype_name(j.dtype)) for j in jobs
-                 if j.dtype != j.source.dtype}
-        done = [0]
-
-        def on_bytes(n: int) -> None:
-            done[0] += n  # approximate under threads; only drives a progress bar
-            if progress:
-                progress(done[0], total)
-
-        result = write_safetensors(dst, jobs, structure_json=json.dumps(structure, separators=(",", ":")),
-                                   max_shard_size=parse_size(max_shard_size), threads=threads, force=force,
-                                   progress=on_bytes, metadata={META_SOURCE: json.dumps(identity)})
-        del obj, tensors, jobs
+        result, casts = write_converted(tensors, structure, dst, dtype=dtype, cast_include=cast_include,
+                                        cast_exclude=cast_exclude, max_shard_size=max_shard_size, threads=threads,
+                                        force=force, progress=progress, metadata={META_SOURCE: json.dumps(identity)})
+        del obj, tensors
     return ConvertReport(src=str(src), dst=str(dst), files=[str(p) for p in result.paths],
                          tensors=len(result.checksums), nbytes=result.nbytes,
                          cast_tensors=len(casts), cast=cast_groups(casts),

@@ -178,6 +178,50 @@ def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | No
     return report
 
 
+class _Piecewise:
+    """A source tensor held in pieces (a ZeRO or DCP directory): just what the comparison uses of a tensor
+    (shape, dtype, flat slices), each slice assembled from the files on demand."""
+
+    def __init__(self, meta: torch.Tensor, reader: Callable[[int, int], torch.Tensor]) -> None:
+        self.shape, self.dtype, self._reader = meta.shape, meta.dtype, reader
+
+    def detach(self) -> _Piecewise:
+        return self
+
+    def reshape(self, *shape: int) -> _Piecewise:
+        return self
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def __getitem__(self, where: slice) -> torch.Tensor:
+        return self._reader(where.start, where.stop - where.start)
+
+    def item(self) -> Any:
+        return self._reader(0, 1).item()
+
+    def to(self, dtype: torch.dtype) -> torch.Tensor:
+        return self._reader(0, max(1, int(torch.Size(self.shape).numel()))).to(dtype).reshape(self.shape)
+
+
+def _source(against: Any, select: str | None, trust_pickle: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The source's flat tensors and structure: a ``.pt`` (loaded safely), or a ZeRO / DCP directory, whose
+    sharded tensors are compared piece by piece, never assembled whole."""
+    from .convert import load_pt, select_subtree
+    from .dcp_in import is_dcp_checkpoint, read_dcp
+    from .zero import is_zero_checkpoint, read_zero
+
+    if Path(against).is_dir() and (is_zero_checkpoint(against) or is_dcp_checkpoint(against)):
+        obj, pieces = read_dcp(against) if is_dcp_checkpoint(against) else read_zero(against)[:2]
+        tensors, structure = flatten(select_subtree(obj, select))
+        for key, t in list(tensors.items()):
+            held = pieces.get(t.data_ptr())
+            if held is not None:
+                tensors[key] = _Piecewise(*held)
+        return tensors, structure
+    return flatten(select_subtree(load_pt(against, trust_pickle=trust_pickle), select))
+
+
 def _stored_names(structure: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any] | None]]:
     """``{name: (stored key, view or None)}`` for every tensor, ndarray and bytes node of a structure."""
     return {path: (node["key"], node.get("view")) for path, node in iter_nodes_with_keys(structure["root"])}
@@ -221,10 +265,8 @@ def _verify_open(ckpt: Checkpoint, report: VerifyReport, against: Any, select: s
         report.problems.append(("<structure>", str(e)))
     source: dict[str, torch.Tensor] = {}
     if against is not None:
-        from .convert import load_pt, select_subtree
-
         try:
-            src_tensors, src_structure = flatten(select_subtree(load_pt(against, trust_pickle=trust_pickle), select))
+            src_tensors, src_structure = _source(against, select, trust_pickle)
         except FsdpRestoreError as e:
             report.problems.append((str(against), str(e)))
             return
@@ -331,7 +373,7 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A JSON-able description: files, totals, and the structure as a tree with sizes per subtree."""
     with Checkpoint(path) as ckpt:
         tree = _describe(ckpt.structure["root"], ckpt, "")
-        from .convert import cast_groups
+        from .jobs import cast_groups
 
         casts = {k: (v, torch_dtype_name(ckpt.entries[k].dtype)) for k, v in ckpt.cast.items() if k in ckpt.entries}
         return {"path": str(ckpt.path), "files": [str(Path(p)) for p in ckpt.headers],

@@ -15,6 +15,7 @@ import glob
 import json
 import os
 import shutil
+import threading
 import uuid
 import zlib
 from collections.abc import Callable, Sequence
@@ -35,13 +36,19 @@ _PLACEHOLDER = "0" * 8
 ProgressFn = Callable[[int], None]
 
 
+Reader = Callable[[int, int], torch.Tensor]  # (first flat element, count) -> those elements
+
+
 @dataclass
 class TensorJob:
-    """One tensor to write: ``source`` (any CPU tensor, typically memory-mapped) stored as ``dtype``."""
+    """One tensor to write: ``source`` (any CPU tensor, typically memory-mapped) stored as ``dtype``.
+    With a ``reader``, the elements come from it instead (a tensor held in pieces by several files, as
+    in a ZeRO or DCP checkpoint), and ``source`` only gives the shape and dtype (a meta tensor)."""
 
     key: str
     source: torch.Tensor
     dtype: torch.dtype
+    reader: Reader | None = None
 
     @property
     def nbytes(self) -> int:
@@ -55,6 +62,21 @@ class WriteResult:
     paths: list[Path]
     checksums: dict[str, str] = field(default_factory=dict)
     nbytes: int = 0
+
+
+_SCRATCH = threading.local()
+
+
+def scratch(dtype: torch.dtype, count: int) -> torch.Tensor:
+    """This thread's reusable buffer of ``count`` elements, for a `Reader` that assembles a range from
+    pieces: valid until the thread's next call. Allocating a fresh 16 MB tensor per range instead let
+    glibc's per-thread arenas keep freed blocks (its mmap threshold rises to the block size), so
+    resident memory grew with the number of threads and ranges."""
+    nbytes = count * dtype.itemsize
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = _SCRATCH.buf = torch.empty(max(nbytes, CHUNK_BYTES), dtype=torch.uint8)
+    return buf[:nbytes].view(dtype)
 
 
 def default_threads() -> int:
@@ -80,14 +102,15 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
 def _stream_range(fd: int, offset: int, job: TensorJob, start: int, stop: int, progress: ProgressFn | None) -> int:
     """Write elements ``[start, stop)`` of one tensor at ``offset`` chunk by chunk; returns their crc32."""
     src = job.source
-    if not src.is_contiguous():
+    if job.reader is None and not src.is_contiguous():
         src = src.contiguous()  # rare in checkpoints; costs one tensor of memory (such tensors are not split)
     flat = src.reshape(-1)
     step = max(1, CHUNK_BYTES // max(1, flat.element_size(), job.dtype.itemsize))
     crc = 0
     with torch.no_grad():
         for first in range(start, stop, step):
-            piece = flat[first:min(first + step, stop)]
+            count = min(first + step, stop) - first
+            piece = job.reader(first, count) if job.reader is not None else flat[first:first + count]
             if piece.dtype != job.dtype:
                 piece = piece.to(job.dtype)
             data = tensor_bytes(piece)

@@ -1,0 +1,145 @@
+"""What a conversion writes, whatever it reads: the cast policy, the jobs, the report.
+
+Shared by every source of a conversion (a ``torch.save`` file, a DeepSpeed ZeRO directory, a DCP
+directory): each turns its input into ``(tensors, structure)`` (and, for tensors assembled from
+pieces of several files, a reader per key), and `write_converted` casts, writes and reports.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .flatten import iter_nodes_with_keys
+from .format import torch_dtype_from_string, torch_dtype_name
+from .write import Reader, TensorJob, write_safetensors
+
+_CASTABLE = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+_GLOB = re.compile(r"[*?\[]")
+
+
+def cast_target(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """The ``--dtype`` of a conversion: floating targets only. A cast to an integer type turns weights into
+    zeros and wraps counters (301 -> 45 in int8); nothing in a checkpoint is meant to be stored that way."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        dtype = torch_dtype_from_string(dtype)
+    if dtype not in _CASTABLE:
+        raise ValueError(f"dtype {str(dtype).removeprefix('torch.')} is not a floating target: --dtype takes bf16,"
+                         " fp16, fp32 or fp64 (casting to an integer or bool type would silently change values)")
+    return dtype
+
+
+def default_cast_scope(structure: dict[str, Any]) -> list[str]:
+    """What a ``--dtype`` cast applies to by default: the model's weights. That is the ``model`` subtree of a
+    training checkpoint (``{"model": ..., "optim": ...}``), and everything in a plain weights file.
+    Optimizer state keeps its precision: Adam's moments and step counter in bf16 change the run."""
+    root = structure.get("root")
+    if isinstance(root, dict) and root.get("type") in ("dict", "OrderedDict") and any(
+            k == "model" and isinstance(v, dict) and v.get("type") != "tensor" for k, v in root["items"]):
+        return ["model.*"]
+    return ["*"]
+
+
+def parse_size(text: str | int | None) -> int | None:
+    """``"5GB"`` -> 5_000_000_000, ``"512MiB"`` -> 536_870_912; ints pass through."""
+    if text is None or isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(I?B)?\s*", str(text).upper())
+    if not m:
+        raise ValueError(f"cannot parse size '{text}' (examples: 5GB, 512MiB, 1000000)")
+    base = 1024 if m.group(3) == "IB" else 1000
+    return int(float(m.group(1)) * base ** " KMGT".index(m.group(2) or " "))
+
+
+@dataclass
+class ConvertReport:
+    """What `convert` did and what it cost."""
+
+    src: str
+    dst: str
+    files: list[str]
+    tensors: int
+    nbytes: int
+    cast_tensors: int
+    seconds: float
+    peak_anon_bytes: int
+    threads: int
+    checksums: dict[str, str] = field(default_factory=dict, repr=False)
+    cast: dict[str, dict[str, Any]] = field(default_factory=dict)  # by group, see `cast_groups`
+
+    @property
+    def throughput(self) -> float:
+        return self.nbytes / self.seconds if self.seconds else 0.0
+
+
+def plan_jobs(tensors: dict[str, torch.Tensor], structure: dict[str, Any], dtype: torch.dtype | None,
+              cast_include: Sequence[str] | None = None, cast_exclude: Sequence[str] = ()) -> list[TensorJob]:
+    """One job per stored tensor, with the output dtype chosen by the cast policy.
+
+    Only floating tensors of tensor nodes are cast (never numpy arrays or bytes, which must come back as
+    they were), only when their key matches an include pattern (default: `default_cast_scope`) and no
+    exclude pattern, and a 0-dim tensor (a step counter, a scalar) only when a pattern names it exactly.
+    """
+    dtype = cast_target(dtype)
+    tensor_keys = {node["key"] for _, node in iter_nodes_with_keys(structure["root"]) if node["type"] == "tensor"}
+    include = list(cast_include) if cast_include is not None else default_cast_scope(structure)
+
+    def out_dtype(key: str, t: torch.Tensor) -> torch.dtype:
+        if dtype is None or t.dtype not in _CASTABLE or key not in tensor_keys:
+            return t.dtype
+        if any(fnmatch.fnmatchcase(key, p) for p in cast_exclude):
+            return t.dtype
+        named = [p for p in include if fnmatch.fnmatchcase(key, p)]
+        if not named or (t.dim() == 0 and not any(p == key and not _GLOB.search(p) for p in named)):
+            return t.dtype
+        return dtype
+
+    return [TensorJob(key, t, out_dtype(key, t)) for key, t in tensors.items()]
+
+
+def cast_groups(casts: dict[str, tuple[str, str]]) -> dict[str, dict[str, Any]]:
+    """``{key: (from, to)}`` grouped by the key's top-level name: ``{group: {"tensors": n, "casts": {"f -> t": n}}}``."""
+    groups: dict[str, dict[str, Any]] = {}
+    for key, (before, after) in casts.items():
+        g = groups.setdefault(key.split(".", 1)[0], {"tensors": 0, "casts": {}})
+        g["tensors"] += 1
+        label = f"{before} -> {after}"
+        g["casts"][label] = g["casts"].get(label, 0) + 1
+    return groups
+
+
+def write_converted(tensors: dict[str, torch.Tensor], structure: dict[str, Any], dst: str | os.PathLike[str], *,
+                    readers: dict[str, Reader] | None = None, dtype: torch.dtype | str | None = None,
+                    cast_include: Sequence[str] | None = None, cast_exclude: Sequence[str] = (),
+                    max_shard_size: int | str | None = None, threads: int, force: bool = False,
+                    progress: Callable[[int, int], None] | None = None,
+                    metadata: dict[str, str] | None = None) -> tuple[Any, dict[str, tuple[str, str]]]:
+    """Cast (policy above) and write ``tensors`` with ``structure``; ``readers[key]`` supplies the
+    elements of a tensor held in pieces (its ``tensors`` entry then only gives shape and dtype).
+    Returns the writer's result and ``{key: (dtype before, dtype after)}`` of every cast."""
+    jobs = plan_jobs(tensors, structure, dtype, cast_include, cast_exclude)
+    for job in jobs:
+        job.reader = (readers or {}).get(job.key)
+    total = sum(j.nbytes for j in jobs)
+    casts = {j.key: (torch_dtype_name(j.source.dtype), torch_dtype_name(j.dtype)) for j in jobs
+             if j.dtype != j.source.dtype}
+    done = [0]
+
+    def on_bytes(n: int) -> None:
+        done[0] += n  # approximate under threads; only drives a progress bar
+        if progress:
+            progress(done[0], total)
+
+    result = write_safetensors(dst, jobs, structure_json=json.dumps(structure, separators=(",", ":")),
+                               max_shard_size=parse_size(max_shard_size), threads=threads, force=force,
+                               progress=on_bytes, metadata=metadata)
+    return result, casts

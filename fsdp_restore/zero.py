@@ -1,0 +1,417 @@
+"""DeepSpeed ZeRO checkpoints (stages 1, 2 and 3) in: read without DeepSpeed and without running pickle.
+
+A ZeRO checkpoint directory holds, per tag (``global_stepN``): the model states (one file for stages 1
+and 2, one per rank for stage 3: buffers, parameter shapes, frozen parameters, tied names, the rest of
+the run's state) and one optimizer file per rank with that rank's flat partition of the fp32 master
+weights and of the optimizer state. Their pickles name three DeepSpeed classes; they are rebuilt here
+from stand-ins with ``torch.load(weights_only=True)``, so nothing in the files is executed and
+DeepSpeed need not be installed.
+
+`read_zero` returns the consolidated checkpoint as ``(object, readers)``: the object is the nested
+training checkpoint (``model``: fp32 master weights, frozen parameters, buffers, tied names as one
+tensor; ``optim``: per-parameter ``exp_avg``/``exp_avg_sq``/``step`` with ``param_names``, which
+`fsdp_restore.restore` resumes into an FSDP optimizer; everything else as it was), in which every
+tensor held in pieces across the ranks' partitions is a placeholder, and ``readers`` assembles any
+range of its elements from exactly those bytes of the memory-mapped partitions. The writer then
+streams each tensor on several threads; no rank's partition is ever loaded whole.
+
+Layouts (DeepSpeed 0.19): stages 1/2 concatenate each parameter group's parameters (in
+``param_shapes`` order, plus ``param_alignment_paddings``) into one flat vector, cut into one
+contiguous partition per rank (``single_partition_of_fp32_groups``, the optimizer state alike);
+stage 3 gives each parameter ceil(numel / world) elements on every rank (zero padded), one after
+the other in each rank's ``fp32_flat_groups``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import FormatError
+from .write import scratch
+
+
+# ---- stand-ins for the classes DeepSpeed's pickles name ------------------------------------------------
+
+
+class _State:
+    """Restores a pickled object's attributes, nothing else."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+class LossScaler(_State):
+    pass
+
+
+class fragment_address(_State):  # noqa: N801 - the name the pickles use
+    pass
+
+
+class ZeroStageEnum(int):
+    pass
+
+
+LossScaler.__module__ = "deepspeed.runtime.fp16.loss_scaler"
+fragment_address.__module__ = "deepspeed.utils.tensor_fragment"
+ZeroStageEnum.__module__ = "deepspeed.runtime.zero.config"
+STAND_INS = [LossScaler, fragment_address, ZeroStageEnum]
+
+_INTERNAL = {"module", "optimizer", "param_shapes", "frozen_param_shapes", "frozen_param_fragments", "shared_params",
+             "buffer_names"}
+
+
+def _load(path: Path) -> dict[str, Any]:
+    """A DeepSpeed file, memory-mapped, with the safe unpickler and the stand-ins."""
+    try:
+        with torch.serialization.safe_globals(STAND_INS):
+            obj = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - a corrupt or foreign file, whatever torch raises for it
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise FormatError(path, f"cannot read as a DeepSpeed checkpoint file without executing its pickle ({text})"
+                          ) from None
+    if not isinstance(obj, dict):
+        raise FormatError(path, "not a DeepSpeed checkpoint file (no dict at the top)")
+    return obj
+
+
+# ---- finding the files ---------------------------------------------------------------------------------
+
+
+def _optim_files(tag_dir: Path) -> list[Path]:
+    files = list(tag_dir.glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt"))
+    rank = re.compile(r"zero_pp_rank_(\d+)_")
+    return sorted(files, key=lambda p: int(rank.search(p.name).group(1)))  # type: ignore[union-attr]
+
+
+def is_zero_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """A DeepSpeed checkpoint directory (holding ``latest`` or ``global_step*`` tags) or one tag directory."""
+    path = Path(path)
+    if not path.is_dir():
+        return False
+    return bool((path / "latest").is_file() or _optim_files(path) or any(
+        p.is_dir() and _optim_files(p) for p in path.glob("global_step*")))
+
+
+def resolve_tag(path: str | os.PathLike[str], tag: str | None = None) -> Path:
+    """The tag directory to read: ``path`` itself when it holds the files, else ``path/tag``, else the tag
+    that ``path/latest`` names, else the only ``global_step*`` directory."""
+    path = Path(path)
+    if tag:
+        chosen = path / tag
+    elif _optim_files(path):
+        return path
+    elif (path / "latest").is_file():
+        chosen = path / (path / "latest").read_text().strip()
+    else:
+        tags = sorted(p.name for p in path.glob("global_step*") if p.is_dir())
+        if len(tags) != 1:
+            raise FormatError(path, f"{'no' if not tags else 'several'} checkpoint tags ({', '.join(tags)}) and no"
+                              " 'latest' file: pass --tag")
+        chosen = path / tags[0]
+    if not _optim_files(chosen):
+        raise FormatError(chosen, "no *_optim_states.pt files: not a DeepSpeed ZeRO checkpoint tag")
+    return chosen
+
+
+# ---- flat vectors held in pieces -----------------------------------------------------------------------
+
+
+@dataclass
+class _Pieces:
+    """One rank's flat vector as the concatenation of several tensors (stage 3's flat groups)."""
+
+    parts: list[torch.Tensor]
+
+    def __post_init__(self) -> None:
+        self.parts = [p.detach() for p in self.parts]  # DeepSpeed saves its fp32 partitions as parameters
+        self.starts = [0]
+        for p in self.parts:
+            self.starts.append(self.starts[-1] + p.numel())
+
+    @property
+    def numel(self) -> int:
+        return self.starts[-1]
+
+    def read(self, first: int, count: int, out: list[torch.Tensor]) -> None:
+        """Append the views of elements ``[first, first + count)`` to ``out`` (no copy: the mapping)."""
+        end = first + count
+        for part, lo, hi in zip(self.parts, self.starts, self.starts[1:]):
+            if hi <= first or lo >= end:
+                continue
+            out.append(part.reshape(-1)[max(first, lo) - lo:min(end, hi) - lo])
+
+
+Reader = Callable[[int, int], torch.Tensor]
+
+
+def _gather(views: list[torch.Tensor], count: int) -> torch.Tensor:
+    if sum(v.numel() for v in views) != count:
+        raise FormatError("<optimizer files>", f"assembled {sum(v.numel() for v in views)} elements, expected {count}"
+                          " (a partition shorter than its layout)")
+    if len(views) == 1:
+        return views[0]
+    return torch.cat(views, out=scratch(views[0].dtype, count))
+
+
+def _contiguous_reader(ranks: list[_Pieces], base: int) -> Reader:
+    """Stages 1/2: the group's flat vector is the ranks' partitions one after the other; a tensor starts
+    at ``base`` in it."""
+    starts = [0]
+    for r in ranks:
+        starts.append(starts[-1] + r.numel)
+
+    def read(first: int, count: int) -> torch.Tensor:
+        lo, hi, views = base + first, base + first + count, []
+        for r, (a, b) in enumerate(zip(starts, starts[1:])):
+            if b > lo and a < hi:
+                ranks[r].read(max(lo, a) - a, min(hi, b) - max(lo, a), views)
+        return _gather(views, count)
+
+    return read
+
+
+def _striped_reader(ranks: list[_Pieces], offset: int, per_rank: int) -> Reader:
+    """Stage 3: a tensor's elements ``[r * per_rank, (r + 1) * per_rank)`` are at ``offset`` in rank r."""
+
+    def read(first: int, count: int) -> torch.Tensor:
+        views: list[torch.Tensor] = []
+        at, end = first, first + count
+        while at < end:
+            r, i = divmod(at, per_rank)
+            n = min(end - at, per_rank - i)
+            ranks[r].read(offset + i, n, views)
+            at += n
+        return _gather(views, count)
+
+    return read
+
+
+# ---- the consolidated checkpoint -----------------------------------------------------------------------
+
+
+@dataclass
+class ZeroLayout:
+    """What `read_zero` found (for reports and errors)."""
+
+    tag_dir: Path
+    stage: int
+    world_size: int
+    dtype: str  # the training dtype of the files ("bf16", "fp16" or "fp32")
+    trainable: int
+    frozen: int
+
+
+def read_zero(path: str | os.PathLike[str], *, tag: str | None = None
+              ) -> tuple[dict[str, Any], dict[int, tuple[torch.Tensor, Reader]], ZeroLayout]:
+    """The consolidated checkpoint of a ZeRO directory (see the module's doc): ``(object, readers, layout)``,
+    where ``readers`` maps a placeholder's ``data_ptr()`` to ``(meta tensor of the real shape and dtype,
+    reader)``."""
+    tag_dir = resolve_tag(path, tag)
+    optim_files = _optim_files(tag_dir)
+    optims = [_load(f).get("optimizer_state_dict") for f in optim_files]
+    for f, o in zip(optim_files, optims):
+        if not isinstance(o, dict) or "zero_stage" not in o:
+            raise FormatError(f, "no 'optimizer_state_dict' with a 'zero_stage': not a ZeRO optimizer file")
+    stage = int(optims[0]["zero_stage"])
+    world = len(optims)
+    counts = optims[0].get("partition_count")
+    declared = max(counts) if isinstance(counts, list) else counts
+    if declared is not None and int(declared) != world:
+        raise FormatError(tag_dir, f"the optimizer files say {declared} ranks but {world} files are here (a rank's"
+                          " file missing, or left over from another run)")
+    if stage <= 2:
+        model_files = [tag_dir / "mp_rank_00_model_states.pt"]
+    else:
+        model_files = [tag_dir / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world)]
+    for f in model_files:
+        if not f.is_file():
+            raise FormatError(f, "missing: every ZeRO checkpoint has its model states")
+    models = [_load(f) for f in model_files]
+    head = models[0]
+    for key in ("module", "param_shapes", "buffer_names"):
+        if key not in head:
+            raise FormatError(model_files[0], f"no '{key}': not a DeepSpeed model states file")
+    dtype = "bf16" if optim_files[0].name.startswith("bf16_") else "fp32"
+    if stage <= 2:
+        obj, readers, trainable = _stages_1_2(head, optims)
+    else:
+        obj, readers, trainable = _stage_3(head, models, optims)
+    model, frozen = _model_dict(head, models, trainable, stage, readers)
+    obj = {"model": model, "optim": obj, **{k: v for k, v in head.items() if k not in _INTERNAL}}
+    return obj, readers, ZeroLayout(tag_dir, stage, world, dtype, len(trainable), frozen)
+
+
+def _placeholder(readers: dict[int, tuple[torch.Tensor, Reader]], shape: tuple[int, ...], dtype: torch.dtype,
+                 reader: Reader) -> torch.Tensor:
+    """A one-element tensor of its own storage standing for a tensor held in pieces (flatten keys it by
+    its storage, so a tied name that refers to the same placeholder is stored once)."""
+    stand_in = torch.zeros(1, dtype=dtype)
+    readers[stand_in.data_ptr()] = (torch.empty(shape, dtype=dtype, device="meta"), reader)
+    return stand_in
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in value)
+
+
+def _group_optimizer_state(optim: dict[str, Any], stage: int) -> dict[str, Any]:
+    key = "base_optimizer_state" if stage <= 2 else "optimizer_state_dict"
+    state = optim.get(key)
+    if not isinstance(state, dict) or "state" not in state or "param_groups" not in state:
+        raise FormatError("<optimizer file>", f"no '{key}' with the optimizer's state and param groups")
+    return state
+
+
+def _optim_tree(names: list[list[str]], shapes: dict[str, tuple[int, ...]], base: dict[str, Any],
+                state_readers: Callable[[int, str, str], Reader | None], readers: dict[int, Any]) -> dict[str, Any]:
+    """The per-parameter optimizer state dict (ids in parameter order, ``param_names`` in every group)."""
+    state: dict[int, dict[str, Any]] = {}
+    groups = []
+    pid = 0
+    saved_groups = base["param_groups"]
+    for g, group_names in enumerate(names):
+        flat_state = base["state"].get(g, base["state"].get(str(g), {})) if g < len(saved_groups) else {}
+        hyper = {k: v for k, v in saved_groups[min(g, len(saved_groups) - 1)].items() if k != "params"}
+        ids = []
+        for name in group_names:
+            per: dict[str, Any] = {}
+            for field, value in flat_state.items():
+                if isinstance(value, torch.Tensor) and value.dim() == 0:
+                    per[field] = value.clone()  # one step counter per parameter: optimizers add to it in place
+                elif isinstance(value, torch.Tensor):
+                    reader = state_readers(g, name, field)
+                    if reader is not None:
+                        per[field] = _placeholder(readers, shapes[name], value.dtype, reader)
+                else:
+                    per[field] = value
+            if per:
+                state[pid] = per
+            ids.append(pid)
+            pid += 1
+        groups.append({**hyper, "params": ids, "param_names": list(group_names)})
+    return {"state": state, "param_groups": groups}
+
+
+def _stages_1_2(head: dict[str, Any], optims: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[int, Any], dict]:
+    readers: dict[int, Any] = {}
+    trainable: dict[str, torch.Tensor] = {}
+    names: list[list[str]] = []
+    shapes: dict[str, tuple[int, ...]] = {}
+    offsets: dict[tuple[int, str], int] = {}
+    weights = [[_Pieces([t]) for t in o["single_partition_of_fp32_groups"]] for o in optims]
+    paddings = optims[0].get("param_alignment_paddings")
+    for g, group_shapes in enumerate(head["param_shapes"]):
+        group_names, at = [], 0
+        ranks = [w[g] for w in weights]
+        for i, (name, shape) in enumerate(group_shapes.items()):
+            shape = _shape(shape)
+            shapes[name], offsets[(g, name)] = shape, at
+            trainable[name] = _placeholder(readers, shape, ranks[0].parts[0].dtype, _contiguous_reader(ranks, at))
+            group_names.append(name)
+            at += math.prod(shape) + (int(paddings[g][i]) if paddings else 0)
+        total = sum(r.numel for r in ranks)
+        if at > total:
+            raise FormatError("<optimizer files>", f"param group {g}: the parameters need {at} elements but the ranks'"
+                              f" partitions hold {total}")
+        names.append(group_names)
+    bases = [_group_optimizer_state(o, 1) for o in optims]
+    starts_from_weights = {g: [w[g].numel for w in weights] for g in range(len(names))}
+
+    def state_reader(g: int, name: str, field: str) -> Reader | None:
+        # each rank's state partition is as long as its weight partition, plus its share of the padding
+        parts = [b["state"].get(g, b["state"].get(str(g), {})).get(field) for b in bases]
+        if any(p is None for p in parts):
+            return None
+        ranks = [_Pieces([p[:n]]) for p, n in zip(parts, starts_from_weights[g])]
+        return _contiguous_reader(ranks, offsets[(g, name)])
+
+    return _optim_tree(names, shapes, bases[0], state_reader, readers), readers, trainable
+
+
+def _stage_3(head: dict[str, Any], models: list[dict[str, Any]], optims: list[dict[str, Any]]
+             ) -> tuple[dict[str, Any], dict[int, Any], dict]:
+    readers: dict[int, Any] = {}
+    world = len(optims)
+    weights = [_Pieces(list(o["fp32_flat_groups"])) for o in optims]
+    trainable: dict[str, torch.Tensor] = {}
+    names: list[list[str]] = []
+    shapes: dict[str, tuple[int, ...]] = {}
+    spans: dict[str, tuple[int, int]] = {}  # name -> (offset in every rank's flat vector, elements per rank)
+    at = 0
+    for group_shapes in head["param_shapes"]:
+        group_names = []
+        for name, shape in group_shapes.items():
+            shape = _shape(shape)
+            per_rank = math.ceil(math.prod(shape) / world)
+            shapes[name], spans[name] = shape, (at, per_rank)
+            trainable[name] = _placeholder(readers, shape, weights[0].parts[0].dtype,
+                                           _striped_reader(weights, at, per_rank))
+            group_names.append(name)
+            at += per_rank
+        names.append(group_names)
+    if at > weights[0].numel:
+        raise FormatError("<optimizer files>", f"the parameters need {at} elements per rank, the flat groups hold"
+                          f" {weights[0].numel}")
+    bases = [_group_optimizer_state(o, 3) for o in optims]
+
+    def state_reader(g: int, name: str, field: str) -> Reader | None:
+        # the optimizer's state follows the flat groups: concatenated, it has the weights' layout
+        per_rank = []
+        for b in bases:
+            parts = [b["state"][s][field] for s in sorted(b["state"], key=int) if field in b["state"][s]]
+            per_rank.append(_Pieces(parts))
+        if any(p.numel != w.numel for p, w in zip(per_rank, weights)):
+            return None
+        offset, n = spans[name]
+        return _striped_reader(per_rank, offset, n)
+
+    # stage 3 keeps one optimizer state entry per flat sub-group, not per param group: the fields (and the
+    # step counter) of the first sub-group serve every parameter; the tensors come from all sub-groups
+    fields = {k: v for s in bases[0]["state"].values() for k, v in s.items()}
+    merged = {"state": {g: fields for g in range(len(names))}, "param_groups": bases[0]["param_groups"]}
+    optim = _optim_tree(names, shapes, merged, state_reader, readers)
+    return optim, readers, trainable
+
+
+def _model_dict(head: dict[str, Any], models: list[dict[str, Any]], trainable: dict[str, torch.Tensor], stage: int,
+                readers: dict[int, Any]) -> tuple[dict[str, Any], int]:
+    """The model's state dict in the module's own order: trainable parameters (fp32 masters), frozen ones
+    (from the module, or their fragments), buffers, and tied names as the very same tensor."""
+    module = head["module"]
+    buffers = set(head.get("buffer_names") or [])
+    shared = head.get("shared_params") or {}
+    frozen_shapes = head.get("frozen_param_shapes") or {}
+    out: dict[str, Any] = {}
+    frozen = 0
+    for name, value in module.items():
+        if name in shared:
+            continue
+        if name in trainable:
+            out[name] = trainable[name]
+        elif name in buffers:
+            out[name] = value
+        elif name in frozen_shapes and stage == 3:
+            shape = _shape(frozen_shapes[name])
+            per_rank = math.ceil(math.prod(shape) / len(models))
+            ranks = [_Pieces([m["frozen_param_fragments"][name]]) for m in models]
+            out[name] = _placeholder(readers, shape, ranks[0].parts[0].dtype, _striped_reader(ranks, 0, per_rank))
+            frozen += 1
+        elif name in frozen_shapes:
+            out[name] = head["frozen_param_fragments"][name]
+            frozen += 1
+        else:  # stage 1 records no frozen parameters: their values are the module's own
+            out[name] = value
+            frozen += 1
+    for alias, owner in shared.items():
+        if owner in out:
+            out[alias] = out[owner]
+    return {k: out[k] for k in module if k in out}, frozen

@@ -1,0 +1,132 @@
+"""DCP directories in: a checkpoint saved by ``dcp.save`` from FSDP2 (model + optimizer through
+``get_state_dict``) converts exactly (oracle: torch's own ``dcp_to_torch_save``) and resumes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist import run_ranks
+from models import build
+
+import fsdp_restore
+from fsdp_restore import FormatError
+
+
+class Wide(torch.nn.Module):
+    """Last dimensions even at 2 ranks, so that FSDP2 can shard them (Shard(1) chunks are column blocks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 6)
+        self.mid = torch.nn.Linear(6, 4)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 4))
+
+    def forward(self, x):
+        return self.mid(torch.relu(self.inp(x))) * self.scale
+
+
+def _model(name, seed):
+    if name == "wide":
+        torch.manual_seed(seed)
+        return Wide()
+    return build(name, seed=seed)
+
+
+def _units(model):
+    return [model.inp, model.mid] if isinstance(model, Wide) else [model.inp, *model.blocks]
+
+
+def _batch(step, width):
+    return torch.randn(4, width, generator=torch.Generator().manual_seed(50 + step))
+
+
+def _train(model, opt, first, steps):
+    losses = []
+    width = 8 if isinstance(model, Wide) else 7
+    for step in range(first, first + steps):
+        loss = model(_batch(step, width)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
+def _save(rank, world_size, out, name):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    model = _model(name, seed=0)
+    kwargs = {"shard_placement_fn": lambda p: Shard(p.dim() - 1)} if name == "wide" else {}
+    for block in _units(model):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    _train(model, opt, 0, 2)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd, "step": 2, "note": "dcp"}, checkpoint_id=out)
+    return _train(model, opt, 2, 2)  # what a resumed run must reproduce
+
+
+@pytest.fixture(scope="module", params=[("mlp", 3), ("wide", 2)], ids=["uneven-rows-3-ranks", "columns-2-ranks"])
+def saved(request, tmp_path_factory):
+    name, world_size = request.param
+    root = tmp_path_factory.mktemp("dcp")
+    losses = run_ranks(_save, world_size, str(root / "ckpt"), name)[0]
+    return root, losses, name
+
+
+def test_conversion_equals_torchs_own_dcp_to_torch_save(saved, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    root, _, _ = saved
+    fsdp_restore.convert(root / "ckpt", tmp_path / "c.safetensors")
+    dcp_to_torch_save(root / "ckpt", tmp_path / "oracle.pt")
+    oracle = torch.load(tmp_path / "oracle.pt", weights_only=False)
+    back = fsdp_restore.load(tmp_path / "c.safetensors")
+    assert back["step"] == 2 and back["note"] == "dcp"
+    for name, tensor in oracle["model"].items():
+        assert torch.equal(back["model"][name], tensor), name
+    for fqn, state in oracle["optim"]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(back["optim"]["state"][fqn][key], value), (fqn, key)
+    assert back["optim"]["param_groups"] == oracle["optim"]["param_groups"]
+
+
+def _resume(rank, world_size, path, name):
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model(name, seed=5)
+    for block in _units(model):
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    result = fsdp_restore.restore(model, path, optimizer=opt)
+    assert result["step"] == 2
+    return _train(model, opt, 2, 2)
+
+
+def test_resume_from_a_converted_dcp_checkpoint(saved, tmp_path):
+    root, reference, name = saved
+    fsdp_restore.convert(root / "ckpt", tmp_path / "c.safetensors")
+    for losses in run_ranks(_resume, 2, tmp_path / "c.safetensors", name):  # resumed with Shard(0) at 2 ranks
+        assert losses == pytest.approx(reference, rel=1e-5)
+
+
+def test_metadata_naming_other_code_is_refused(tmp_path):
+    import pickle
+    import subprocess
+
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / ".metadata").write_bytes(pickle.dumps(subprocess.Popen))
+    with pytest.raises(FormatError, match="without executing its pickle"):
+        fsdp_restore.convert(tmp_path / "bad", tmp_path / "x.safetensors")
+
+
+def test_verify_against_the_dcp_directory(saved, tmp_path):
+    root, _, _ = saved
+    fsdp_restore.convert(root / "ckpt", tmp_path / "c.safetensors")
+    report = fsdp_restore.verify(tmp_path / "c.safetensors", against=root / "ckpt")
+    assert report.verdict == "identical", report.problems

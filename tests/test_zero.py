@@ -1,0 +1,152 @@
+"""DeepSpeed ZeRO checkpoints in: consolidated bit for bit against DeepSpeed's own view, optimizer state
+included, and resumed into FSDP2 as the DeepSpeed run went on (real DeepSpeed, CPU, gloo)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from dist import run_ranks
+
+import fsdp_restore
+from fsdp_restore import FormatError
+
+deepspeed = pytest.importorskip("deepspeed")
+
+COMBOS = [(stage, dtype) for stage in (1, 2, 3) for dtype in ("fp32", "bf16")]
+
+
+def _params(world_size):
+    return [pytest.param(world_size, s, d, id=f"ws{world_size}-z{s}-{d}") for s, d in COMBOS]
+
+
+@pytest.fixture(scope="module")
+def zero_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("zero")
+
+
+_made: set[int] = set()
+
+
+def _checkpoint(root, world_size, stage, dtype):
+    from zero_checkpoints import generate
+
+    if world_size not in _made:  # every combination of a world size in one launch (DeepSpeed's import is slow)
+        generate(root, world_size, COMBOS)
+        _made.add(world_size)
+    return root / f"z{stage}-{dtype}-ws{world_size}"
+
+
+def _oracles(ckpt_dir, world_size):
+    return [torch.load(ckpt_dir / f"oracle-rank{r}.pt") for r in range(world_size)]
+
+
+@pytest.mark.parametrize("world_size,stage,dtype", _params(2) + _params(3))
+def test_consolidation_equals_deepspeeds_own_state(zero_root, tmp_path, world_size, stage, dtype):
+    src = _checkpoint(zero_root, world_size, stage, dtype)
+    report = fsdp_restore.convert(src, tmp_path / "c.safetensors")
+    assert report.peak_anon_bytes >= 0 and report.tensors > 0
+    oracle = _oracles(src, world_size)[0]
+    back = fsdp_restore.load(tmp_path / "c.safetensors")
+    model = back["model"]
+    for name, weight in oracle["weights"].items():  # the fp32 masters, bit for bit
+        assert model[name].dtype == torch.float32 and torch.equal(model[name], weight), name
+    for name, weight in oracle["frozen"].items():  # frozen: the module's weights (stage 1 included)
+        assert torch.equal(model[name], weight), name
+    assert torch.equal(model["scale"], oracle["scale"]) and "scratch" not in model  # buffers: persistent only
+    assert model["head.weight"] is model["embed.weight"]  # tied: one tensor under both names
+    optim = back["optim"]
+    names = [n for g in optim["param_groups"] for n in g["param_names"]]
+    assert set(names) == set(oracle["weights"])  # frozen parameters have no optimizer state
+    for pid, name in enumerate(names):
+        st = optim["state"][pid]
+        assert float(st["step"]) == 2
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(st[key], oracle["optim"][name][key]), (name, key)
+    assert optim["param_groups"][0]["lr"] == 1e-2 and optim["param_groups"][0]["betas"] == (0.8, 0.9)
+    assert back["epoch"] == 3 and back["global_steps"] == 2  # the run's own state comes along
+
+
+def _resume(rank, world_size, path):
+    from torch.distributed.fsdp import fully_shard
+    from zero_checkpoints import STEPS_AFTER, STEPS_BEFORE, Net, batch, loss_of, make_optimizer
+
+    torch.manual_seed(123)  # another init: everything must come from the checkpoint
+    model = Net()
+    fully_shard(model)
+    opt = make_optimizer([p for p in model.parameters() if p.requires_grad])
+    fsdp_restore.restore(model, path, optimizer=opt)
+    losses = []
+    for step in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
+        loss = loss_of(model, batch(rank, step))
+        losses.append(float(loss))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fsdp2_resume_continues_like_the_deepspeed_run(zero_root, tmp_path, stage):
+    """fp32 ZeRO run -> our format -> FSDP2 on 2 ranks with AdamW: the next steps' losses are the DeepSpeed
+    run's own (documented tolerance: 1e-5 relative, the order of the gradient reduction differs)."""
+    src = _checkpoint(zero_root, 2, stage, "fp32")
+    fsdp_restore.convert(src, tmp_path / "c.safetensors")
+    losses = run_ranks(_resume, 2, tmp_path / "c.safetensors")
+    for rank, oracle in enumerate(_oracles(src, 2)):
+        assert losses[rank] == pytest.approx(oracle["losses"], rel=1e-5), rank
+
+
+def test_select_model_is_a_plain_weights_file(zero_root, tmp_path):
+    src = _checkpoint(zero_root, 2, 2, "fp32")
+    fsdp_restore.convert(src, tmp_path / "m.safetensors", select="model")
+    state = fsdp_restore.load(tmp_path / "m.safetensors")
+    from zero_checkpoints import Net
+
+    net = Net()
+    assert set(state) == set(net.state_dict())
+    net.load_state_dict(state)
+
+
+def test_reads_without_deepspeed_and_a_tag_can_be_picked(zero_root, tmp_path):
+    src = _checkpoint(zero_root, 2, 3, "bf16")
+    script = (f"import sys; sys.modules['deepspeed'] = None; import fsdp_restore;"
+              f"fsdp_restore.convert({str(src)!r}, {str(tmp_path / 'a.safetensors')!r}, tag='global_step2')")
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    with pytest.raises(FormatError, match="not a DeepSpeed ZeRO checkpoint tag"):
+        fsdp_restore.convert(src, tmp_path / "b.safetensors", tag="global_step9")
+
+
+def test_a_missing_rank_file_is_named(zero_root, tmp_path):
+    import shutil
+
+    src = _checkpoint(zero_root, 2, 2, "fp32")
+    broken = tmp_path / "broken"
+    shutil.copytree(src, broken)
+    next((broken / "global_step2").glob("*zero_pp_rank_1_*optim_states.pt")).unlink()
+    with pytest.raises(FormatError, match="2 ranks but 1 files"):
+        fsdp_restore.convert(broken, tmp_path / "x.safetensors")
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_a_pickle_naming_other_code_is_refused(tmp_path):
+    tag = tmp_path / "ck" / "global_step1"
+    tag.mkdir(parents=True)
+    (tmp_path / "ck" / "latest").write_text("global_step1")
+    torch.save({"optimizer_state_dict": {"zero_stage": 2, "hook": subprocess.Popen}},  # any callable import
+               tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    with pytest.raises(FormatError, match="without executing its pickle"):
+        fsdp_restore.convert(tmp_path / "ck", tmp_path / "x.safetensors")
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_verify_against_the_zero_directory(zero_root, tmp_path, stage):
+    src = _checkpoint(zero_root, 2, stage, "bf16")
+    fsdp_restore.convert(src, tmp_path / "c.safetensors")
+    report = fsdp_restore.verify(tmp_path / "c.safetensors", against=src)
+    assert report.verdict == "identical", report.problems
+    fsdp_restore.convert(src, tmp_path / "b.safetensors", dtype="bf16")
+    assert fsdp_restore.verify(tmp_path / "b.safetensors", against=src).verdict == "identical up to the declared cast"

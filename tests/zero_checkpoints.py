@@ -1,0 +1,97 @@
+"""Real DeepSpeed ZeRO checkpoints for the tests, and DeepSpeed's own view of them as the oracle.
+
+A tiny model with every hard case: odd sizes (partitions pad), a tied embedding/head, a frozen layer, a
+persistent and a non-persistent buffer. Each rank trains two AdamW steps with DeepSpeed on CPU (gloo),
+saves a checkpoint, records through DeepSpeed's public API the full fp32 master weights and optimizer
+state (``safe_get_full_fp32_param``, ``safe_get_full_optimizer_state``) and the module's frozen weights,
+then trains two more steps and records their losses: what a resumed run must reproduce.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STEPS_BEFORE, STEPS_AFTER = 2, 2
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(13, 6)
+        self.frozen = torch.nn.Linear(6, 7)
+        self.body = torch.nn.Linear(6, 5)
+        self.out = torch.nn.Linear(5, 6)
+        self.head = torch.nn.Linear(6, 13, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 6))
+        self.register_buffer("scratch", torch.zeros(3), persistent=False)
+        for p in self.frozen.parameters():
+            p.requires_grad_(False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = (self.embed(ids) * self.scale).to(self.body.weight.dtype)
+        x = x + self.frozen(x)[..., :6]
+        return self.head(self.out(torch.relu(self.body(x))))
+
+
+def batch(rank: int, step: int) -> torch.Tensor:
+    return torch.randint(0, 13, (2, 4), generator=torch.Generator().manual_seed(1000 * rank + step))
+
+
+def loss_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids).float().pow(2).mean()
+
+
+def make_optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, betas=(0.8, 0.9), weight_decay=0.05)
+
+
+def _generate(rank: int, world_size: int, root: str, combos: list[tuple[int, str]]) -> str:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    for stage, dtype in combos:
+        out = Path(root) / f"z{stage}-{dtype}-ws{world_size}"
+        torch.manual_seed(0)
+        model = Net()
+        cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+                               "zero_allow_untested_optimizer": True, "steps_per_print": 10**6}
+        if dtype == "bf16":
+            cfg["bf16"] = {"enabled": True}
+        engine, *_ = deepspeed.initialize(model=model, config=cfg,
+                                          optimizer=make_optimizer([p for p in model.parameters() if p.requires_grad]))
+        for step in range(STEPS_BEFORE):
+            engine.backward(loss_of(engine, batch(rank, step)))
+            engine.step()
+        engine.save_checkpoint(str(out), client_state={"epoch": 3})
+        oracle: dict[str, Any] = {"weights": {}, "optim": {}, "frozen": {}, "losses": []}
+        for name, p in engine.module.named_parameters():
+            if p.requires_grad:
+                oracle["weights"][name] = safe_get_full_fp32_param(p).clone()
+                oracle["optim"][name] = {k: safe_get_full_optimizer_state(p, k).clone() for k in ("exp_avg", "exp_avg_sq")}
+            elif stage == 3:
+                with deepspeed.zero.GatheredParameters([p]):
+                    oracle["frozen"][name] = p.data.clone()
+            else:
+                oracle["frozen"][name] = p.data.clone()
+        oracle["scale"] = engine.module.scale.clone()
+        for step in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
+            loss = loss_of(engine, batch(rank, step))
+            oracle["losses"].append(float(loss))
+            engine.backward(loss)
+            engine.step()
+        torch.save(oracle, out / f"oracle-rank{rank}.pt")
+        del engine, model
+    return "ok"
+
+
+def generate(root: Path, world_size: int, combos: list[tuple[int, str]]) -> None:
+    from dist import run_ranks
+
+    run_ranks(_generate, world_size, str(root), combos, timeout=600)
