@@ -37,10 +37,11 @@ def load(path: str | os.PathLike[str], *, mmap: bool = True, trust_pickle: bool 
                       f" convert it again to use the fast path: fsdp-restore convert {path} {stale[0]} --force",
                       stacklevel=2)
         return load_pt(path, trust_pickle=trust_pickle)
-    if find_safetensors_for(path) is not None:
+    sibling = find_safetensors_for(path)
+    if sibling is not None:  # checked above: open it directly, not through x.pt again
         if mmap:
-            return Checkpoint(path).load()
-        with Checkpoint(path) as ckpt:
+            return Checkpoint(sibling).load()
+        with Checkpoint(sibling) as ckpt:
             return ckpt.load(mmap=False)
     return load_pt(path, trust_pickle=trust_pickle)
 

@@ -35,9 +35,14 @@ def nonpersistent_buffers(model: nn.Module) -> list[tuple[str, nn.Module, str, t
     return out
 
 
+def _is_rotary(module: nn.Module) -> bool:
+    """A Hugging Face rotary embedding (what transformers' own ``_init_weights`` recognises)."""
+    return hasattr(module, "rope_type") and hasattr(module, "config") and hasattr(module, "original_inv_freq")
+
+
 def _rotary_value(module: nn.Module) -> torch.Tensor | None:
     """A Hugging Face rotary embedding's ``inv_freq``, computed as its ``__init__`` does (on the CPU)."""
-    if not (hasattr(module, "rope_type") and hasattr(module, "config") and hasattr(module, "original_inv_freq")):
+    if not _is_rotary(module):
         return None
     try:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -81,7 +86,7 @@ def init_non_persistent_buffers(model: nn.Module) -> list[str]:
                 buf.copy_(value)
                 done.append(name)
         for module in model.modules():  # transformers keeps a plain-attribute copy too
-            if _rotary_value(module) is not None and isinstance(getattr(module, "original_inv_freq", None), torch.Tensor):
+            if _is_rotary(module) and isinstance(getattr(module, "original_inv_freq", None), torch.Tensor):
                 if module.original_inv_freq.is_meta:
                     module.original_inv_freq = module.inv_freq.clone()
     return done

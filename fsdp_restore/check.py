@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .plan import OptimizerPlan, ReadItem, ReadPlan, local_tensor
+from .plan import OptimizerPlan, ReadItem, ReadPlan
 from .read import Checkpoint
-from .shards import _fsdp1_units, _join, clean_name
+from .shards import _fsdp1_units, _join, clean_name, local_tensor
 
 CHECK_CHUNK_BYTES = 16 * 1024 * 1024
 DIGEST_PRIME = 2**31 - 1  # modulus of the coverage digest: sums of world_size of them stay within int64
@@ -325,7 +325,7 @@ def screen(storages: Sequence[Storage], plan: ReadPlan, ckpt: Checkpoint, thread
         suspicious = torch.isnan(torch.stack([(s.real + s.imag if s.is_complex() else s).float()
                                               for s in sums])).tolist()  # one device sync
         flagged = [c for c, f in zip(chunks, suspicious) if f]
-    return _verdict(storages, plan, ckpt, flagged, {}, sum(c.numel() for c in chunks))
+    return _verdict(_StorageIndex(storages), plan, ckpt, flagged, {}, sum(c.numel() for c in chunks))
 
 
 class Ledger:
@@ -374,7 +374,7 @@ def settle(storages: Sequence[Storage], plan: ReadPlan, ckpt: Checkpoint, ledger
             if missing:
                 never[region.name] = never.get(region.name, 0) + missing
     checked = sum(r.numel for s in storages if s.floating for r in s.regions)
-    return _verdict(storages, plan, ckpt, ledger.flagged, never, checked)
+    return _verdict(ledger.index, plan, ckpt, ledger.flagged, never, checked)
 
 
 def _overlap(runs: list[tuple[int, int]], lo: int, hi: int) -> int:
@@ -390,7 +390,7 @@ def _overlap(runs: list[tuple[int, int]], lo: int, hi: int) -> int:
     return total
 
 
-def _verdict(storages: Sequence[Storage], plan: ReadPlan, ckpt: Checkpoint, flagged: Sequence[torch.Tensor],
+def _verdict(index: _StorageIndex, plan: ReadPlan, ckpt: Checkpoint, flagged: Sequence[torch.Tensor],
              bad: dict[str, int], checked: int) -> CheckResult:
     result = CheckResult(checked_elements=checked)
     bad = dict(bad)
@@ -399,7 +399,6 @@ def _verdict(storages: Sequence[Storage], plan: ReadPlan, ckpt: Checkpoint, flag
             bad[item.name] = bad.get(item.name, 0) + item.dest.numel()
     source_nan: set[str] = set()
     if flagged:
-        index = _StorageIndex(storages)
         by_storage = _items_by_storage(plan.items, index)
         for chunk in flagged:
             _examine(chunk, index, by_storage, ckpt, bad, source_nan)

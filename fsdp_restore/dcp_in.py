@@ -19,14 +19,13 @@ import math
 import os
 import pickle
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .errors import FormatError
-from .write import scratch
+from .write import HeldInPieces, scratch, stand_in
 
 _ALLOWED = {
     "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
@@ -39,7 +38,6 @@ _ALLOWED = {
     "collections": {"OrderedDict"},
 }
 
-Reader = Callable[[int, int], torch.Tensor]
 _LAST_CHUNK = threading.local()
 
 
@@ -153,22 +151,20 @@ def _product(ranges: list[range]):
     return product(*ranges) if ranges else [()]
 
 
-def read_dcp(path: str | os.PathLike[str]) -> tuple[Any, dict[int, tuple[torch.Tensor, Reader]]]:
+def read_dcp(path: str | os.PathLike[str]) -> tuple[Any, HeldInPieces]:
     """The object ``dcp.save`` was given, with placeholders for its tensors (see the module's doc), and
     ``{placeholder.data_ptr(): (meta tensor, reader)}``."""
     root = Path(path)
     md = _metadata(root)
     paths = md.planner_data if isinstance(md.planner_data, dict) else {}
     storage = {(k.fqn, tuple(k.offset) if k.offset is not None else ()): v for k, v in md.storage_data.items()}
-    readers: dict[int, tuple[torch.Tensor, Reader]] = {}
+    readers: HeldInPieces = {}
     values: list[tuple[tuple[Any, ...], Any]] = []
     for fqn, meta in md.state_dict_metadata.items():
         where = tuple(paths.get(fqn, (fqn,)))
         if type(meta).__name__ == "TensorStorageMetadata":
             chunks = _Chunks(root, fqn, meta, storage)
-            stand_in = torch.zeros(1, dtype=chunks.dtype)
-            readers[stand_in.data_ptr()] = (torch.empty(chunks.shape, dtype=chunks.dtype, device="meta"), chunks.read)
-            values.append((where, stand_in))
+            values.append((where, stand_in(readers, chunks.shape, chunks.dtype, chunks.read)))
         else:
             info = next((v for (name, _), v in storage.items() if name == fqn), None)
             if info is None:

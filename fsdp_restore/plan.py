@@ -22,7 +22,7 @@ from torch import nn
 from .errors import FsdpRestoreError
 from .flatten import iter_tensor_nodes, subtree, unflatten
 from .read import Checkpoint
-from .shards import Target, _fsdp1_units, _is_dtensor, _join, clean_name, local_targets
+from .shards import Target, _fsdp1_units, _is_dtensor, _join, clean_name, local_targets, local_tensor
 
 _GROUP_SKIP = ("params", "param_names")
 
@@ -259,14 +259,6 @@ class _ParamSlot:
     names: list[str]
     pieces: list[tuple[Target, int, int, int]]  # (target, local offset, numel, global start)
     global_shapes: dict[str, tuple[int, ...]]
-
-
-def local_tensor(param: torch.Tensor) -> torch.Tensor:
-    """The memory this rank holds of ``param`` (a DTensor's local shard, else its data)."""
-    if _is_dtensor(param):
-        # the attribute, not to_local(): that is an autograd Function call, thousands of times per restore
-        return getattr(param, "_local_tensor", None) if hasattr(param, "_local_tensor") else param.to_local()
-    return param.data
 
 
 def _param_slots(model: nn.Module, optimizer: torch.optim.Optimizer, targets: Sequence[Target],

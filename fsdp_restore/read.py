@@ -103,11 +103,6 @@ class Checkpoint:
         if resolved is None:
             raise FormatError(path, "not a safetensors checkpoint and no .safetensors sibling exists;"
                               " convert it first: fsdp-restore convert SRC DST")
-        stale = stale_sibling(path)
-        if stale is not None:
-            raise FormatError(stale[0], f"was not converted from {path} as it is now ({stale[1]}); convert it"
-                              f" again: fsdp-restore convert {path} {stale[0]} --force (or open {stale[0]}"
-                              " itself to use it as it is)")
         self.path = resolved
         self.index_path, files = _resolve_files(resolved)
         self.headers: dict[Path, FileHeader] = {}
@@ -148,6 +143,12 @@ class Checkpoint:
         if source_json is not None:
             source = parse_json(source_json, self.index_path or files[0], f"metadata '{META_SOURCE}'")
             self.source = source if isinstance(source, dict) else None
+        if resolved != Path(path) and Path(path).is_file():  # opened through x.pt: must be x.pt's conversion
+            why = mismatch(self.source, path, resolved)  # the source this header records: no second read
+            if why:
+                raise FormatError(resolved, f"was not converted from {path} as it is now ({why}); convert it"
+                                  f" again: fsdp-restore convert {path} {resolved} --force (or open {resolved}"
+                                  " itself to use it as it is)")
         self.has_structure = structure_json is not None
         if structure_json is None:
             self.structure = flat_structure(list(self.entries))

@@ -99,7 +99,7 @@ def _run(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint, *, w
     what = "restore" if weights else "optimizer restore"
     try:
         # -- phase 1: open, plan, validate the plan against the model's memory (nothing is modified) --------
-        problems = new_problems(group)
+        problems = new_problems()
         with problems.guard():
             if method not in ("read", "apply"):
                 raise ValueError(f"unknown method '{method}' (use 'read' or 'apply')")
@@ -124,7 +124,7 @@ def _run(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint, *, w
         timings = {"plan": time.perf_counter() - t0}
 
         # -- phase 2: poison, read, screen -----------------------------------------------------------------
-        problems = new_problems(group)
+        problems = new_problems()
         before = ckpt.bytes_read
         result = checks.CheckResult()
         storages = model_memory + optim_memory

@@ -138,6 +138,14 @@ def local_targets(model: nn.Module) -> tuple[list[Target], dict[str, str]]:
     return targets, aliases
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The memory this rank holds of ``tensor``: a DTensor's local shard (the attribute, not ``to_local()``:
+    that is an autograd Function call, thousands of times per restore), else its data."""
+    if _is_dtensor(tensor):
+        return tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor.to_local()
+    return tensor.data
+
+
 def _tensor_target(name: str, tensor: torch.Tensor, kind: str) -> Target:
     if _is_dtensor(tensor):
         return _dtensor_target(name, tensor, kind)
@@ -174,7 +182,7 @@ def _block_runs(global_shape: tuple[int, ...], mesh: object, placements: tuple) 
 
 
 def _dtensor_target(name: str, dt: torch.Tensor, kind: str) -> Target:
-    local = dt._local_tensor if hasattr(dt, "_local_tensor") else dt.to_local()  # to_local() is an autograd call
+    local = local_tensor(dt)
     global_shape = tuple(dt.shape)
     local_shape, starts, run = _block_runs(global_shape, dt.device_mesh, tuple(dt.placements))
     target = Target(name, global_shape, dt.dtype, kind, layout="dtensor")

@@ -42,7 +42,6 @@ _PER_RANK = ("error", "unrestored", "buffers")  # kinds whose items may differ b
 class Problems:
     """This rank's problems in one phase, by kind."""
 
-    rank: int = 0
     items: dict[str, list[str]] = field(default_factory=dict)
 
     def add(self, kind: str, texts: Sequence[str]) -> None:
@@ -72,8 +71,8 @@ def _rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return 0, 1
 
 
-def new_problems(group: dist.ProcessGroup | None = None) -> Problems:
-    return Problems(rank=_rank(group)[0])
+def new_problems() -> Problems:
+    return Problems()
 
 
 def _device(group: dist.ProcessGroup | None) -> torch.device:

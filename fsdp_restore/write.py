@@ -37,6 +37,16 @@ ProgressFn = Callable[[int], None]
 
 
 Reader = Callable[[int, int], torch.Tensor]  # (first flat element, count) -> those elements
+HeldInPieces = dict[int, tuple[torch.Tensor, Reader]]  # stand-in's data_ptr -> (meta tensor, reader)
+
+
+def stand_in(held: HeldInPieces, shape: tuple[int, ...], dtype: torch.dtype, reader: Reader) -> torch.Tensor:
+    """A one-element tensor of its own storage standing, in a nested object about to be flattened, for a
+    tensor held in pieces; ``held`` records its real shape and dtype and its reader. flatten keys tensors by
+    storage, so a tied name that refers to the same stand-in is stored once."""
+    t = torch.zeros(1, dtype=dtype)
+    held[t.data_ptr()] = (torch.empty(shape, dtype=dtype, device="meta"), reader)
+    return t
 
 
 @dataclass

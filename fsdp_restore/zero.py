@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from .errors import FormatError
-from .write import scratch
+from .write import HeldInPieces, Reader, scratch, stand_in
 
 
 # ---- stand-ins for the classes DeepSpeed's pickles name ------------------------------------------------
@@ -150,9 +150,6 @@ class _Pieces:
             out.append(part.reshape(-1)[max(first, lo) - lo:min(end, hi) - lo])
 
 
-Reader = Callable[[int, int], torch.Tensor]
-
-
 def _gather(views: list[torch.Tensor], count: int) -> torch.Tensor:
     if sum(v.numel() for v in views) != count:
         raise FormatError("<optimizer files>", f"assembled {sum(v.numel() for v in views)} elements, expected {count}"
@@ -211,7 +208,7 @@ class ZeroLayout:
 
 
 def read_zero(path: str | os.PathLike[str], *, tag: str | None = None
-              ) -> tuple[dict[str, Any], dict[int, tuple[torch.Tensor, Reader]], ZeroLayout]:
+              ) -> tuple[dict[str, Any], HeldInPieces, ZeroLayout]:
     """The consolidated checkpoint of a ZeRO directory (see the module's doc): ``(object, readers, layout)``,
     where ``readers`` maps a placeholder's ``data_ptr()`` to ``(meta tensor of the real shape and dtype,
     reader)``."""
@@ -250,15 +247,6 @@ def read_zero(path: str | os.PathLike[str], *, tag: str | None = None
     return obj, readers, ZeroLayout(tag_dir, stage, world, dtype, len(trainable), frozen)
 
 
-def _placeholder(readers: dict[int, tuple[torch.Tensor, Reader]], shape: tuple[int, ...], dtype: torch.dtype,
-                 reader: Reader) -> torch.Tensor:
-    """A one-element tensor of its own storage standing for a tensor held in pieces (flatten keys it by
-    its storage, so a tied name that refers to the same placeholder is stored once)."""
-    stand_in = torch.zeros(1, dtype=dtype)
-    readers[stand_in.data_ptr()] = (torch.empty(shape, dtype=dtype, device="meta"), reader)
-    return stand_in
-
-
 def _shape(value: Any) -> tuple[int, ...]:
     return tuple(int(d) for d in value)
 
@@ -290,7 +278,7 @@ def _optim_tree(names: list[list[str]], shapes: dict[str, tuple[int, ...]], base
                 elif isinstance(value, torch.Tensor):
                     reader = state_readers(g, name, field)
                     if reader is not None:
-                        per[field] = _placeholder(readers, shapes[name], value.dtype, reader)
+                        per[field] = stand_in(readers, shapes[name], value.dtype, reader)
                 else:
                     per[field] = value
             if per:
@@ -315,7 +303,7 @@ def _stages_1_2(head: dict[str, Any], optims: list[dict[str, Any]]) -> tuple[dic
         for i, (name, shape) in enumerate(group_shapes.items()):
             shape = _shape(shape)
             shapes[name], offsets[(g, name)] = shape, at
-            trainable[name] = _placeholder(readers, shape, ranks[0].parts[0].dtype, _contiguous_reader(ranks, at))
+            trainable[name] = stand_in(readers, shape, ranks[0].parts[0].dtype, _contiguous_reader(ranks, at))
             group_names.append(name)
             at += math.prod(shape) + (int(paddings[g][i]) if paddings else 0)
         total = sum(r.numel for r in ranks)
@@ -353,7 +341,7 @@ def _stage_3(head: dict[str, Any], models: list[dict[str, Any]], optims: list[di
             shape = _shape(shape)
             per_rank = math.ceil(math.prod(shape) / world)
             shapes[name], spans[name] = shape, (at, per_rank)
-            trainable[name] = _placeholder(readers, shape, weights[0].parts[0].dtype,
+            trainable[name] = stand_in(readers, shape, weights[0].parts[0].dtype,
                                            _striped_reader(weights, at, per_rank))
             group_names.append(name)
             at += per_rank
@@ -403,7 +391,7 @@ def _model_dict(head: dict[str, Any], models: list[dict[str, Any]], trainable: d
             shape = _shape(frozen_shapes[name])
             per_rank = math.ceil(math.prod(shape) / len(models))
             ranks = [_Pieces([m["frozen_param_fragments"][name]]) for m in models]
-            out[name] = _placeholder(readers, shape, ranks[0].parts[0].dtype, _striped_reader(ranks, 0, per_rank))
+            out[name] = stand_in(readers, shape, ranks[0].parts[0].dtype, _striped_reader(ranks, 0, per_rank))
             frozen += 1
         elif name in frozen_shapes:
             out[name] = head["frozen_param_fragments"][name]

@@ -51,6 +51,15 @@ def build(name: str, seed: int = 0, device: str | torch.device | None = None) ->
     return _build(name, seed, "meta")
 
 
+def converted(root, name: str, **options):
+    """``{"model": state dict}`` of the named model (seed 0), saved and converted into ``root``; the path."""
+    import fsdp_restore
+
+    torch.save({"model": build(name).state_dict()}, root / f"{name}.pt")
+    fsdp_restore.convert(root / f"{name}.pt", root / f"{name}.safetensors", **options)
+    return root / f"{name}.safetensors"
+
+
 def _build(name: str, seed: int, device: str) -> nn.Module:
     from helpers import tiny_gpt2, tiny_llama
 

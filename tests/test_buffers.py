@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist import run_ranks
-from models import build, wrap
+from models import build, converted, wrap
 
 import fsdp_restore
 from fsdp_restore import RestoreError, init_non_persistent_buffers
@@ -55,10 +55,7 @@ def _differing_buffer(rank, world_size, path, check_buffers):
 
 @pytest.fixture(scope="module")
 def mlp_ckpt(tmp_path_factory):
-    root = tmp_path_factory.mktemp("buffers")
-    torch.save({"model": build("mlp").state_dict()}, root / "m.pt")
-    fsdp_restore.convert(root / "m.pt", root / "m.safetensors")
-    return root / "m.safetensors"
+    return converted(tmp_path_factory.mktemp("buffers"), "mlp")
 
 
 def test_buffer_differing_between_ranks_fails_every_rank(mlp_ckpt):

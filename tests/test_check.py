@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 from dist import GPU, backends, cases, run_ranks
-from models import build, wrap
+from models import build, converted, wrap
 
 import fsdp_restore
 from fsdp_restore import RestoreError
@@ -26,10 +26,7 @@ ROW = 30
 
 @pytest.fixture(scope="module")
 def llama_ckpt(tmp_path_factory):
-    root = tmp_path_factory.mktemp("check")
-    torch.save({"model": build("llama").state_dict()}, root / "l.pt")
-    fsdp_restore.convert(root / "l.pt", root / "l.safetensors")
-    return root / "l.safetensors"
+    return converted(tmp_path_factory.mktemp("check"), "llama")
 
 
 def _inject(fault: str, rank: int) -> None:
@@ -120,9 +117,7 @@ def _plan(path, model):
 
 @pytest.fixture
 def mlp_ckpt(tmp_path):
-    torch.save({"model": build("mlp").state_dict()}, tmp_path / "m.pt")
-    fsdp_restore.convert(tmp_path / "m.pt", tmp_path / "m.safetensors")
-    return tmp_path / "m.safetensors"
+    return converted(tmp_path, "mlp")
 
 
 def test_exact_plan_validates(mlp_ckpt):
@@ -214,10 +209,7 @@ def test_screen_sees_one_nan_in_any_floating_dtype(tmp_path, dtype):
 
 @pytest.fixture(scope="module")
 def llama_bf16_ckpt(tmp_path_factory):
-    root = tmp_path_factory.mktemp("check16")
-    torch.save({"model": build("llama").state_dict()}, root / "l.pt")
-    fsdp_restore.convert(root / "l.pt", root / "l.safetensors", dtype="bf16")
-    return root / "l.safetensors"
+    return converted(tmp_path_factory.mktemp("check16"), "llama", dtype="bf16")
 
 
 @pytest.mark.parametrize("backend", backends(2, only=("gloo", "gloo-cuda")))
