@@ -1,6 +1,6 @@
 """fsdp_restore: move checkpoints between "one big .pt file" and "a model sharded over many GPUs".
 
-Pipeline: format -> flatten -> write/convert -> read -> plan -> execute -> check -> restore -> verify -> cli.
+Pipeline: format -> flatten -> write/convert -> read -> (key_map) plan -> execute -> check -> restore -> verify -> cli.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from .errors import (FormatError, FsdpRestoreError, RestoreError, UnsafePickleEr
 from .flatten import flatten, unflatten
 from .read import Checkpoint, find_safetensors_for, open_checkpoint, stale_sibling
 from .buffers import init_non_persistent_buffers
+from .key_map import KeyMap
 from .plan import RestoreReport
 from .restore import RestoreResult, restore, restore_model, restore_optimizer
 from .verify import VerifyReport, inspect_checkpoint, verify
@@ -47,7 +48,7 @@ def load(path: str | os.PathLike[str], *, mmap: bool = True, trust_pickle: bool 
 
 
 __all__ = [
-    "Checkpoint", "ConvertReport", "FormatError", "FsdpRestoreError", "RestoreError", "RestoreReport", "RestoreResult",
+    "Checkpoint", "ConvertReport", "FormatError", "FsdpRestoreError", "KeyMap", "RestoreError", "RestoreReport", "RestoreResult",
     "UnsafePickleError", "UnsupportedObjectError", "VerifyError", "VerifyReport", "convert", "find_safetensors_for",
     "flatten", "init_non_persistent_buffers", "inspect_checkpoint", "load", "load_pt", "open_checkpoint", "restore",
     "restore_model", "restore_optimizer", "save", "unflatten", "verify",

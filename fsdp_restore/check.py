@@ -195,10 +195,14 @@ def validate_plan(plan: ReadPlan, storages: Sequence[Storage], ckpt: Checkpoint)
     placed: dict[int, list[tuple[int, int, str]]] = {}
     for item in plan.items:
         n = item.dest.numel()
+        if item.rows > 1 and (item.run * item.rows != n or item.stride < item.run):
+            report("reads overlapping or uneven rows", item.name)
+            continue
+        span = item.span
         entry = ckpt.entries.get(item.key)
-        if entry is None or item.src_start < 0 or item.src_start + n > entry.numel:
+        if entry is None or item.src_start < 0 or item.src_start + span > entry.numel:
             report("reads outside its stored tensor", item.name)
-        if item.global_start < 0 or item.global_start + n > item.global_numel:
+        if item.global_start < 0 or item.global_start + span > item.global_numel:
             report("reads outside its tensor", item.name)
         if n == 0:
             continue
@@ -234,13 +238,23 @@ def validate_plan(plan: ReadPlan, storages: Sequence[Storage], ckpt: Checkpoint)
     return {f"plan: {kind}": sorted(names) for kind, names in bad.items()}
 
 
-def _weight(name: str, salt: bytes) -> int:
+def name_weight(name: str, salt: bytes) -> int:
+    """A pseudo-random weight of ``name`` below `DIGEST_PRIME`, the same on every rank."""
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8, salt=salt).digest(), "little") % DIGEST_PRIME
 
 
 def _sum_squares(m: int) -> int:
     """0^2 + 1^2 + ... + (m-1)^2"""
     return (m - 1) * m * (2 * m - 1) // 6
+
+
+def _moments(start: int, run: int, rows: int, stride: int) -> tuple[int, int]:
+    """(sum, sum of squares) of the indices start + i * stride + j for i < rows, j < run, in closed form
+    (a column block of thousands of rows costs as little as one range)."""
+    a1 = rows * start + stride * rows * (rows - 1) // 2  # sum of the row starts a_i
+    a2 = rows * start * start + start * stride * rows * (rows - 1) + stride * stride * _sum_squares(rows)
+    j1, j2 = run * (run - 1) // 2, _sum_squares(run)
+    return run * a1 + rows * j1, run * a2 + 2 * j1 * a1 + rows * j2
 
 
 def coverage_terms(items: Sequence[ReadItem]) -> dict[str, tuple[int, int]]:
@@ -253,8 +267,7 @@ def coverage_terms(items: Sequence[ReadItem]) -> dict[str, tuple[int, int]]:
         s, c, big_n = item.global_start, item.dest.numel(), item.global_numel
         if c == 0:
             continue
-        s1 = c * s + c * (c - 1) // 2
-        s2 = _sum_squares(s + c) - _sum_squares(s)
+        s1, s2 = _moments(s, item.run if item.rows > 1 else c, item.rows if item.rows > 1 else 1, item.stride)
         t = terms.setdefault(item.name, [0, 0])
         t[0] += 2 * s1 - c * (big_n - 1)
         t[1] += 6 * s2 - c * (big_n - 1) * (2 * big_n - 1)
@@ -263,8 +276,8 @@ def coverage_terms(items: Sequence[ReadItem]) -> dict[str, tuple[int, int]]:
 
 def coverage_digest(terms: dict[str, tuple[int, int]]) -> tuple[int, int]:
     """The terms of every name folded with per-name random weights, modulo `DIGEST_PRIME`."""
-    d1 = sum(_weight(n, b"moment1") * a for n, (a, _) in terms.items()) % DIGEST_PRIME
-    d2 = sum(_weight(n, b"moment2") * b for n, (_, b) in terms.items()) % DIGEST_PRIME
+    d1 = sum(name_weight(n, b"moment1") * a for n, (a, _) in terms.items()) % DIGEST_PRIME
+    d2 = sum(name_weight(n, b"moment2") * b for n, (_, b) in terms.items()) % DIGEST_PRIME
     return d1, d2
 
 
@@ -433,10 +446,8 @@ def _examine(chunk: torch.Tensor, index: _StorageIndex, by_storage: dict[int, li
         lo, hi = max(offset, chunk_start), min(offset + item.dest.numel(), chunk_end)
         if lo >= hi or not item.done or not bool(nan[lo - chunk_start:hi - chunk_start].any()):
             continue
-        entry = ckpt.entries[item.key]
-        stored = torch.zeros(hi - lo, dtype=entry.dtype)  # a re-read that fails to write proves no NaN
-        ckpt.read_range(item.key, item.src_start + lo - offset, stored)
-        if floating(entry.dtype):
+        stored = _stored(ckpt, item, lo - offset, hi - offset)
+        if floating(stored.dtype):
             held = torch.isnan(stored) & nan[lo - chunk_start:hi - chunk_start]
             if bool(held.any()):
                 explained[lo - chunk_start:hi - chunk_start] |= held
@@ -450,3 +461,18 @@ def _examine(chunk: torch.Tensor, index: _StorageIndex, by_storage: dict[int, li
             count = int(left[lo - chunk_start:hi - chunk_start].sum())
             if count:
                 bad[region.name] = bad.get(region.name, 0) + count
+
+
+def _stored(ckpt: Checkpoint, item: ReadItem, lo: int, hi: int) -> torch.Tensor:
+    """What the file holds for elements ``[lo, hi)`` of ``item.dest``, read afresh (zeros where a read
+    fails to write: that proves no NaN)."""
+    entry = ckpt.entries[item.key]
+    if item.rows <= 1:
+        stored = torch.zeros(hi - lo, dtype=entry.dtype)
+        ckpt.read_range(item.key, item.src_start + lo, stored)
+        return stored
+    run = item.run
+    first, last = lo // run, (hi + run - 1) // run  # the whole rows that hold [lo, hi)
+    rows = torch.zeros((last - first) * run, dtype=entry.dtype)
+    ckpt.read_rows(item.key, item.src_start + first * item.stride, rows, last - first, item.stride)
+    return rows[lo - first * run:hi - first * run]

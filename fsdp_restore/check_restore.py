@@ -24,6 +24,7 @@ from torch import nn
 
 from .errors import RestoreError
 from .launch import RankFailure, pick_backend, run_ranks
+from .key_map import KeyMap, as_function, parse_spec
 from .read import Checkpoint
 from .buffers import init_non_persistent_buffers
 from .restore import default_prefix, restore_model
@@ -140,18 +141,21 @@ def _full_values(model: nn.Module) -> Iterator[tuple[list[str], torch.Tensor]]:
         yield names_of[key], (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
 
 
-def compare_with_file(model: nn.Module, expected: dict[str, torch.Tensor]) -> tuple[int, list[str]]:
+def compare_with_file(model: nn.Module, expected: dict[str, torch.Tensor], key_map: KeyMap | None = None
+                      ) -> tuple[int, list[str]]:
     """Every parameter's and buffer's full value, gathered by FSDP, against ``expected`` (the stored
-    tensors read by `load`): an oracle that shares nothing with the restore's plan. Returns (tensors
-    compared, names that differ); each rank compares its share of the tensors."""
+    tensors read by `load`, under the checkpoint's names; ``key_map`` gives a model name's): an oracle
+    that shares nothing with the restore's plan. Returns (tensors compared, names that differ); each
+    rank compares its share of the tensors."""
     import torch.distributed as dist
 
+    rename = as_function(key_map) or (lambda name: name)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     compared, bad = 0, []
     for i, (names, full) in enumerate(_full_values(model)):
         if i % world != rank:
             continue
-        stored = next((expected[n] for n in names if n in expected), None)
+        stored = next((expected[k] for k in map(rename, names) if k in expected), None)
         if stored is None:
             continue  # strict restore already refused a missing name
         compared += 1
@@ -162,7 +166,8 @@ def compare_with_file(model: nn.Module, expected: dict[str, torch.Tensor]) -> tu
     return compared, bad
 
 
-def _worker(rank: int, world_size: int, path: str, factory_spec: str, fsdp: str, prefix: str | None) -> dict[str, Any]:
+def _worker(rank: int, world_size: int, path: str, factory_spec: str, fsdp: str, prefix: str | None,
+            key_map_spec: str | None = None) -> dict[str, Any]:
     """One rank: build and shard, restore, compare; each phase ends in a verdict that every rank
     shares, so a failure on one rank (a factory that raises) stops all of them at once."""
     import torch.distributed as dist
@@ -172,15 +177,16 @@ def _worker(rank: int, world_size: int, path: str, factory_spec: str, fsdp: str,
         problems = new_problems()
         with problems.guard():
             model = shard_model(load_factory(factory_spec), fsdp, device)
+            key_map = parse_spec(key_map_spec) if key_map_spec else None
             with Checkpoint(path) as ckpt:
                 prefix = default_prefix(ckpt) if prefix is None else prefix
         agree(problems, "check-restore: building the model")
-        report = restore_model(model, path, prefix=prefix, check=True)
+        report = restore_model(model, path, prefix=prefix, check=True, key_map=key_map)
         problems = new_problems()
         with problems.guard():
             expected = _expected_tensors(path, prefix or "")
         agree(problems, "check-restore: reading the file for the comparison")
-        compared, mismatches = compare_with_file(model, expected)  # collectives only: FSDP's own gathers
+        compared, mismatches = compare_with_file(model, expected, key_map)  # collectives only: FSDP's own gathers
         return {"tensors": report.tensors, "elements": report.elements, "bytes_read": report.bytes_read,
                 "seconds": report.seconds, "compared": compared, "mismatches": mismatches,
                 "nan_in_checkpoint": report.nan_in_checkpoint, "error": None}
@@ -217,14 +223,18 @@ class CheckRestoreReport:
 
 
 def run_check_restore(path: str, factory: str, *, nproc: int = 2, fsdp: str = "fsdp2",
-                      prefix: str | None = None, timeout: float = 600) -> CheckRestoreReport:
-    """Run the check on ``nproc`` local ranks; never raises for a failed check (see ``report.ok``)."""
+                      prefix: str | None = None, key_map: str | None = None, timeout: float = 600) -> CheckRestoreReport:
+    """Run the check on ``nproc`` local ranks; never raises for a failed check (see ``report.ok``).
+    ``key_map``: a file or ``module:attribute`` (`fsdp_restore.key_map.parse_spec`)."""
     Checkpoint(path).close()  # a bad file fails here with a FormatError, before spawning anything
     load_factory(factory)  # likewise an import error in the factory
+    if key_map:
+        parse_spec(key_map)  # and a malformed key map
     backend = pick_backend(nproc)
     report = CheckRestoreReport(path=str(path), nproc=nproc, fsdp=fsdp, backend=backend)
     try:
-        report.ranks = run_ranks(_worker, nproc, str(path), factory, fsdp, prefix, timeout=timeout, backend=backend)
+        report.ranks = run_ranks(_worker, nproc, str(path), factory, fsdp, prefix, key_map, timeout=timeout,
+                                 backend=backend)
     except RankFailure as e:
         report.problems = [f"rank {r}: {msg.splitlines()[0]}" for r, msg in sorted(e.errors.items())]
         return report

@@ -19,8 +19,9 @@ The executor knows nothing of the check: the check poisons and screens the memor
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -32,15 +33,34 @@ READ_CHUNK_BYTES = 16 * 1024 * 1024  # items above this are split so that severa
 PINNED_BUFFERS_PER_THREAD = 3  # reads run up to this many chunks ahead of the host-to-device copies
 
 
-def read_piece(ckpt: Checkpoint, key: str, src_start: int, dest: torch.Tensor) -> None:
+def read_piece(ckpt: Checkpoint, key: str, src_start: int, dest: torch.Tensor, rows: int = 1, stride: int = 0) -> None:
     """Read into ``dest`` (1-D, contiguous) on the calling thread, wherever it lives, and wait for it
     (a one-off staging buffer when it is not CPU memory of the stored dtype). The executor uses `_Worker`."""
     caller_stream = torch.cuda.current_stream(dest.device) if dest.device.type == "cuda" else None
     worker = _Worker(ckpt, dest.device, after=caller_stream, pinned_buffers=1)
     try:
-        worker.read(key, src_start, dest)
+        worker.read(key, src_start, dest, rows, stride)
     finally:
         worker.finish()
+
+
+def parts(src_start: int, n: int, rows: int, stride: int, step: int) -> Iterator[tuple[int, int, int, int]]:
+    """Cut a read of ``n`` elements (``rows`` runs ``stride`` apart) into parts of at most ``step`` elements
+    made of whole runs where runs fit: (first local element, count, stored start, rows)."""
+    if rows <= 1:
+        for s in range(0, n, step):
+            yield s, min(step, n - s), src_start + s, 1
+        return
+    run = n // rows
+    if run > step:
+        for i in range(rows):
+            for s in range(0, run, step):
+                yield i * run + s, min(step, run - s), src_start + i * stride + s, 1
+        return
+    per = max(1, step // run)
+    for i in range(0, rows, per):
+        r = min(per, rows - i)
+        yield i * run, r * run, src_start + i * stride, r
 
 
 @dataclass
@@ -91,15 +111,14 @@ class _Worker:
                 self.host[i].fill_(0xFF)
         return i
 
-    def read(self, key: str, src_start: int, dest: torch.Tensor) -> None:
+    def read(self, key: str, src_start: int, dest: torch.Tensor, rows: int = 1, stride: int = 0) -> None:
+        """Read ``dest.numel()`` elements (``rows`` runs ``stride`` apart) of ``key`` from ``src_start``."""
         entry = self.ckpt.entries[key]
         if dest.device.type == "cpu" and dest.dtype == entry.dtype:
-            self.ckpt.read_range(key, src_start, dest)
+            self.ckpt.read_rows(key, src_start, dest, rows, stride)
             return
-        n = dest.numel()
         step = max(1, self.chunk_bytes // entry.itemsize)
-        for s in range(0, n, step):
-            m = min(step, n - s)
+        for s, m, part_start, part_rows in parts(src_start, dest.numel(), rows, stride, step):
             i = self._slot(m * entry.itemsize)
             raw_bytes = self.host[i][:m * entry.itemsize]
             staged = raw_bytes.view(entry.dtype)
@@ -107,7 +126,7 @@ class _Worker:
             # fills it: a read that writes nothing, or too little, leaves NaN for the check to find, not the
             # previous chunk's bytes. The host re-poisons its own (CPU) buffer; a pinned one is re-poisoned by
             # a device-to-host copy after its upload (the idle direction of the link; no host CPU time).
-            self.ckpt.read_range(key, src_start + s, staged)
+            self.ckpt.read_rows(key, part_start, staged, part_rows, stride)
             part = dest[s:s + m]
             if self.stream is None:
                 part.copy_(staged)
@@ -140,18 +159,27 @@ class _Worker:
             self.stream.synchronize()
 
 
-def chunked(items: Sequence[ReadItem], ckpt: Checkpoint) -> list[tuple[ReadItem, int, int]]:
-    """(item, first element, element count) for every chunk, in file order."""
+class Chunk(NamedTuple):
+    """``count`` elements of ``item.dest`` from ``first``: ``rows`` runs of the item from stored ``src_start``."""
+
+    item: ReadItem
+    first: int
+    count: int
+    src_start: int
+    rows: int
+
+
+def chunked(items: Sequence[ReadItem], ckpt: Checkpoint) -> list[Chunk]:
+    """Every item cut into chunks of at most `READ_CHUNK_BYTES` (whole runs of a column block), in file order."""
 
     def file_position(item: ReadItem) -> tuple[str, int]:
         entry = ckpt.entries[item.key]
         return str(entry.file), entry.offset + item.src_start * entry.itemsize
 
-    chunks: list[tuple[ReadItem, int, int]] = []
+    chunks: list[Chunk] = []
     for item in sorted(items, key=file_position):
-        n = item.dest.numel()
         step = max(1, READ_CHUNK_BYTES // max(1, ckpt.entries[item.key].itemsize))
-        chunks.extend((item, s, min(step, n - s)) for s in range(0, n, step))
+        chunks.extend(Chunk(item, *part) for part in parts(item.src_start, item.dest.numel(), item.rows, item.stride, step))
     return chunks
 
 
@@ -167,7 +195,7 @@ def execute_reads(ckpt: Checkpoint, items: Sequence[ReadItem], threads: int = DE
     chunks = chunked(items, ckpt)
     if not chunks:
         return
-    devices = {item.dest.device for item, _, _ in chunks}
+    devices = {chunk.item.dest.device for chunk in chunks}
     device = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
     cuda = device.type == "cuda"
     caller_stream = torch.cuda.current_stream(device) if cuda else None
@@ -183,15 +211,15 @@ def execute_reads(ckpt: Checkpoint, items: Sequence[ReadItem], threads: int = DE
                 workers.append(w)
         return w
 
-    def read(chunk: tuple[ReadItem, int, int]) -> None:
-        item, start, count = chunk
-        dest = item.dest[start:start + count]
+    def read(chunk: Chunk) -> None:
+        item = chunk.item
+        dest = item.dest[chunk.first:chunk.first + chunk.count]
         if before is not None:
             before(dest)
         if dest.device != device:  # items on several devices (rare): one-off staging on this thread
-            read_piece(ckpt, item.key, item.src_start + start, dest)
+            read_piece(ckpt, item.key, chunk.src_start, dest, chunk.rows, item.stride)
         else:
-            worker().read(item.key, item.src_start + start, dest)
+            worker().read(item.key, chunk.src_start, dest, chunk.rows, item.stride)
         if after is not None:
             after(dest)
 

@@ -19,10 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import key_map as key_maps
 from .errors import FsdpRestoreError
 from .flatten import iter_tensor_nodes, subtree, unflatten
+from .key_map import KeyMap
 from .read import Checkpoint
-from .shards import Target, _fsdp1_units, _is_dtensor, _join, clean_name, local_targets, local_tensor
+from .shards import Piece, Target, _fsdp1_units, _is_dtensor, _join, clean_name, local_targets, local_tensor
 
 _GROUP_SKIP = ("params", "param_names")
 
@@ -47,7 +49,10 @@ class Source:
 class ReadItem:
     """Read ``dest.numel()`` elements of stored tensor ``key`` from flat element ``src_start`` into
     ``dest`` (a contiguous 1-D view of local memory). ``name`` is the model tensor (``optim:NAME.FIELD``
-    for optimizer state) and ``global_start`` the flat index in that tensor where ``dest`` begins."""
+    for optimizer state) and ``global_start`` the flat index in that tensor where ``dest`` begins.
+
+    With ``rows > 1`` the elements are ``rows`` runs of ``dest.numel() // rows``, ``stride`` elements
+    apart both in the stored tensor and in the model tensor (a column block: one item, not one per row)."""
 
     key: str
     src_start: int
@@ -55,7 +60,19 @@ class ReadItem:
     name: str
     global_start: int
     global_numel: int
+    rows: int = 1
+    stride: int = 0
     done: bool = False
+
+    @property
+    def run(self) -> int:
+        return self.dest.numel() // self.rows if self.rows else 0
+
+    @property
+    def span(self) -> int:
+        """Elements from the first to the last one read, gaps between runs included."""
+        n = self.dest.numel()
+        return (self.rows - 1) * self.stride + self.run if n else 0
 
 
 @dataclass
@@ -166,10 +183,11 @@ def default_prefix(ckpt: Checkpoint) -> str:
 
 def build_plan(model: nn.Module, ckpt: Checkpoint, *, prefix: str | None, strict: bool = True,
                dtype_policy: str = "cast", weights: bool = True, optimizer: torch.optim.Optimizer | None = None,
-               optim_prefix: str = "optim") -> ReadPlan:
+               optim_prefix: str = "optim", key_map: KeyMap | None = None) -> ReadPlan:
     """Plan the reads of the model's weights (``weights``) and/or ``optimizer``'s state on this rank.
 
-    ``prefix`` is the subtree holding the weights (None: `default_prefix`). ``dtype_policy``:
+    ``prefix`` is the subtree holding the weights (None: `default_prefix`). ``key_map``: the
+    checkpoint's name of each model name (key_map.py). ``dtype_policy``:
     ``"cast"`` converts a stored dtype to the model's (and reports it), ``"error"`` makes any dtype
     difference a problem. Raises only for errors that leave nothing to plan (bad arguments, a model
     on the meta device); everything else lands in ``plan.problems``."""
@@ -184,18 +202,21 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, prefix: str | None, strict
         raise FsdpRestoreError(f"parameters on the meta device ({', '.join(on_meta[:5])}...): materialize the model"
                                " with model.to_empty(device=...) before restoring (then fsdp_restore."
                                "init_non_persistent_buffers(model) for buffers that no checkpoint holds)")
+    stored_as, map_problems = key_maps.apply(key_map, [t.name for t in targets] + list(aliases), same=aliases)
+    for text in map_problems:
+        plan.add_problem("key_map", text)
     if weights:
         plan.model_report = RestoreReport(prefix=prefix)
-        _plan_weights(plan, targets, aliases, ckpt, prefix, strict=strict, dtype_policy=dtype_policy)
+        _plan_weights(plan, targets, aliases, ckpt, prefix, stored_as, strict=strict, dtype_policy=dtype_policy)
     if optimizer is not None:
         plan.optim_report = RestoreReport(prefix=optim_prefix, method="optimizer")
         plan.optim = OptimizerPlan(optimizer)
-        _plan_optimizer(plan, model, targets, aliases, ckpt, optim_prefix, prefix)
+        _plan_optimizer(plan, model, targets, aliases, ckpt, optim_prefix, prefix, stored_as)
     return plan
 
 
 def _plan_weights(plan: ReadPlan, targets: Sequence[Target], aliases: dict[str, str], ckpt: Checkpoint, prefix: str,
-                  *, strict: bool, dtype_policy: str) -> None:
+                  stored_as: dict[str, str], *, strict: bool, dtype_policy: str) -> None:
     report = plan.model_report
     assert report is not None
     sources, unsupported = tensor_sources(ckpt, prefix)
@@ -209,15 +230,23 @@ def _plan_weights(plan: ReadPlan, targets: Sequence[Target], aliases: dict[str, 
     for alias, name in aliases.items():
         tied_names.setdefault(name, []).append(alias)
     for target in targets:
+        if target.unsupported:
+            plan.add_problem("unsupported", f"{target.name}: {target.unsupported}")
+            plan.refused.add(target.name)
+            continue
+        if target.name not in stored_as:  # the key map failed for it: reported already
+            plan.refused.add(target.name)
+            continue
         # a tied tensor may be stored under any of its names (save_model keeps only one)
-        src = sources.get(target.name)
+        src = sources.get(stored_as[target.name])
         for alias in tied_names.get(target.name, ()) if src is None else ():
-            src = sources.get(alias)
+            src = sources.get(stored_as.get(alias, ""))
             if src is not None:
                 break
         if src is None:
             if strict:
-                plan.add_problem("missing", target.name)
+                key = stored_as[target.name]
+                plan.add_problem("missing", target.name if key == target.name else f"{target.name} (as '{key}')")
                 plan.refused.add(target.name)
             else:
                 report.missing.append(target.name)
@@ -237,8 +266,9 @@ def _plan_weights(plan: ReadPlan, targets: Sequence[Target], aliases: dict[str, 
         report.tensors += 1
         numel = src.numel
         for piece in target.pieces:
-            plan.items.append(ReadItem(src.key, src.start + piece.start, piece.dest, target.name, piece.start, numel))
-    known = {t.name for t in targets} | set(aliases)
+            plan.items.append(ReadItem(src.key, src.start + piece.start, piece.dest, target.name, piece.start, numel,
+                                       piece.rows, piece.stride))
+    known = {stored_as.get(n, n) for n in [t.name for t in targets] + list(aliases)}
     unexpected = sorted(set(sources) - known)
     if strict:
         for name in unexpected:
@@ -257,7 +287,7 @@ class _ParamSlot:
     param: torch.Tensor
     local: torch.Tensor  # the local tensor whose layout the state tensors copy
     names: list[str]
-    pieces: list[tuple[Target, int, int, int]]  # (target, local offset, numel, global start)
+    pieces: list[tuple[Target, int, Piece]]  # (target, offset of the piece in the local tensor, piece)
     global_shapes: dict[str, tuple[int, ...]]
 
 
@@ -291,7 +321,10 @@ def _param_slots(model: nn.Module, optimizer: torch.optim.Optimizer, targets: Se
                 for piece in by_name[name].pieces if name in by_name else []:
                     ptr = piece.dest.data_ptr()
                     if local.numel() and base <= ptr < end:
-                        pieces.append((by_name[name], (ptr - base) // itemsize, piece.dest.numel(), piece.start))
+                        pieces.append((by_name[name], (ptr - base) // itemsize, piece))
+            for name in names:
+                if name in by_name and by_name[name].unsupported:
+                    raise FsdpRestoreError(f"optimizer state of {name}: {by_name[name].unsupported}")
             shapes = {n: by_name[n].global_shape for n in names if n in by_name}
             slots.append(_ParamSlot(p, local, names, pieces, shapes))
         groups.append(slots)
@@ -340,7 +373,7 @@ def _key_text(k: Any) -> str:
 
 
 def _plan_optimizer(plan: ReadPlan, model: nn.Module, targets: Sequence[Target], aliases: dict[str, str],
-                    ckpt: Checkpoint, prefix: str, model_prefix: str) -> None:
+                    ckpt: Checkpoint, prefix: str, model_prefix: str, stored_as: dict[str, str]) -> None:
     """Plan the optimizer's state: per-parameter tensors read slice by slice into tensors laid out like
     each parameter's local shard (DTensors for FSDP2); scalar state (``step``) and param-group
     hyperparameters copied whole."""
@@ -354,9 +387,11 @@ def _plan_optimizer(plan: ReadPlan, model: nn.Module, targets: Sequence[Target],
     saved_groups = unflatten(lazy, {"version": 1, "root": _child(optim_node, "param_groups", prefix)})
     state_node = _child(optim_node, "state", prefix)
     slots = _param_slots(model, optim.optimizer, targets, aliases)
-    param_names = {t.name for t in targets if t.kind == "param"}
-    saved_names = [[aliases.get(n, n) for n in names] for names in
-                   _saved_param_names(ckpt, saved_groups, model_prefix, param_names)]
+    # the checkpoint names its parameters its own way (key_map): back to the model's names
+    model_name_of = {key: name for name, key in stored_as.items()}
+    param_keys = {stored_as.get(t.name, t.name) for t in targets if t.kind == "param"}
+    saved_names = [[aliases.get(m, m) for n in names for m in [model_name_of.get(n, n)]] for names in
+                   _saved_param_names(ckpt, saved_groups, model_prefix, param_keys)]
     if len(saved_names) != len(slots):
         raise FsdpRestoreError(f"the checkpoint has {len(saved_names)} optimizer param groups, the optimizer"
                                f" {len(slots)}")
@@ -371,6 +406,8 @@ def _plan_optimizer(plan: ReadPlan, model: nn.Module, targets: Sequence[Target],
         for name, pid in zip(saved, saved_group.get("params", [])):
             name_to_saved_key[name] = _key_text(pid)
         optim.groups.append({k: v for k, v in saved_group.items() if k not in _GROUP_SKIP})
+    for name, key in stored_as.items():
+        name_to_saved_key.setdefault(name, key)  # state keyed by name, not listed in a param group
     for slot, saved_group in ((s, g) for group_slots, g in zip(slots, saved_groups) for s in group_slots):
         state = _plan_param_state(plan, slot, saved_state, name_to_saved_key, ckpt, lazy,
                                   optim.optimizer.state.get(slot.param, {}), saved_group)
@@ -459,15 +496,15 @@ def _plan_param_state(plan: ReadPlan, slot: _ParamSlot, saved_state: dict[str, A
         if stored != local.dtype:  # as load_state_dict: state takes the parameter's dtype (reported)
             report.cast.append(f"optim:{first_name}.{fld}: {stored} -> {local.dtype}")
         flat_local = local.view(-1)
-        _zero_uncovered(flat_local, [(offset, numel) for _, offset, numel, _ in slot.pieces])
-        for target, offset, numel, start in slot.pieces:
+        _zero_uncovered(flat_local, [(offset, piece.dest.numel()) for _, offset, piece in slot.pieces])
+        for target, offset, piece in slot.pieces:
             src_node = field_nodes[target.name]
             base = src_node.get("view", {}).get("offset", 0)
             total = 1
             for d in target.global_shape:
                 total *= d
-            plan.items.append(ReadItem(src_node["key"], base + start, flat_local[offset:offset + numel],
-                                       f"optim:{target.name}.{fld}", start, total))
+            plan.items.append(ReadItem(src_node["key"], base + piece.start, flat_local[offset:offset + piece.dest.numel()],
+                                       f"optim:{target.name}.{fld}", piece.start, total, piece.rows, piece.stride))
         report.tensors += 1
         optim.shaped.append((slot.param, fld))
         if reused is not None:

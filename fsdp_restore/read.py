@@ -13,6 +13,7 @@ positional reads with ``POSIX_FADV_RANDOM`` read ~1.1x the slice. Every byte rea
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import threading
 from collections.abc import Iterator, Mapping
@@ -29,6 +30,10 @@ from .format import (DEFAULT_INDEX_NAME, INDEX_SUFFIX, META_CAST, META_CHECKSUMS
 from .provenance import mismatch
 
 PT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+# Rows at least this long are read with one positional read each; shorter rows (a column block of a
+# wide matrix: thousands of rows of a few KiB) are copied out of a mapping of their span in one strided
+# copy, because a system call per row costs more than the row (BENCHMARKS.md, "Shard(1)").
+ROW_READ_MIN_BYTES = 64 * 1024
 
 
 def find_safetensors_for(path: str | os.PathLike[str]) -> Path | None:
@@ -235,6 +240,50 @@ class Checkpoint:
             view, offset = view[got:], offset + got
         with self._lock:
             self.bytes_read += total
+
+    def read_rows(self, key: str, elem_start: int, dest: torch.Tensor, rows: int, stride: int) -> None:
+        """Read ``rows`` runs of ``dest.numel() // rows`` elements of tensor ``key``, the first at flat
+        element ``elem_start`` and each ``stride`` elements after the previous, into ``dest`` (a contiguous
+        CPU tensor of the entry's dtype, the runs back to back). ``bytes_read`` counts the runs' bytes; the
+        kernel reads whole pages, so runs shorter than a page apart bring in their neighbours' bytes too."""
+        if rows <= 1:
+            self.read_range(key, elem_start, dest)
+            return
+        entry = self._entry(key)
+        n = dest.numel()
+        run = n // rows
+        last = elem_start + (rows - 1) * stride + run
+        if run * rows != n or stride < run or elem_start < 0 or last > entry.numel:
+            raise ValueError(f"{rows} rows of {run} elements {stride} apart from {elem_start} do not fit tensor"
+                             f" '{key}' of {entry.numel} elements")
+        if dest.dtype != entry.dtype or not dest.is_contiguous() or dest.device.type != "cpu":
+            raise ValueError("read_rows needs a contiguous CPU destination of the stored dtype")
+        if n == 0:
+            return
+        first = entry.offset + elem_start * entry.itemsize
+        if run * entry.itemsize >= ROW_READ_MIN_BYTES or first % entry.itemsize:
+            for i in range(rows):
+                self.read_range(key, elem_start + i * stride, dest[i * run:(i + 1) * run])
+            return
+        fd = self._fd(entry.file)
+        end = entry.offset + last * entry.itemsize
+        base = first - first % mmap.ALLOCATIONGRANULARITY
+        # A private mapping is writable memory to Python (torch.frombuffer warns on read-only buffers);
+        # nothing writes to it.
+        mapped = mmap.mmap(fd, end - base, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                           offset=base)
+        try:
+            if hasattr(mapped, "madvise"):  # read the span ahead in one go, and nothing around it
+                mapped.madvise(mmap.MADV_WILLNEED)
+            raw = torch.frombuffer(mapped, dtype=torch.uint8)[first - base:]
+            src = raw.view(entry.dtype)
+            src = src.as_strided((rows, run), (stride, 1), src.storage_offset())
+            dest.view(rows, run).copy_(src)
+            del raw, src
+        finally:
+            mapped.close()
+        with self._lock:
+            self.bytes_read += n * entry.itemsize
 
     def tied_aliases(self) -> dict[str, str]:
         """``{dropped name: kept name}`` recorded by ``safetensors.torch.save_model``, which stores one

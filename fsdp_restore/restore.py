@@ -28,6 +28,7 @@ from . import check as checks
 from .buffers import buffer_problems
 from .execute import DEFAULT_READ_THREADS, execute_reads
 from .flatten import unflatten
+from .key_map import KeyMap
 from .plan import ReadPlan, RestoreReport, build_plan, default_prefix
 from .read import Checkpoint, open_checkpoint
 from .verdict import agree, new_problems
@@ -82,7 +83,7 @@ def _refuse_unsharded_fsdp1(model: nn.Module) -> None:
 def _run(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint, *, weights: bool,
          optimizer: torch.optim.Optimizer | None, prefix: str | None, optim_prefix: str, strict: bool, check: bool,
          check_buffers: bool, method: str, threads: int | None, dtype_policy: str,
-         group: dist.ProcessGroup | None, extra_keys: tuple[str, ...] | None = None
+         group: dist.ProcessGroup | None, extra_keys: tuple[str, ...] | None = None, key_map: KeyMap | None = None
          ) -> tuple[ReadPlan, dict[str, Any]]:
     """Both phases of a restore of ``weights`` and/or ``optimizer``; returns the plan (with its
     reports) and, with ``extra_keys``, every other top-level entry of the checkpoint."""
@@ -107,7 +108,7 @@ def _run(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint, *, w
             _reshard_fsdp2(model)
             _refuse_unsharded_fsdp1(model)
             plan = build_plan(model, ckpt, prefix=prefix, strict=strict, dtype_policy=dtype_policy, weights=weights,
-                              optimizer=optimizer, optim_prefix=optim_prefix)
+                              optimizer=optimizer, optim_prefix=optim_prefix, key_map=key_map)
             problems.update(plan.problems)
             memory = checks.model_storages(model)  # from the model itself, not from the plan
             if weights:
@@ -205,7 +206,7 @@ def _read_extra(ckpt: Checkpoint, skip: tuple[str, ...]) -> dict[str, Any]:
 
 def restore_model(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint, *, prefix: str | None = None,
                   strict: bool = True, check: bool = True, check_buffers: bool = True, method: str = "read",
-                  threads: int | None = None, dtype_policy: str = "cast",
+                  threads: int | None = None, dtype_policy: str = "cast", key_map: KeyMap | None = None,
                   process_group: dist.ProcessGroup | None = None) -> RestoreReport:
     """Restore a model's weights from a checkpoint; call on every rank after sharding the model.
 
@@ -216,7 +217,9 @@ def restore_model(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpo
     ``use_orig_params`` either way), DDP and plain modules; a model built on the meta device must be
     materialized (``to_empty``) first. Each rank reads only the bytes of its own shard.
     ``method="apply"`` uses the seed's FSDP1 route instead (``FSDP.apply`` summons each unit's full
-    parameters; every rank reads everything).
+    parameters; every rank reads everything). ``key_map`` restores a model whose names differ from the
+    checkpoint's: a callable ``model name -> checkpoint name``, a dict, or ``(regex, replacement)``
+    pairs (see `fsdp_restore.key_map`); it renames only, and is applied to optimizer state too.
 
     With ``check``, every local element of every floating parameter and persistent buffer is NaN-filled
     before the reads and screened after (``strict=False``: the missing names are left untouched), the
@@ -229,7 +232,7 @@ def restore_model(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpo
     """
     plan, _ = _run(model, checkpoint, weights=True, optimizer=None, prefix=prefix, optim_prefix="optim", strict=strict,
                    check=check, check_buffers=check_buffers, method=method, threads=threads,
-                   dtype_policy=dtype_policy, group=process_group)
+                   dtype_policy=dtype_policy, group=process_group, key_map=key_map)
     assert plan.model_report is not None
     return plan.model_report
 
@@ -237,7 +240,7 @@ def restore_model(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpo
 def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
                       checkpoint: str | os.PathLike[str] | Checkpoint, *, prefix: str = "optim",
                       model_prefix: str | None = None, check: bool = True, threads: int | None = None,
-                      process_group: dist.ProcessGroup | None = None) -> RestoreReport:
+                      key_map: KeyMap | None = None, process_group: dist.ProcessGroup | None = None) -> RestoreReport:
     """Restore ``optimizer`` (built over the sharded ``model``) from the checkpoint subtree ``prefix``.
 
     Per-parameter state tensors are read slice by slice into tensors laid out like each parameter's
@@ -249,7 +252,7 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
     modified then) or when a read or its check fails (the state is then not installed)."""
     plan, _ = _run(model, checkpoint, weights=False, optimizer=optimizer, prefix=model_prefix,
                    optim_prefix=prefix, strict=True, check=check, check_buffers=False, method="read", threads=threads,
-                   dtype_policy="cast", group=process_group)
+                   dtype_policy="cast", group=process_group, key_map=key_map)
     assert plan.optim_report is not None
     return plan.optim_report
 
@@ -257,12 +260,13 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
 def restore(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint,
             optimizer: torch.optim.Optimizer | None = None, *, model_key: str = "model", optim_key: str = "optim",
             check: bool = True, check_buffers: bool = True, strict: bool = True, threads: int | None = None,
-            process_group: dist.ProcessGroup | None = None) -> RestoreResult:
+            key_map: KeyMap | None = None, process_group: dist.ProcessGroup | None = None) -> RestoreResult:
     """Restore model (and optimizer) state on every rank in one pass: one plan, one read phase, two
     verdicts. Returns a `RestoreResult`: a mapping over every other top-level entry of the checkpoint
     (step, scheduler, RNG states, config...) as ordinary Python objects, with ``.model`` and
-    ``.optimizer`` reports (``strict=False`` losses are in ``result.model.missing``)."""
+    ``.optimizer`` reports (``strict=False`` losses are in ``result.model.missing``). ``key_map``: as
+    `restore_model`."""
     plan, extra = _run(model, checkpoint, weights=True, optimizer=optimizer, prefix=model_key, optim_prefix=optim_key,
                        strict=strict, check=check, check_buffers=check_buffers, method="read", threads=threads,
-                       dtype_policy="cast", group=process_group, extra_keys=(model_key, optim_key))
+                       dtype_policy="cast", group=process_group, extra_keys=(model_key, optim_key), key_map=key_map)
     return RestoreResult(model=plan.model_report, optimizer=plan.optim_report, extra=extra)

@@ -8,7 +8,8 @@ starts. Restoring is then "read these element ranges into these views", whatever
 - FSDP1 (`FullyShardedDataParallel`): the local shard of each `FlatParameter`; ``_shard_param_infos``
   says which slice of which original parameter lies where (padding belongs to no piece).
 - FSDP2 (`fully_shard`) and any DTensor: the local block from the mesh and placements; a Shard(0)
-  block is one range, other placements are one range per row of the block.
+  block is one range, other placements (Shard(1), tensor parallel row/column splits) are rows of equal
+  length at a fixed stride: one `Piece` for all of them, not one per row.
 - Plain modules, DDP, buffers: the whole tensor, one piece.
 """
 
@@ -27,10 +28,18 @@ _WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig
 
 @dataclass
 class Piece:
-    """A contiguous 1-D view ``dest`` in this rank's memory = global flat elements ``[start, start + n)``."""
+    """A contiguous 1-D view ``dest`` in this rank's memory holding ``rows`` runs of equal length: run ``i``
+    is the global flat elements ``[start + i * stride, start + i * stride + run)``. One run (``rows == 1``)
+    is a plain range; several describe a column block (``Shard(1)``) without one object per row."""
 
     dest: torch.Tensor
     start: int
+    rows: int = 1
+    stride: int = 0  # global flat elements from one run's start to the next's
+
+    @property
+    def run(self) -> int:
+        return self.dest.numel() // self.rows if self.rows else 0
 
 
 @dataclass
@@ -41,6 +50,7 @@ class Target:
     kind: str  # "param" | "buffer"
     pieces: list[Piece] = field(default_factory=list)
     layout: str = "full"  # "full" | "fsdp1" | "dtensor"
+    unsupported: str = ""  # why this layout cannot be restored from a file (no pieces then)
 
     @property
     def local_numel(self) -> int:
@@ -158,33 +168,61 @@ def _tensor_target(name: str, tensor: torch.Tensor, kind: str) -> Target:
     return target
 
 
+@dataclass(frozen=True)
+class RowBlock:
+    """``rows`` runs of ``run`` elements, the first at global flat element ``start``, ``stride`` apart."""
+
+    start: int
+    rows: int
+    stride: int
+
+
 @functools.lru_cache(maxsize=4096)
-def _block_runs(global_shape: tuple[int, ...], mesh: object, placements: tuple) -> tuple[tuple[int, ...], list[int], int]:
-    """(local shape, global start of each contiguous run, run length) of this rank's block of a DTensor
-    layout. Cached: a model's layers share a handful of shapes and layouts, and torch's layout arithmetic
-    costs tens of microseconds per call (thousands of parameters per restore)."""
+def _block_runs(global_shape: tuple[int, ...], mesh: object, placements: tuple) -> tuple[tuple[int, ...], list[RowBlock], int]:
+    """(local shape, row blocks, run length) of this rank's block of a DTensor layout, in local memory order.
+    Cached: a model's layers share a handful of shapes and layouts, and torch's layout arithmetic costs
+    tens of microseconds per call (thousands of parameters per restore)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     local_shape, offset = compute_local_shape_and_global_offset(global_shape, mesh, placements)
+    return tuple(local_shape), *block_rows(tuple(global_shape), tuple(local_shape), tuple(offset))
+
+
+def block_rows(global_shape: tuple[int, ...], local_shape: tuple[int, ...],
+               offset: tuple[int, ...]) -> tuple[list[RowBlock], int]:
+    """The block ``local_shape`` at ``offset`` of a row-major ``global_shape`` tensor as row blocks and a
+    run length. k is the last dim where the block is partial (runs span it and the whole dims after it);
+    m the last partial dim before k: every dim between m and k is whole, so the rows inside one index of
+    the dims before m lie at one stride, and there is one `RowBlock` per index of the dims before m (one
+    in all for 2-D tensors and any layout that splits at most two dims)."""
     ndim = len(global_shape)
-    # k: the last dim where the block is partial; dims after it are whole, so each run is contiguous.
-    k = 0
-    for d in range(ndim - 1, -1, -1):
-        if local_shape[d] != global_shape[d]:
-            k = d
-            break
-    run = prod(local_shape[k:])
+    if ndim == 0:
+        return [RowBlock(0, 1, 0)], 1
     strides = [prod(global_shape[d + 1:]) for d in range(ndim)]
-    outer = [range(offset[d], offset[d] + local_shape[d]) for d in range(k)]
-    base = offset[k] * strides[k] if ndim else 0
-    starts = [sum(j * strides[d] for d, j in enumerate(idx)) + base for idx in product(*outer)]
-    return tuple(local_shape), starts, run
+    partial = [d for d in range(ndim) if local_shape[d] != global_shape[d]]
+    k = partial[-1] if partial else 0
+    run = prod(local_shape[k:])
+    if k == 0 or run == 0:
+        return [RowBlock(offset[0] * strides[0] if ndim else 0, 1, 0)], run
+    before = [d for d in partial if d < k]
+    m = before[-1] if before else 0
+    rows = prod(local_shape[m:k])
+    tail = offset[m] * strides[m] + offset[k] * strides[k]
+    outer = [range(offset[d], offset[d] + local_shape[d]) for d in range(m)]
+    blocks = [RowBlock(sum(j * strides[d] for d, j in enumerate(idx)) + tail, rows, strides[k - 1])
+              for idx in product(*outer)]
+    return blocks, run
 
 
 def _dtensor_target(name: str, dt: torch.Tensor, kind: str) -> Target:
     local = local_tensor(dt)
     global_shape = tuple(dt.shape)
-    local_shape, starts, run = _block_runs(global_shape, dt.device_mesh, tuple(dt.placements))
+    if any(p.is_partial() for p in dt.placements):
+        return Target(name, global_shape, dt.dtype, kind, layout="dtensor", unsupported=(
+            f"a Partial placement ({dt.placements}) holds addends of a pending reduction, and a stored value"
+            " cannot be split into addends exactly; restore into the model before it is parallelized this way,"
+            " or with Replicate/Shard placements"))
+    local_shape, blocks, run = _block_runs(global_shape, dt.device_mesh, tuple(dt.placements))
     target = Target(name, global_shape, dt.dtype, kind, layout="dtensor")
     if tuple(local.shape) != local_shape:
         raise ValueError(f"{name}: local shard shape {tuple(local.shape)} differs from the layout's {local_shape}")
@@ -193,5 +231,9 @@ def _dtensor_target(name: str, dt: torch.Tensor, kind: str) -> Target:
     if not local.is_contiguous():
         raise ValueError(f"{name}: non-contiguous local shard is not supported")
     flat_local = local.detach().view(-1)
-    target.pieces.extend(Piece(flat_local[i * run:(i + 1) * run], start) for i, start in enumerate(starts))
+    at = 0
+    for block in blocks:
+        n = block.rows * run
+        target.pieces.append(Piece(flat_local[at:at + n], block.start, block.rows, block.stride if block.rows > 1 else 0))
+        at += n
     return target

@@ -3,9 +3,10 @@
 A restore runs in phases (open and plan; read and check). Each phase runs under `Problems.guard`,
 which turns *any* exception on this rank into a problem that names the rank and the exception type,
 so that a rank never leaves the protocol early and its peers never wait in a collective for it.
-At the end of a phase `agree` makes one fixed-size ``all_reduce`` (a problem flag plus the plan's
-coverage digest and the buffer fingerprint); only when something is wrong do the ranks exchange
-their problem lists (``all_gather_object``), so every rank raises the same `RestoreError` text.
+At the end of a phase `agree` makes one fixed-size ``all_reduce`` (the number of failing ranks, the
+plan's coverage digest and the buffer fingerprint); only when something is wrong do the lowest failing
+ranks (at most `REPORTERS`) broadcast their problems, capped, so that every rank raises the same
+`RestoreError` text and nothing any rank sends, receives or holds grows with the world size.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .buffers import FINGERPRINT_MODULUS
-from .check import DIGEST_PRIME, coverage_digest
+from .check import DIGEST_PRIME, coverage_digest, name_weight
 from .errors import RestoreError
 
 _LABELS = {
@@ -26,10 +27,13 @@ _LABELS = {
     "shape": "shape mismatches", "dtype": "dtype mismatches", "unrestored": "not restored (still NaN / not covered)",
     "unsupported": "unsupported layouts", "buffers": "non-persistent buffers (held by no checkpoint) that are wrong",
     "coverage": "plan: the ranks' reads do not cover these tensors exactly (a planner bug)",
+    "key_map": "key_map problems",
 }
 _HINTS = {
-    "missing": "check prefix= (the subtree holding the weights) or pass strict=False to restore the keys that match",
-    "unexpected": "check prefix= (the subtree holding the weights) or pass strict=False to restore the keys that match",
+    "missing": "check prefix= (the subtree holding the weights), pass key_map= when the model names its tensors"
+               " differently, or strict=False to restore the keys that match",
+    "unexpected": "check prefix= (the subtree holding the weights), pass key_map= when the model names its tensors"
+                  " differently, or strict=False to restore the keys that match",
     "buffers": "the model was probably built on the meta device and materialized with to_empty(): call"
                " fsdp_restore.init_non_persistent_buffers(model) (Hugging Face rotary embeddings, modules with"
                " reset_buffers()), re-run your own buffer initialisation, or build these modules on the real"
@@ -87,75 +91,133 @@ def _all_reduce(values: list[int], group: dist.ProcessGroup | None) -> list[int]
     return t.cpu().tolist()
 
 
+REPORTERS = 8  # on failure, the lowest failing ranks that send their problems to all (bounded, at any scale)
+TEXTS_PER_KIND = 20  # problems of one kind a reporter sends (the rest are counted)
+COVERAGE_BUCKETS = 4096  # hash buckets of the coverage terms exchanged when the digest is off
+
+
 def agree(problems: Problems, what: str, group: dist.ProcessGroup | None = None, *,
           coverage: dict[str, tuple[int, int]] | None = None,
           buffer_prints: list[tuple[str, int]] | None = None) -> None:
     """Raise the same `RestoreError` on every rank if any rank has a problem, the ranks' plans do not
     cover every tensor exactly (``coverage``: `check.coverage_terms`), or a non-persistent buffer
-    differs between ranks (``buffer_prints``). Every rank calls it at the same point of the protocol."""
-    _, world = _rank(group)
+    differs between ranks (``buffer_prints``). Every rank calls it at the same point of the protocol.
+
+    Success costs one all-reduce of 6 integers. Failure costs a bounded number of small collectives,
+    whatever the world size: no rank gathers anything per rank (see `_reports`)."""
+    rank, world = _rank(group)
     d1, d2 = coverage_digest(coverage or {})
     fp = sum(_print_weight(i) * v for i, (_, v) in enumerate(sorted(buffer_prints or []))) % FINGERPRINT_MODULUS
-    values = [int(bool(problems)), d1, d2, fp, fp * fp]
-    flag, s1, s2, f1, f2 = _all_reduce(values, group) if world > 1 else values
-    if flag:
-        _raise(_gather(problems, group) if world > 1 else dict(problems.items), what)
+    values = [int(bool(problems)), d1, d2, fp, fp * fp, len(buffer_prints or [])]
+    failing, s1, s2, f1, f2, n_prints = _all_reduce(values, group) if world > 1 else values
+    if failing:
+        _raise(_reports(problems.items, bool(problems), failing, group, rank, world), what)
     if s1 % DIGEST_PRIME or s2 % DIGEST_PRIME:
-        _raise({"coverage": _uncovered_names(coverage or {}, group, world)}, what)
+        _raise({"coverage": _uncovered_names(coverage or {}, group, rank, world)}, what)
     if world * f2 != f1 * f1:  # equal iff every rank's fingerprint is the same (Cauchy-Schwarz)
-        _raise({"buffers": _differing_buffers(buffer_prints or [], group, world)}, what)
+        _raise({"buffers": _differing_buffers(buffer_prints or [], n_prints, group, world)}, what)
 
 
 def _print_weight(i: int) -> int:
     return (2654435761 * (i + 1)) % FINGERPRINT_MODULUS or 1
 
 
-def _all_gathered(obj: object, group: dist.ProcessGroup | None, world: int) -> list:
-    """Every rank's ``obj`` (only on the failure path: its size grows with the world size)."""
+def _capped(items: dict[str, list[str]]) -> dict[str, list[str]]:
+    """At most `TEXTS_PER_KIND` distinct texts per kind, plus one that counts the rest."""
+    out = {}
+    for kind, texts in items.items():
+        distinct = list(dict.fromkeys(texts))
+        out[kind] = distinct[:TEXTS_PER_KIND] + (
+            [f"... ({len(distinct) - TEXTS_PER_KIND} more on this rank)"] if len(distinct) > TEXTS_PER_KIND else [])
+    return out
+
+
+def _lowest_ranks(mine: bool, group: dist.ProcessGroup | None, rank: int, world: int, count: int) -> list[int]:
+    """The ``count`` lowest ranks for which ``mine`` holds: one all-reduce (MIN) of one integer per round,
+    so that no rank ever holds a list of every rank's anything."""
+    found: list[int] = []
+    for _ in range(count):
+        candidate = rank if mine and rank not in found else world
+        t = torch.tensor([candidate], dtype=torch.int64, device=_device(group))
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        low = int(t.item())
+        if low >= world:
+            break
+        found.append(low)
+    return found
+
+
+def _from_ranks(obj: object, senders: list[int], group: dist.ProcessGroup | None, rank: int) -> list:
+    """Each sender's ``obj``, on every rank (one broadcast per sender)."""
+    out = []
+    for sender in senders:
+        box = [obj if rank == sender else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, sender) if group is not None else sender,
+                                   group=group, device=_device(group))
+        out.append(box[0])
+    return out
+
+
+def _reports(items: dict[str, list[str]], mine: bool, failing: int, group: dist.ProcessGroup | None, rank: int,
+             world: int) -> dict[str, list[str]]:
+    """The problems of the (at most `REPORTERS`) lowest failing ranks, merged in rank order; per-rank kinds
+    are tagged with the ranks that saw them. Every rank gets the same text."""
     if world == 1:
-        return [obj]
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, obj, group=group)
-    return gathered
-
-
-def _uncovered_names(coverage: dict[str, tuple[int, int]], group: dist.ProcessGroup | None, world: int) -> list[str]:
-    """The tensors whose coverage terms do not sum to zero over the ranks."""
-    totals: dict[str, list[int]] = {}
-    for terms in _all_gathered(coverage, group, world):
-        for name, (a, b) in terms.items():
-            t = totals.setdefault(name, [0, 0])
-            t[0] += a
-            t[1] += b
-    return sorted(n for n, (a, b) in totals.items() if a or b) or ["(the digest differs, no single tensor does)"]
-
-
-def _differing_buffers(prints: list[tuple[str, int]], group: dist.ProcessGroup | None, world: int) -> list[str]:
-    values: dict[str, set[int]] = {}
-    for rank_prints in _all_gathered(prints, group, world):
-        for name, v in rank_prints:
-            values.setdefault(name, set()).add(v)
-    return [f"{n} differs between ranks" for n, vs in sorted(values.items()) if len(vs) > 1] or [
-        "(the ranks hold different sets of buffers)"]
-
-
-def _gather(problems: Problems, group: dist.ProcessGroup | None) -> dict[str, list[str]]:
-    """Every rank's problems merged, in rank order; per-rank kinds are tagged with the ranks that saw them."""
-    gathered = _all_gathered(problems.items, group, dist.get_world_size(group))
+        return dict(items)
+    reporters = _lowest_ranks(mine, group, rank, world, min(REPORTERS, failing))
+    sent = _from_ranks(_capped(items), reporters, group, rank)
     by_text: dict[str, dict[str, list[int]]] = {}
-    for rank, items in enumerate(gathered):
-        for kind, texts in (items or {}).items():
+    for sender, rank_items in zip(reporters, sent):
+        for kind, texts in (rank_items or {}).items():
             bucket = by_text.setdefault(kind, {})
             for text in texts:
-                ranks = bucket.setdefault(text, [])
-                if rank not in ranks:
-                    ranks.append(rank)
-    world = len(gathered)
+                bucket.setdefault(text, []).append(sender)  # texts are distinct per sender (_capped)
     merged: dict[str, list[str]] = {}
     for kind, texts in by_text.items():
         merged[kind] = [f"{text} [{_ranks_text(ranks, world)}]" if kind in _PER_RANK else text
                         for text, ranks in texts.items()]
+    if failing > len(reporters):
+        merged.setdefault("error", []).append(f"({failing} ranks failed; the problems of the first {len(reporters)}"
+                                              " are shown)")
     return merged
+
+
+def _uncovered_names(coverage: dict[str, tuple[int, int]], group: dist.ProcessGroup | None, rank: int,
+                     world: int) -> list[str]:
+    """The tensors whose coverage terms do not sum to zero over the ranks. The terms are summed in hash
+    buckets (one fixed-size all-reduce); the names in buckets that do not sum to zero are sent by the
+    lowest ranks that hold any."""
+    if world == 1:
+        return sorted(n for n, (a, b) in coverage.items() if a % DIGEST_PRIME or b % DIGEST_PRIME) or [
+            "(the digest differs, no single tensor does)"]
+    buckets = torch.zeros(COVERAGE_BUCKETS, 2, dtype=torch.int64)
+    slot = {name: name_weight(name, b"bucket") % COVERAGE_BUCKETS for name in coverage}
+    for name, (a, b) in coverage.items():
+        buckets[slot[name], 0] += a % DIGEST_PRIME
+        buckets[slot[name], 1] += b % DIGEST_PRIME
+    t = buckets.to(_device(group))
+    dist.all_reduce(t, group=group)
+    off = set(torch.nonzero((t.cpu() % DIGEST_PRIME).any(dim=1)).view(-1).tolist())
+    suspects = sorted(n for n in coverage if slot[n] in off)
+    names: set[str] = set()
+    for sent in _from_ranks(suspects[:TEXTS_PER_KIND * 5], _lowest_ranks(bool(suspects), group, rank, world, 2),
+                            group, rank):
+        names.update(sent or [])
+    return sorted(names) or ["(the digest differs, no single tensor does)"]
+
+
+def _differing_buffers(prints: list[tuple[str, int]], n_prints: int, group: dist.ProcessGroup | None,
+                       world: int) -> list[str]:
+    """Buffers whose fingerprint differs between ranks: per buffer, the sums of v and v^2 over the ranks
+    (one all-reduce as long as the model's buffer list, not the world)."""
+    ordered = sorted(prints)
+    if n_prints != world * len(ordered):
+        return ["(the ranks hold different sets of buffers)"]
+    t = torch.tensor([[v, v * v] for _, v in ordered] or [[0, 0]], dtype=torch.int64, device=_device(group))
+    dist.all_reduce(t, group=group)
+    sums = t.cpu().tolist()
+    return [f"{name} differs between ranks" for (name, _), (s, q) in zip(ordered, sums) if world * q != s * s] or [
+        "(the ranks hold different sets of buffers)"]
 
 
 def _ranks_text(ranks: list[int], world: int) -> str:

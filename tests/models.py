@@ -43,6 +43,29 @@ class TiedNet(nn.Module):
         self.head.weight = self.embed.weight
 
 
+class TitanLlama(nn.Module):
+    """The tiny Llama's tensors under torchtitan's names (tok_embeddings, layers.N.attention.wq, ...,
+    feed_forward.w1/w2/w3, output): a renamed model for key_map. No forward: only names and shapes matter."""
+
+    def __init__(self, vocab: int = 101, dim: int = 30, hidden: int = 46, kv_dim: int = 10, layers: int = 2) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList()
+        for _ in range(layers):
+            block = nn.Module()
+            block.attention = nn.Module()
+            for name, (out, inp) in {"wq": (dim, dim), "wk": (kv_dim, dim), "wv": (kv_dim, dim), "wo": (dim, dim)}.items():
+                setattr(block.attention, name, nn.Linear(inp, out, bias=False))
+            block.feed_forward = nn.Module()
+            for name, (out, inp) in {"w1": (hidden, dim), "w2": (dim, hidden), "w3": (hidden, dim)}.items():
+                setattr(block.feed_forward, name, nn.Linear(inp, out, bias=False))
+            block.attention_norm = nn.RMSNorm(dim)
+            block.ffn_norm = nn.RMSNorm(dim)
+            self.layers.append(block)
+        self.norm = nn.RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+
 def build(name: str, seed: int = 0, device: str | torch.device | None = None) -> nn.Module:
     """The named model with seed-determined values, on ``device`` (default: `DEVICE`; "meta": no values)."""
     if device is None or str(device) != "meta":
@@ -76,6 +99,9 @@ def _build(name: str, seed: int, device: str) -> nn.Module:
             return tiny_llama(seed)
         if name == "llama-tied":
             return tiny_llama(seed, tie_word_embeddings=True)
+        if name == "titan":
+            torch.manual_seed(seed)
+            return TitanLlama()
     raise ValueError(name)
 
 
@@ -84,15 +110,19 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
         return [model.inp, *model.blocks]
     if isinstance(model, TiedNet):
         return list(model.blocks)
+    if isinstance(model, TitanLlama):
+        return list(model.layers)
     if hasattr(model, "transformer"):
         return list(model.transformer.h)
     return list(model.model.layers)
 
 
 def wrap(model: nn.Module, how: str, world_size: int) -> nn.Module:
-    """how: plain | ddp | fsdp2 | hsdp | fsdp1-<STRATEGY>-<orig|flat>"""
+    """how: plain | ddp | fsdp2 | hsdp | fsdp1-<STRATEGY>-<orig|flat> | tp | fsdp2+tp"""
     if how == "plain":
         return model
+    if how in ("tp", "fsdp2+tp"):
+        return _tensor_parallel(model, how, world_size)
     if how == "ddp":
         return nn.parallel.DistributedDataParallel(model, device_ids=[DEVICE] if DEVICE.type == "cuda" else None)
     if how in ("fsdp2", "hsdp"):
@@ -122,6 +152,37 @@ def wrap(model: nn.Module, how: str, world_size: int) -> nn.Module:
         return FSDP(model, sharding_strategy=ShardingStrategy[strategy], use_orig_params=params == "orig",
                     auto_wrap_policy=ModuleWrapPolicy(block_types), device_id=DEVICE, **kwargs)
     raise ValueError(how)
+
+
+def _tp_plan(model: nn.Module) -> dict:
+    """torchtitan's Llama plan: column-split projections, row-split outputs (Shard(1)), a column-split
+    embedding (Shard(1)) and head, sequence-parallel norms (Replicate parameters)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    plan = {"model.embed_tokens": ColwiseParallel(), "lm_head": ColwiseParallel(), "model.norm": SequenceParallel()}
+    for i, _ in enumerate(model.model.layers):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
+        plan[f"model.layers.{i}.input_layernorm"] = SequenceParallel()
+    return plan
+
+
+def _tensor_parallel(model: nn.Module, how: str, world_size: int) -> nn.Module:
+    """how: tp (1-D mesh) | fsdp2+tp (dp x tp = 2 x world_size/2, FSDP2 over TP); a Llama."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if how == "tp":
+        return parallelize_module(model, init_device_mesh(DEVICE.type, (world_size,)), _tp_plan(model))
+    mesh = init_device_mesh(DEVICE.type, (2, world_size // 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], _tp_plan(model))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model
 
 
 def full_state(model: nn.Module, how: str) -> dict[str, torch.Tensor]:

@@ -105,6 +105,63 @@ def test_fault_is_caught_on_the_gpu(llama_ckpt, fault, world_size, backend):
     assert VICTIM in messages[0] and re.search(EXPECTED[fault], messages[0]), messages[0]
 
 
+TP_VICTIM = "model.layers.0.mlp.down_proj.weight"  # [30, 46], RowwiseParallel: Shard(1), 23+23 / 16+15+15 columns
+
+
+def _restore_tp_with_fault(rank, world_size, path, fault):
+    """A fault in a column block (one item of rows at a stride) on every rank."""
+    import importlib
+
+    restore = importlib.import_module("fsdp_restore.restore")
+    real_build = restore.build_plan
+
+    def faulty_build(*args, **kwargs):
+        plan = real_build(*args, **kwargs)
+        for item in (i for i in plan.items if i.name == TP_VICTIM):
+            assert item.rows == 30  # one item for the whole column block, not one per row
+            if fault == "shift-column" and item.global_start == 0:
+                item.src_start += 1
+                item.global_start += 1
+            elif fault == "stride" and rank == 1:
+                item.stride -= 1
+                item.src_start += 1  # stays inside the tensor: only the rows' placement is wrong
+                item.global_start += 1
+        return plan
+
+    restore.build_plan = faulty_build
+    if fault == "silent-rows" and rank == 1:
+        from fsdp_restore.read import Checkpoint
+
+        real_rows = Checkpoint.read_rows
+
+        def rows_read_nothing_for_victim(self, key, elem_start, dest, rows, stride):
+            if key != f"model.{TP_VICTIM}":
+                real_rows(self, key, elem_start, dest, rows, stride)
+
+        Checkpoint.read_rows = rows_read_nothing_for_victim
+    model = wrap(build("llama", seed=7), "tp", world_size)
+    with pytest.raises(RestoreError) as info:
+        fsdp_restore.restore_model(model, path)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("fault,expected", [("shift-column", "do not cover|reads outside"),
+                                            ("stride", "do not cover"), ("silent-rows", "not restored")])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_column_block_fault_is_caught(llama_ckpt, fault, expected, world_size):
+    messages = run_ranks(_restore_tp_with_fault, world_size, llama_ckpt, fault)
+    assert len(set(messages)) == 1, messages
+    assert TP_VICTIM in messages[0] and re.search(expected, messages[0]), messages[0]
+
+
+def test_coverage_terms_of_a_column_block_equal_its_rows():
+    """The closed form for rows at a stride agrees with the rows taken one by one."""
+    dest = torch.empty(7 * 5)
+    block = ReadItem("k", 3, dest, "w", 3, 11 * 13, rows=7, stride=13)
+    rows = [ReadItem("k", 3 + 13 * i, dest[5 * i:5 * (i + 1)], "w", 3 + 13 * i, 11 * 13) for i in range(7)]
+    assert coverage_terms([block]) == coverage_terms(rows)
+
+
 # ---- the parts, in one process -------------------------------------------------------------------------
 
 

@@ -115,3 +115,25 @@ def test_the_oracle_catches_what_the_nan_check_cannot(setup):
     assert all(r["error"] is None for r in results)  # the restore itself passed its check
     mismatched = sorted({m for r in results for m in r["mismatches"]})
     assert mismatched == ["layers.0.weight", "layers.1.weight"]
+
+
+RENAMED_FACTORY = FACTORY.replace("self.embed", "self.tok").replace("self.layers", "self.blocks")
+
+
+def test_cli_key_map_file(setup):
+    """A model whose names differ from the checkpoint's passes with --key-map (a YAML file of regex pairs),
+    fails naming the missing keys without it, and a malformed map is one line, no traceback."""
+    (setup / "renamed.py").write_text(RENAMED_FACTORY)
+    (setup / "map.yaml").write_text(r"""
+- ['^tok\.', 'embed.']
+- ['^blocks\.', 'layers.']
+""")
+    cmd = [sys.executable, "-m", "fsdp_restore", "check-restore", "ck.safetensors", "--model", "renamed:build",
+           "--nproc", "2"]
+    res = subprocess.run(cmd + ["--key-map", "map.yaml"], cwd=setup, capture_output=True, text=True)
+    assert res.returncode == 0 and "restore check passed" in res.stdout, res.stdout + res.stderr
+    res = subprocess.run(cmd, cwd=setup, capture_output=True, text=True)
+    assert res.returncode == 1 and "blocks.0.weight" in res.stdout, res.stdout + res.stderr
+    (setup / "bad.yaml").write_text("- ['(', 'x']\n")
+    res = subprocess.run(cmd + ["--key-map", "bad.yaml"], cwd=setup, capture_output=True, text=True)
+    assert res.returncode == 1 and "bad regex" in res.stderr and "Traceback" not in res.stderr, res.stderr

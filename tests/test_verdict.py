@@ -134,3 +134,29 @@ def test_check_restore_factory_failing_on_one_rank(tmp_path):
     assert time.monotonic() - t0 < BOUND_S + 10
     errors = {r["error"] for r in results}
     assert len(errors) == 1 and "KeyError: no such layer on this rank [rank 1]" in errors.pop()
+
+
+def _many_failing(rank, world_size, reporters):
+    from fsdp_restore import verdict
+
+    verdict.REPORTERS = reporters
+    verdict.TEXTS_PER_KIND = 3
+    problems = verdict.new_problems()
+    problems.add("error", [f"rank-{rank} problem {i}" for i in range(5)])  # more than a reporter sends
+    if rank % 2:
+        problems.add("missing", ["w"])
+    with pytest.raises(RestoreError) as info:
+        verdict.agree(problems if rank != 2 else verdict.new_problems(), "restore")
+    return str(info.value)
+
+
+def test_failure_report_is_bounded_whatever_the_world_size():
+    """Only the lowest failing ranks send their problems (capped per kind): the message says how many
+    ranks failed, is the same on every rank, and never holds every rank's problems."""
+    messages = run_ranks(_many_failing, 4, 2, timeout=120, pg_timeout=60)
+    assert len(set(messages)) == 1, messages
+    text = messages[0]
+    assert "rank-0 problem 0 [rank 0]" in text and "rank-1 problem 2 [rank 1]" in text
+    assert "rank-1 problem 3" not in text and "(2 more on this rank) [ranks 0, 1]" in text  # capped
+    assert "rank-3" not in text and "(3 ranks failed; the problems of the first 2 are shown)" in text
+    assert "missing from the checkpoint (1): w" in text  # rank 1 was a reporter; rank 2 had nothing

@@ -1,0 +1,212 @@
+"""Restore at 8 .. 1024 ranks, on paper and in simulation: every rank's plan for a Llama-3-405B-shaped model.
+
+    python scripts/simulate_scale.py                           # FSDP2 at 8, 64, 256, 1024 ranks; HSDP 8 x 128
+    python scripts/simulate_scale.py --world-sizes 8 1024 --layers 8 --out x.json   # quicker
+
+No processes are launched and no GPU is needed. One rank at a time runs in its own process with torch's
+fake process group (``torch.testing._internal.distributed.fake_pg``: a real ``ProcessGroup`` whose
+collectives do nothing) at the simulated rank and world size, so that FSDP2's ``fully_shard`` lays out
+a real 405B-parameter Hugging Face Llama exactly as it would on that rank; ``to_empty`` gives its
+shards memory that is never touched (virtual), and the library's real planner (`build_plan`,
+`validate_plan`, `coverage_terms`, the executor's chunking) runs against a real checkpoint file: a
+safetensors header describing the 405B bf16 tensors, on a sparse file of the full size (nothing is
+read: planning reads only the header). Per simulated rank: plan time, reads, bytes, peak RSS and the
+verdict's payload. Then, for every rank of every layout (not a sample), torch's own layout arithmetic
+and our row blocks give each rank's coverage terms, which must sum to zero for every tensor: the
+check the verdict's all-reduce makes, done for all 1024 ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+LLAMA_405B = dict(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126, num_attention_heads=128,
+                  num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, tie_word_embeddings=False,
+                  rms_norm_eps=1e-5, rope_theta=500000.0)
+VERDICT_INTS = 6  # agree(): int64 values all-reduced per phase on success (verdict.py)
+
+
+def _config(layers: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**{**LLAMA_405B, "num_hidden_layers": layers})
+
+
+def _shapes(layers: int) -> dict[str, tuple[int, ...]]:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(_config(layers))
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def write_sparse_checkpoint(path: Path, layers: int) -> int:
+    """A safetensors file of the 405B model's bf16 tensors (Hugging Face names): a real header, the data a
+    hole of the full size (sparse: no disk used). Returns the data bytes."""
+    header, at = {}, 0
+    for name, shape in _shapes(layers).items():
+        n = 2
+        for d in shape:
+            n *= d
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [at, at + n]}
+        at += n
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + at)
+    return at
+
+
+def one_rank(layout: str, world: int, rank: int, path: str, layers: int) -> dict:
+    """Plan one simulated rank (runs in its own process)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from transformers import LlamaForCausalLM
+
+    import fsdp_restore
+    from fsdp_restore.check import coverage_terms, model_storages, validate_plan
+    from fsdp_restore.execute import chunked
+    from fsdp_restore.plan import build_plan
+    from fsdp_restore.read import Checkpoint
+
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    if layout == "hsdp":
+        mesh = init_device_mesh("cpu", (8, world // 8), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(_config(layers)).to(torch.bfloat16)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")  # the shards' memory: allocated, never touched
+    fsdp_restore.init_non_persistent_buffers(model)
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    ckpt = Checkpoint(path)
+    plan = build_plan(model, ckpt, prefix="")
+    t1 = time.perf_counter()
+    problems = validate_plan(plan, model_storages(model), ckpt)
+    t2 = time.perf_counter()
+    terms = coverage_terms(plan.items)
+    t3 = time.perf_counter()
+    reads = len(chunked(plan.items, ckpt))
+    local = sum(i.dest.numel() * ckpt.entries[i.key].itemsize for i in plan.items)
+    return {"layout": layout, "world": world, "rank": rank, "tensors": len(plan.targets), "items": len(plan.items),
+            "reads": reads, "bytes": local, "plan_s": t1 - t0, "validate_s": t2 - t1, "coverage_s": t3 - t2,
+            "problems": plan.problems | problems, "coverage_names": len(terms),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "plan_rss_mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024,
+            "verdict_bytes_per_phase": VERDICT_INTS * 8}
+
+
+def every_rank_covers(layout: str, world: int, layers: int) -> dict:
+    """Sum every rank's coverage terms (torch's layout arithmetic -> our row blocks -> our moments) per
+    tensor shape: zero for every tensor means the ranks together read each element equally often."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    from fsdp_restore.check import _moments
+    from fsdp_restore.shards import block_rows
+
+    mesh_shape = (8, world // 8) if layout == "hsdp" else (world,)
+    placements = (Replicate(), Shard(0)) if layout == "hsdp" else (Shard(0),)
+    coords = [(r // mesh_shape[-1], r % mesh_shape[-1]) if layout == "hsdp" else (r,) for r in range(world)]
+    bad, t0 = [], time.perf_counter()
+    shapes = set(_shapes(layers).values())
+    for shape in shapes:
+        n = 1
+        for d in shape:
+            n *= d
+        s1 = s2 = count = 0
+        for coord in coords:
+            local, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coord), placements)
+            blocks, run = block_rows(tuple(shape), tuple(local), tuple(offset))
+            for b in blocks:
+                if run == 0:
+                    continue
+                a, q = _moments(b.start, run, b.rows, b.stride)
+                c = run * b.rows
+                s1 += 2 * a - c * (n - 1)
+                s2 += 6 * q - c * (n - 1) * (2 * n - 1)
+                count += c
+        if s1 or s2 or count % n:
+            bad.append(list(shape))
+    return {"layout": layout, "world": world, "shapes": len(shapes), "uncovered": bad,
+            "copies": world // mesh_shape[-1] if layout == "hsdp" else 1, "seconds": time.perf_counter() - t0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[8, 64, 256, 1024])
+    parser.add_argument("--hsdp", action=argparse.BooleanOptionalAction, default=True, help="also HSDP 8 x 128")
+    parser.add_argument("--layers", type=int, default=126)
+    parser.add_argument("--workdir", default="/tmp/fsdp_restore_scale")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--one", nargs=4, metavar=("LAYOUT", "WORLD", "RANK", "PATH"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        layout, world, rank, path = args.one
+        print(json.dumps(one_rank(layout, int(world), int(rank), path, args.layers)))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=150)
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / f"llama405b-{args.layers}layers.safetensors"
+    total = write_sparse_checkpoint(path, args.layers)
+    console.print(f"checkpoint header for {total / 1e9:.0f} GB of bf16 weights (sparse file: {path})")
+    layouts = [("fsdp2", w) for w in args.world_sizes] + ([("hsdp", 1024)] if args.hsdp else [])
+    rows, covers = [], []
+    for layout, world in layouts:
+        for rank in sorted({0, world // 2 + 1, world - 1}):
+            out = subprocess.run([sys.executable, __file__, "--layers", str(args.layers), "--one", layout, str(world),
+                                  str(rank), str(path)], capture_output=True, text=True, env={**os.environ,
+                                  "OMP_NUM_THREADS": "1"})
+            if out.returncode:
+                raise SystemExit(f"{layout} {world} rank {rank} failed:\n{out.stderr[-3000:]}")
+            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        covers.append(every_rank_covers(layout, world, args.layers))
+    table = Table(title=f"Llama-3-405B shape ({args.layers} layers), bf16 weights: one simulated rank at a time")
+    for col in ("layout", "ranks", "rank", "tensors", "reads", "GB read", "x share", "plan s", "validate s",
+                "RSS MB (plan)", "verdict B"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        share = total / (r["world"] // 8 if r["layout"] == "hsdp" else r["world"])
+        table.add_row(r["layout"], str(r["world"]), str(r["rank"]), str(r["tensors"]), str(r["reads"]),
+                      f"{r['bytes'] / 1e9:.2f}", f"{r['bytes'] / share:.3f}", f"{r['plan_s']:.2f}",
+                      f"{r['validate_s'] + r['coverage_s']:.2f}", f"{r['plan_rss_mb']:.0f}",
+                      str(r["verdict_bytes_per_phase"]))
+        if r["problems"]:
+            console.print(f"[red]problems[/] {r['layout']} {r['world']} rank {r['rank']}: {r['problems']}")
+    console.print(table)
+    for c in covers:
+        verdict = "[green]every element covered[/]" if not c["uncovered"] else f"[red]uncovered {c['uncovered']}[/]"
+        console.print(f"{c['layout']} x {c['world']} ranks: all {c['world']} ranks' coverage terms summed over"
+                      f" {c['shapes']} tensor shapes ({c['copies']} cop{'y' if c['copies'] == 1 else 'ies'}):"
+                      f" {verdict} ({c['seconds']:.1f} s)")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"layers": args.layers, "bytes": total, "ranks": rows,
+                                              "coverage": covers}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

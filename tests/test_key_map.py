@@ -1,0 +1,147 @@
+"""Restoring under other names: a Hugging Face Llama checkpoint into torchtitan's names, on real ranks.
+
+The oracle is the source model itself (rebuilt from its seed) and the source's own optimizer state
+(``torch.load`` of the .pt), matched by a name table written out here, not by the key map."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from dist import run_ranks
+from models import build, full_state, wrap
+
+import fsdp_restore
+from fsdp_restore import RestoreError
+from fsdp_restore.key_map import apply, as_function, parse_spec
+
+ROOT = Path(__file__).resolve().parent.parent
+TITAN_MAP = ROOT / "configs" / "key_maps" / "torchtitan_llama_from_hf.yaml"
+
+
+def titan_to_hf(name: str) -> str:
+    """The same renaming as the shipped YAML map, spelled out by hand (the oracle's name table)."""
+    table = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
+    parts = name.split(".")
+    if parts[0] in table:
+        return ".".join([table[parts[0]], *parts[1:]])
+    layer, group, *rest = parts[1:]
+    inner = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
+             "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w2": "mlp.down_proj",
+             "feed_forward.w3": "mlp.up_proj", "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+    key = group if group in inner else f"{group}.{rest.pop(0)}"
+    return ".".join(["model.layers", layer, inner[key], *rest])
+
+
+# ---- the map itself -------------------------------------------------------------------------------------
+
+
+def test_the_three_forms():
+    assert as_function({"a": "b"})("a") == "b" and as_function({"a": "b"})("c") == "c"
+    assert as_function([(r"^x\.(\d+)", r"y.\1"), (r"^x", "z")])("x.3.w") == "y.3.w"  # first match wins
+    assert as_function(str.upper)("w") == "W"
+    with pytest.raises(ValueError, match="bad regex"):
+        as_function([("(", "x")])
+    with pytest.raises(ValueError, match="not a \\(regex, replacement\\) pair"):
+        as_function([("a", "b", "c")])
+
+
+def test_collisions_and_names_sent_to_nothing_are_all_reported():
+    mapping, problems = apply(lambda n: {"a": "k", "b": "k", "c": None}.get(n, n), ["a", "b", "c", "d"])
+    assert mapping == {"a": "k", "b": "k", "d": "d"}
+    assert problems == ["a and b: key_map sends both to 'k'", "c: key_map sends it to nothing (None)"]
+    # tied names may share a key
+    assert apply(lambda n: "k", ["head", "embed"], same={"head": "embed"})[1] == []
+
+
+def test_shipped_yaml_map_equals_the_hand_written_table():
+    fn = as_function(parse_spec(str(TITAN_MAP)))
+    for name in build("titan").state_dict():
+        assert fn(name) == titan_to_hf(name), name
+
+
+# ---- on real ranks --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_training_ckpt(tmp_path_factory):
+    from helpers import tiny_llama, training_checkpoint
+
+    root = tmp_path_factory.mktemp("key_map")
+    torch.save(training_checkpoint(tiny_llama(0)), root / "hf.pt")
+    fsdp_restore.convert(root / "hf.pt", root / "hf.safetensors")
+    return root / "hf.safetensors"
+
+
+def _restore_titan(rank, world_size, path, how):
+    model = wrap(build("titan", seed=5), how, world_size)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    result = fsdp_restore.restore(model, path, optimizer=opt, key_map=parse_spec(str(TITAN_MAP)))
+    saved = torch.load(str(path).replace(".safetensors", ".pt"), weights_only=False)  # written by this test
+    hf_names = list(saved["model"])  # the saved optimizer's integer ids follow the HF parameter order
+    wrong = [n for n, t in full_state(model, how).items() if not torch.equal(t, saved["model"][titan_to_hf(n)])]
+    for name, param in model.named_parameters():
+        name = name.replace("_fsdp_wrapped_module.", "")
+        state = saved["optim"]["state"][hf_names.index(titan_to_hf(name))]
+        for field in ("exp_avg", "exp_avg_sq"):
+            value = opt.state[param][field]
+            value = value.full_tensor() if hasattr(value, "full_tensor") else value
+            if not torch.equal(value.cpu(), state[field]):
+                wrong.append(f"optim {name}.{field}")
+    return wrong, result.model.tensors
+
+
+@pytest.mark.parametrize("how,world_size", [("fsdp2", 2), ("fsdp2", 3), ("plain", 1)])
+def test_hf_llama_into_torchtitan_names(hf_training_ckpt, how, world_size):
+    results = run_ranks(_restore_titan, world_size, hf_training_ckpt, how)
+    assert all(wrong == [] for wrong, _ in results), results
+    assert results[0][1] == len(build("titan").state_dict())
+
+
+def _restore_badly_mapped(rank, world_size, path):
+    fn = as_function(parse_spec(str(TITAN_MAP)))
+
+    def key_map(name):
+        if name == "layers.0.feed_forward.w3.weight":
+            return fn("layers.0.feed_forward.w1.weight")  # two names onto one key
+        if name == "norm.weight":
+            return "model.final_norm.weight"  # a key the checkpoint does not have
+        return fn(name)
+
+    model = wrap(build("titan", seed=5), "fsdp2", world_size)
+    with pytest.raises(RestoreError) as info:
+        fsdp_restore.restore_model(model, path, key_map=key_map)
+    return str(info.value)
+
+
+def test_bad_map_is_one_error_listing_every_problem(hf_training_ckpt):
+    messages = run_ranks(_restore_badly_mapped, 2, hf_training_ckpt)
+    assert messages[0] == messages[1]
+    text = messages[0]
+    assert "layers.0.feed_forward.w1.weight and layers.0.feed_forward.w3.weight: key_map sends both to" in text
+    assert "norm.weight (as 'model.final_norm.weight')" in text  # missing, under both names
+    assert "model.layers.0.mlp.up_proj.weight" in text and "model.norm.weight" in text  # left unexpected
+
+
+def test_a_rename_cannot_fuse(tmp_path):
+    """Mapping q, k and v onto a fused tensor is a shape problem, refused; never a partial copy."""
+    from models import converted
+
+    class Fused(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(30, 50, bias=False)
+
+    path = converted(tmp_path, "llama")
+    with pytest.raises(RestoreError, match=r"qkv.weight: checkpoint \[30, 30\] vs model \[50, 30\]"):
+        fsdp_restore.restore_model(Fused(), path, strict=False,
+                                   key_map={"qkv.weight": "model.layers.0.self_attn.q_proj.weight"})
+
+
+def test_readme_example_is_the_shipped_map():
+    text = (ROOT / "README.md").read_text()
+    start = text.index("HF_TO_TORCHTITAN = [")
+    namespace: dict = {}
+    exec(text[start:text.index("]\n", start) + 1], namespace)
+    assert [tuple(p) for p in namespace["HF_TO_TORCHTITAN"]] == list(parse_spec(str(TITAN_MAP)))
