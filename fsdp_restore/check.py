@@ -25,6 +25,7 @@ name and left untouched.
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import threading
 from collections.abc import Iterable, Sequence
@@ -62,10 +63,11 @@ class Storage:
     def floating(self) -> bool:
         return floating(self.flat.dtype)
 
-    @property
-    def ptr_range(self) -> tuple[int, int]:
+    ptr_range: tuple[int, int] = (0, 0)  # [first byte, end) of ``flat`` (set from it: looked up per read)
+
+    def __post_init__(self) -> None:
         start = self.flat.data_ptr()
-        return start, start + self.flat.numel() * self.flat.element_size()
+        self.ptr_range = (start, start + self.flat.numel() * self.flat.element_size())
 
 
 @dataclass
@@ -238,6 +240,7 @@ def validate_plan(plan: ReadPlan, storages: Sequence[Storage], ckpt: Checkpoint)
     return {f"plan: {kind}": sorted(names) for kind, names in bad.items()}
 
 
+@functools.lru_cache(maxsize=1 << 16)  # the same names every restore; a hash each costs microseconds
 def name_weight(name: str, salt: bytes) -> int:
     """A pseudo-random weight of ``name`` below `DIGEST_PRIME`, the same on every rank."""
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8, salt=salt).digest(), "little") % DIGEST_PRIME
@@ -343,7 +346,7 @@ def screen(storages: Sequence[Storage], plan: ReadPlan, ckpt: Checkpoint, thread
 
 class Ledger:
     """The check on the read threads, for memory the host writes itself: the executor calls `before` on
-    each chunk's destination just before reading into it and `after` right after, so the NaN fill
+    each read's destinations just before reading into them and `after` right after, so the NaN fill
     and the screen run while other threads wait for the disk, on memory still in cache.
 
     The ledger does not trust the executor: it records the chunks it poisoned *and* screened, and
@@ -358,22 +361,27 @@ class Ledger:
         self.covered: dict[int, list[tuple[int, int]]] = {}  # id(storage) -> (offset, count) poisoned and screened
         self.flagged: list[torch.Tensor] = []
 
-    def before(self, dest: torch.Tensor) -> None:
-        if floating(dest.dtype):
-            dest.fill_(float("nan"))  # an element the read fails to write stays NaN
-        self._open.dest = (dest.data_ptr(), dest.numel())
+    def before(self, dests: list[torch.Tensor]) -> None:
+        for dest in dests:
+            if floating(dest.dtype):
+                dest.fill_(float("nan"))  # an element the read fails to write stays NaN
+        self._open.dests = [(d.data_ptr(), d.numel()) for d in dests]
 
-    def after(self, dest: torch.Tensor) -> None:
-        if getattr(self._open, "dest", None) != (dest.data_ptr(), dest.numel()):
-            return  # not poisoned just before: not covered (settle reports it unless another chunk was)
-        self._open.dest = None
-        suspicious = floating(dest.dtype) and dest.numel() and bool(torch.isnan(dest.sum()))
-        found = self.index.find(dest.data_ptr()) if dest.numel() else None
+    def after(self, dests: list[torch.Tensor]) -> None:
+        opened = getattr(self._open, "dests", None)
+        self._open.dests = None
+        if opened != [(d.data_ptr(), d.numel()) for d in dests]:
+            return  # not poisoned just before: not covered (settle reports it unless another read was)
+        sums = [d.sum() for d in dests if floating(d.dtype) and d.numel()]
+        suspicious = bool(torch.isnan(torch.stack([(s.real + s.imag if s.is_complex() else s).float()
+                                                    for s in sums])).any()) if sums else False
+        found = [(self.index.find(d.data_ptr()), d) for d in dests if d.numel()]
         with self._lock:
-            if found is not None:
-                self.covered.setdefault(id(found[0]), []).append((found[1], dest.numel()))
+            for where, d in found:
+                if where is not None:
+                    self.covered.setdefault(id(where[0]), []).append((where[1], d.numel()))
             if suspicious:
-                self.flagged.append(dest)
+                self.flagged.extend(d for d in dests if floating(d.dtype) and d.numel())
 
 
 def settle(storages: Sequence[Storage], plan: ReadPlan, ckpt: Checkpoint, ledger: Ledger) -> CheckResult:

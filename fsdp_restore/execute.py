@@ -30,6 +30,7 @@ from .read import Checkpoint
 
 DEFAULT_READ_THREADS = 4
 READ_CHUNK_BYTES = 16 * 1024 * 1024  # items above this are split so that several threads share them
+GROUP_MAX_PARTS = 512  # small chunks stored back to back are read together, up to READ_CHUNK_BYTES
 PINNED_BUFFERS_PER_THREAD = 3  # reads run up to this many chunks ahead of the host-to-device copies
 
 
@@ -144,14 +145,60 @@ class _Worker:
                     raw = buf[:m * entry.itemsize].view(entry.dtype)
                     raw.copy_(staged, non_blocking=True)
                     part.copy_(raw)
-                if self.poison:
-                    if self.ones is None or self.ones.numel() < raw_bytes.numel():
-                        self.ones = torch.full((max(raw_bytes.numel(), self.chunk_bytes),), 0xFF, dtype=torch.uint8,
-                                               device=self.device)
-                    raw_bytes.copy_(self.ones[:raw_bytes.numel()], non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self.stream)
-                self.events[i] = event
+                self._repoison_and_record(i, raw_bytes)
+
+    def read_group(self, group: Sequence[Chunk]) -> None:
+        """Read chunks that lie back to back in one file (see `grouped`) with one positional read: straight
+        into CPU memory of the stored dtype, else into one staging buffer, then copied (and cast) per chunk."""
+        if len(group) == 1:
+            c = group[0]
+            self.read(c.item.key, c.src_start, c.item.dest[c.first:c.first + c.count], c.rows, c.item.stride)
+            return
+        entries = [self.ckpt.entries[c.item.key] for c in group]
+        dests = [c.item.dest[c.first:c.first + c.count] for c in group]
+        if all(d.device.type == "cpu" and d.dtype == e.dtype for d, e in zip(dests, entries)):
+            self.ckpt.read_contiguous([(c.item.key, c.src_start, d) for c, d in zip(group, dests)])
+            return
+        sizes = [c.count * e.itemsize for c, e in zip(group, entries)]
+        i = self._slot(sum(sizes))
+        raw_bytes = self.host[i][:sum(sizes)]
+        staged, at = [], 0
+        for size, e in zip(sizes, entries):
+            staged.append(raw_bytes[at:at + size].view(e.dtype))
+            at += size
+        self.ckpt.read_contiguous([(c.item.key, c.src_start, v) for c, v in zip(group, staged)])
+        if self.stream is None:
+            for d, v in zip(dests, staged):
+                d.copy_(v)
+            if self.poison:
+                raw_bytes.fill_(0xFF)
+            return
+        with torch.cuda.stream(self.stream):
+            if all(d.dtype == e.dtype for d, e in zip(dests, entries)):
+                for d, v in zip(dests, staged):
+                    d.copy_(v, non_blocking=True)
+            else:  # the whole group to the device as stored in one copy, then cast there
+                buf = self.on_device[i]
+                if buf is None or buf.numel() < self.host[i].numel():
+                    buf = self.on_device[i] = torch.empty(self.host[i].numel(), dtype=torch.uint8, device=self.device)
+                buf[:raw_bytes.numel()].copy_(raw_bytes, non_blocking=True)
+                at = 0
+                for d, size, e in zip(dests, sizes, entries):
+                    d.copy_(buf[at:at + size].view(e.dtype))
+                    at += size
+            self._repoison_and_record(i, raw_bytes)
+
+    def _repoison_and_record(self, i: int, raw_bytes: torch.Tensor) -> None:
+        """(On the worker's stream) make pinned buffer ``i`` NaN again once its upload is done, and record
+        the event that says when the host may reuse it."""
+        if self.poison:
+            if self.ones is None or self.ones.numel() < raw_bytes.numel():
+                self.ones = torch.full((max(raw_bytes.numel(), self.chunk_bytes),), 0xFF, dtype=torch.uint8,
+                                       device=self.device)
+            raw_bytes.copy_(self.ones[:raw_bytes.numel()], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        self.events[i] = event
 
     def finish(self) -> None:
         """Wait for every copy in flight; the caller's stream may then use the memory."""
@@ -183,18 +230,45 @@ def chunked(items: Sequence[ReadItem], ckpt: Checkpoint) -> list[Chunk]:
     return chunks
 
 
+def grouped(chunks: Sequence[Chunk], ckpt: Checkpoint) -> list[list[Chunk]]:
+    """Consecutive chunks (in file order) whose bytes lie back to back in one file, plain ranges into
+    memory on one device, together at most `READ_CHUNK_BYTES`: one positional read each group (a model
+    of thousands of small tensors paid more per read call than per byte)."""
+    groups: list[list[Chunk]] = []
+    end: tuple[object, int] | None = None
+    size = 0
+    for c in chunks:
+        entry = ckpt.entries[c.item.key]
+        start = entry.offset + c.src_start * entry.itemsize
+        nbytes = c.count * entry.itemsize
+        last = groups[-1][-1] if groups else None
+        if (last is not None and c.rows == 1 and last.rows == 1 and end == (entry.file, start)
+                and size + nbytes <= READ_CHUNK_BYTES and len(groups[-1]) < GROUP_MAX_PARTS
+                and size % entry.itemsize == 0  # its place in a staging buffer can be viewed as its dtype
+                and c.item.dest.device == last.item.dest.device):
+            groups[-1].append(c)
+            size += nbytes
+        else:
+            groups.append([c])
+            size = nbytes
+        end = (entry.file, start + nbytes)
+    return groups
+
+
 def execute_reads(ckpt: Checkpoint, items: Sequence[ReadItem], threads: int = DEFAULT_READ_THREADS, *,
-                  before: Callable[[torch.Tensor], None] | None = None,
-                  after: Callable[[torch.Tensor], None] | None = None, poison_staging: bool = False) -> None:
+                  before: Callable[[list[torch.Tensor]], None] | None = None,
+                  after: Callable[[list[torch.Tensor]], None] | None = None, poison_staging: bool = False) -> None:
     """Run every read of ``items`` on ``threads`` threads; positional reads release the GIL, so reads
     overlap each other and the copies into device memory. Marks each item done once all its
-    chunks were read; the first failed read raises. ``before`` / ``after`` are called with each
-    chunk's destination on the thread that reads it, just before and right after the read (the
-    check's ledger: host memory only, where the read is complete when it returns). ``poison_staging``:
-    keep staging buffers NaN between uses (the check is on), so that no stale bytes can pass for a read."""
+    chunks were read; the first failed read raises. ``before`` / ``after`` are called with the
+    destinations of each read (a group of chunks, `grouped`) on the thread that reads it, just before and
+    right after the read (the check's ledger: host memory only, where the read is complete when it
+    returns). ``poison_staging``: keep staging buffers NaN between uses (the check is on), so that no
+    stale bytes can pass for a read."""
     chunks = chunked(items, ckpt)
     if not chunks:
         return
+    groups = grouped(chunks, ckpt)
     devices = {chunk.item.dest.device for chunk in chunks}
     device = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
     cuda = device.type == "cuda"
@@ -211,21 +285,21 @@ def execute_reads(ckpt: Checkpoint, items: Sequence[ReadItem], threads: int = DE
                 workers.append(w)
         return w
 
-    def read(chunk: Chunk) -> None:
-        item = chunk.item
-        dest = item.dest[chunk.first:chunk.first + chunk.count]
+    def read(group: list[Chunk]) -> None:
+        dests = [c.item.dest[c.first:c.first + c.count] for c in group]
         if before is not None:
-            before(dest)
-        if dest.device != device:  # items on several devices (rare): one-off staging on this thread
-            read_piece(ckpt, item.key, chunk.src_start, dest, chunk.rows, item.stride)
+            before(dests)
+        if dests[0].device != device:  # items on several devices (rare): one-off staging on this thread
+            for c, dest in zip(group, dests):
+                read_piece(ckpt, c.item.key, c.src_start, dest, c.rows, c.item.stride)
         else:
-            worker().read(item.key, chunk.src_start, dest, chunk.rows, item.stride)
+            worker().read_group(group)
         if after is not None:
-            after(dest)
+            after(dests)
 
-    # Long-lived workers that take the next chunk in file order: no future per chunk (a model of thousands
+    # Long-lived workers that take the next group in file order: no future per read (a model of thousands
     # of small tensors paid more in thread hand-offs than in reads).
-    next_chunk = iter(chunks)
+    next_group = iter(groups)
     failed: list[BaseException] = []
 
     def work(own_thread: bool = True) -> None:
@@ -236,20 +310,20 @@ def execute_reads(ckpt: Checkpoint, items: Sequence[ReadItem], threads: int = DE
         try:
             while not failed:
                 with lock:
-                    chunk = next(next_chunk, None)
-                if chunk is None:
+                    group = next(next_group, None)
+                if group is None:
                     return
-                read(chunk)
+                read(group)
         except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread below
             failed.append(e)
 
     try:
-        if threads <= 1 or len(chunks) <= 1:
+        if threads <= 1 or len(groups) <= 1:
             with torch.no_grad():
                 work(own_thread=False)
         else:
             pool = [threading.Thread(target=work, name=f"fsdp_restore-read-{i}", daemon=True)
-                    for i in range(min(threads, len(chunks)))]
+                    for i in range(min(threads, len(groups)))]
             for t in pool:
                 t.start()
             for t in pool:

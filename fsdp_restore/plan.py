@@ -71,8 +71,9 @@ class ReadItem:
     @property
     def span(self) -> int:
         """Elements from the first to the last one read, gaps between runs included."""
-        n = self.dest.numel()
-        return (self.rows - 1) * self.stride + self.run if n else 0
+        if self.rows <= 1:
+            return self.dest.numel()
+        return (self.rows - 1) * self.stride + self.run if self.dest.numel() else 0
 
 
 @dataclass

@@ -16,7 +16,7 @@ import ctypes
 import mmap
 import os
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ PT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 # wide matrix: thousands of rows of a few KiB) are copied out of a mapping of their span in one strided
 # copy, because a system call per row costs more than the row (BENCHMARKS.md, "Shard(1)").
 ROW_READ_MIN_BYTES = 64 * 1024
+IOV_MAX = 1024  # buffers one preadv takes (Linux)
 
 
 def find_safetensors_for(path: str | os.PathLike[str]) -> Path | None:
@@ -221,25 +222,48 @@ class Checkpoint:
     def read_range(self, key: str, elem_start: int, dest: torch.Tensor) -> None:
         """Read ``dest.numel()`` elements of tensor ``key``, starting at flat element ``elem_start``,
         into ``dest`` (a contiguous CPU tensor of the entry's dtype), with positional reads."""
-        entry = self._entry(key)
-        n = dest.numel()
-        if elem_start < 0 or elem_start + n > entry.numel:
-            raise ValueError(f"range [{elem_start}, {elem_start + n}) outside tensor '{key}' of {entry.numel} elements")
-        if dest.dtype != entry.dtype or not dest.is_contiguous() or dest.device.type != "cpu":
-            raise ValueError("read_range needs a contiguous CPU destination of the stored dtype")
-        if n == 0:
+        self.read_contiguous([(key, elem_start, dest)])
+
+    def read_contiguous(self, parts: Sequence[tuple[str, int, torch.Tensor]]) -> None:
+        """Read several ranges that lie back to back in one file, ``(key, first element, dest)`` each (as
+        `read_range`), with one scattering ``preadv``: small tensors stored next to each other cost one
+        system call, not one each."""
+        views: list[memoryview] = []
+        file: Path | None = None
+        start = end = 0
+        for key, elem_start, dest in parts:
+            entry = self._entry(key)
+            n = dest.numel()
+            if elem_start < 0 or elem_start + n > entry.numel:
+                raise ValueError(f"range [{elem_start}, {elem_start + n}) outside tensor '{key}' of {entry.numel}"
+                                 " elements")
+            if dest.dtype != entry.dtype or not dest.is_contiguous() or dest.device.type != "cpu":
+                raise ValueError("read_range needs a contiguous CPU destination of the stored dtype")
+            if n == 0:
+                continue
+            offset = entry.offset + elem_start * entry.itemsize
+            if file is None:
+                file, start, end = entry.file, offset, offset
+            elif entry.file != file or offset != end:
+                raise ValueError(f"read_contiguous: '{key}' does not follow the previous range in {file}")
+            views.append(_writable_bytes(dest))
+            end += n * entry.itemsize
+        if file is None:
             return
-        fd = self._fd(entry.file)
-        offset = entry.offset + elem_start * entry.itemsize
-        view = _writable_bytes(dest)
-        total = len(view)
-        while view:
-            got = os.preadv(fd, [view], offset)
+        fd = self._fd(file)
+        offset = start
+        while views:
+            got = os.preadv(fd, views[:IOV_MAX], offset)
             if got == 0:
-                raise FormatError(entry.file, f"tensor '{key}': file ends at byte {offset} (truncated?)")
-            view, offset = view[got:], offset + got
+                raise FormatError(file, f"file ends at byte {offset} (truncated?)")
+            offset += got
+            while views and got >= len(views[0]):
+                got -= len(views[0])
+                views.pop(0)
+            if views and got:
+                views[0] = views[0][got:]
         with self._lock:
-            self.bytes_read += total
+            self.bytes_read += end - start
 
     def read_rows(self, key: str, elem_start: int, dest: torch.Tensor, rows: int, stride: int) -> None:
         """Read ``rows`` runs of ``dest.numel() // rows`` elements of tensor ``key``, the first at flat

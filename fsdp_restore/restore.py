@@ -14,6 +14,8 @@ Any exception on any rank in either phase becomes the same `RestoreError` on eve
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import time
 from collections.abc import Iterator, Mapping
@@ -80,7 +82,27 @@ def _refuse_unsharded_fsdp1(model: nn.Module) -> None:
                          " summon_full_params, or between forward and backward): restore outside them")
 
 
-def _run(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint, *, weights: bool,
+@contextlib.contextmanager
+def _no_cyclic_gc() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector: a restore allocates a few objects per tensor (plan items,
+    views), and with thousands of tensors the collector's full passes over everything the training script
+    holds cost more than the planning itself (BENCHMARKS.md). Reference counting still frees everything."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _run(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint, **options: Any
+         ) -> tuple[ReadPlan, dict[str, Any]]:
+    with _no_cyclic_gc():
+        return _run_phases(model, checkpoint, **options)
+
+
+def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint, *, weights: bool,
          optimizer: torch.optim.Optimizer | None, prefix: str | None, optim_prefix: str, strict: bool, check: bool,
          check_buffers: bool, method: str, threads: int | None, dtype_policy: str,
          group: dist.ProcessGroup | None, extra_keys: tuple[str, ...] | None = None, key_map: KeyMap | None = None

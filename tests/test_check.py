@@ -58,13 +58,14 @@ def _inject(fault: str, rank: int) -> None:
     if fault == "silent-read" and rank == 1:  # the lowest-level read returns without writing a byte
         from fsdp_restore.read import Checkpoint
 
-        real_read = Checkpoint.read_range
+        real_read = Checkpoint.read_contiguous
 
-        def read_nothing_for_victim(self, key, elem_start, dest):
-            if key != f"model.{VICTIM}":
-                real_read(self, key, elem_start, dest)
+        def read_nothing_for_victim(self, parts):
+            for part in parts:
+                if part[0] != f"model.{VICTIM}":
+                    real_read(self, [part])
 
-        Checkpoint.read_range = read_nothing_for_victim
+        Checkpoint.read_contiguous = read_nothing_for_victim
     if fault == "skipped-chunk" and rank == 1:  # the executor drops the victim's chunks, yet marks it done
         real_chunked = execute.chunked
         execute.chunked = lambda items, ckpt: [c for c in real_chunked(items, ckpt) if c[0].name != VICTIM]

@@ -41,13 +41,13 @@ def _inject(fault: str) -> None:
     plan = importlib.import_module("fsdp_restore.plan")
     restore = importlib.import_module("fsdp_restore.restore")
     if fault == "read-runtime-error":
-        real = Checkpoint.read_range
+        real = Checkpoint.read_contiguous
 
-        def failing_read(self, key, elem_start, dest):
-            if key.startswith("model.") or key.startswith("optim.state"):  # tensors the plan reads, not the header's
+        def failing_read(self, parts):
+            if any(key.startswith(("model.", "optim.state")) for key, _, _ in parts):  # what the plan reads
                 raise RuntimeError("injected read failure")
-            real(self, key, elem_start, dest)
-        Checkpoint.read_range = failing_read
+            real(self, parts)
+        Checkpoint.read_contiguous = failing_read
     elif fault == "plan-type-error":
         def failing_plan(*args, **kwargs):
             raise TypeError("injected planning failure")

@@ -1,0 +1,103 @@
+"""The executor: small tensors stored back to back are read together, exactly, whatever their dtypes.
+
+The oracle is safetensors' own reader (``load_file``) of the same file."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import fsdp_restore
+from fsdp_restore import execute
+from fsdp_restore.execute import chunked, grouped
+from fsdp_restore.plan import build_plan
+from fsdp_restore.read import Checkpoint
+
+
+class Mixed(torch.nn.Module):
+    """Many small tensors of mixed widths (bf16 and fp32 among fp32)."""
+
+    def __init__(self, dtype=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.small = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(37 + i)) for i in range(300)])
+        self.odd = torch.nn.Parameter(torch.randn(3).to(torch.bfloat16))
+        self.after_odd = torch.nn.Parameter(torch.randn(5))
+        self.big = torch.nn.Parameter(torch.randn(300, 129))
+        if dtype is not None:
+            self.to(dtype)
+
+
+@pytest.fixture
+def stored(tmp_path):
+    path = tmp_path / "mixed.safetensors"
+    fsdp_restore.save(dict(Mixed().state_dict()), path)
+    return path
+
+
+def test_back_to_back_chunks_are_grouped_within_the_limits(stored, monkeypatch):
+    model = Mixed()
+    with Checkpoint(stored) as ckpt:
+        plan = build_plan(model, ckpt, prefix="")
+        chunks = chunked(plan.items, ckpt)
+        groups = grouped(chunks, ckpt)
+        assert [c for g in groups for c in g] == chunks  # every chunk once, in file order
+        assert len(groups) < len(chunks) / 10  # 303 tensors, a handful of reads
+        for g in groups:
+            entries = [ckpt.entries[c.item.key] for c in g]
+            for a, b, ea, eb in zip(g, g[1:], entries, entries[1:]):  # back to back in the file
+                assert ea.offset + (a.src_start + a.count) * ea.itemsize == eb.offset + b.src_start * eb.itemsize
+        monkeypatch.setattr(execute, "GROUP_MAX_PARTS", 7)
+        monkeypatch.setattr(execute, "READ_CHUNK_BYTES", 4096)
+        for g in grouped(chunked(plan.items, ckpt), ckpt):
+            assert len(g) <= 7 and (len(g) == 1 or sum(c.count * ckpt.entries[c.item.key].itemsize for c in g) <= 4096)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float64])  # reads straight into memory / through staging + cast
+@pytest.mark.parametrize("threads", [1, 3])
+def test_grouped_reads_restore_exactly(stored, dtype, threads):
+    model = Mixed(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(7)
+    report = fsdp_restore.restore_model(model, stored, threads=threads)
+    expected = load_file(str(stored))
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, expected[name].to(tensor.dtype)), name
+    assert report.bytes_read == sum(t.numel() * t.element_size() for t in expected.values())
+
+
+def test_a_read_that_skips_one_tensor_of_a_group_is_caught(stored, monkeypatch):
+    """The lowest-level read drops one small tensor of a group: the check names it."""
+    real = Checkpoint.read_contiguous
+
+    def skip_one(self, parts):
+        for part in parts:
+            if part[0] != "small.150":
+                real(self, [part])
+
+    monkeypatch.setattr(Checkpoint, "read_contiguous", skip_one)
+    with pytest.raises(fsdp_restore.RestoreError, match=r"not restored.*small\.150"):
+        fsdp_restore.restore_model(Mixed(), stored)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_misaligned_tensor_is_never_viewed_at_a_bad_offset(tmp_path, dtype):
+    """A file from another tool whose fp32 tensor starts 2 bytes into the data (legal safetensors): it is
+    not grouped where a staging buffer would have to view it at an offset its dtype cannot start at."""
+    import json
+    import struct
+
+    b = torch.randn(6)
+    header = json.dumps({"a": {"dtype": "BF16", "shape": [1], "data_offsets": [0, 2]},
+                         "b": {"dtype": "F32", "shape": [6], "data_offsets": [2, 26]}}).encode()
+    header += b" " * (-len(header) % 8)
+    path = tmp_path / "odd.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + torch.tensor([1.5], dtype=torch.bfloat16).view(
+        torch.uint8).numpy().tobytes() + b.numpy().tobytes())
+    model = torch.nn.Module()
+    model.a = torch.nn.Parameter(torch.zeros(1, dtype=dtype))  # cast from bf16: through staging
+    model.b = torch.nn.Parameter(torch.zeros(6, dtype=dtype))
+    fsdp_restore.restore_model(model, path)
+    assert model.a.item() == 1.5 and torch.equal(model.b, b.to(dtype))
