@@ -251,6 +251,9 @@ class Checkpoint:
         if file is None:
             return
         fd = self._fd(file)
+        if len(views) == 1:
+            _pread_exactly(fd, views[0], start, file)
+            views = []
         offset = start
         while views:
             got = os.preadv(fd, views[:IOV_MAX], offset)
@@ -286,8 +289,14 @@ class Checkpoint:
             return
         first = entry.offset + elem_start * entry.itemsize
         if run * entry.itemsize >= ROW_READ_MIN_BYTES or first % entry.itemsize:
+            # one positional read per row, validated once above: the loop is the system calls
+            fd = self._fd(entry.file)
+            row_bytes, stride_bytes = run * entry.itemsize, stride * entry.itemsize
+            view = _writable_bytes(dest)
             for i in range(rows):
-                self.read_range(key, elem_start + i * stride, dest[i * run:(i + 1) * run])
+                _pread_exactly(fd, view[i * row_bytes:(i + 1) * row_bytes], first + i * stride_bytes, entry.file)
+            with self._lock:
+                self.bytes_read += n * entry.itemsize
             return
         fd = self._fd(entry.file)
         end = entry.offset + last * entry.itemsize
@@ -333,6 +342,15 @@ class Checkpoint:
 
     def __repr__(self) -> str:
         return f"Checkpoint({str(self.path)!r}, {len(self.entries)} tensors, {len(self.headers)} file(s))"
+
+
+def _pread_exactly(fd: int, view: memoryview, offset: int, file: Path) -> None:
+    """Fill ``view`` from ``offset`` of ``fd`` (several reads if the kernel returns less)."""
+    while view:
+        got = os.preadv(fd, [view], offset)
+        if got == 0:
+            raise FormatError(file, f"file ends at byte {offset} (truncated?)")
+        view, offset = view[got:], offset + got
 
 
 def _writable_bytes(t: torch.Tensor) -> memoryview:
