@@ -145,3 +145,45 @@ def test_readme_example_is_the_shipped_map():
     namespace: dict = {}
     exec(text[start:text.index("]\n", start) + 1], namespace)
     assert [tuple(p) for p in namespace["HF_TO_TORCHTITAN"]] == list(parse_spec(str(TITAN_MAP)))
+
+
+OLMO_CORE_MAP = ROOT / "configs" / "key_maps" / "olmo_core_llama_from_hf.yaml"
+HF_TO_OLMO_CORE = {"model.embed_tokens": "embeddings", "model.norm": "lm_head.norm", "lm_head": "lm_head.w_out",
+                   "self_attn.q_proj": "attention.w_q", "self_attn.k_proj": "attention.w_k",
+                   "self_attn.v_proj": "attention.w_v", "self_attn.o_proj": "attention.w_out",
+                   "mlp.gate_proj": "feed_forward.w1", "mlp.down_proj": "feed_forward.w2",
+                   "mlp.up_proj": "feed_forward.w3", "input_layernorm": "attention_norm",
+                   "post_attention_layernorm": "feed_forward_norm"}
+
+
+def olmo_core_name(hf: str) -> str:
+    """The hand-written table, HF name -> OLMo-core name (the oracle's direction, not the map's)."""
+    for old, new in HF_TO_OLMO_CORE.items():
+        if hf.startswith(old + "."):
+            return new + hf[len(old):]
+    layer, rest = hf.removeprefix("model.layers.").split(".", 1)
+    module, leaf = rest.rsplit(".", 1)
+    return f"blocks.{layer}.{HF_TO_OLMO_CORE[module]}.{leaf}"
+
+
+def renamed_model(state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A module tree holding a parameter of each shape under each name of ``state``."""
+    root = torch.nn.Module()
+    for name, tensor in state.items():
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, torch.nn.Parameter(torch.full_like(tensor, 3.0)))
+    return root
+
+
+def test_hf_llama_into_olmo_core_names(hf_training_ckpt):
+    source = torch.load(str(hf_training_ckpt).replace(".safetensors", ".pt"), weights_only=False)["model"]
+    model = renamed_model({olmo_core_name(n): t for n, t in source.items()})
+    report = fsdp_restore.restore_model(model, hf_training_ckpt, key_map=parse_spec(str(OLMO_CORE_MAP)))
+    assert report.tensors == len(source)
+    for hf, tensor in source.items():
+        assert torch.equal(model.get_parameter(olmo_core_name(hf)), tensor), hf
