@@ -8,6 +8,8 @@ The restore path reads with ``os.preadv`` straight into the destination buffer, 
 from the header. We measured `safe_open(...).get_slice(name)[rows]` over-reading ~15x on a cold
 cache (readahead around the mmap fault) and ``dcp.load`` reading the whole file on every rank;
 positional reads with ``POSIX_FADV_RANDOM`` read ~1.1x the slice. Every byte read is counted.
+Ranges stored back to back go in one scattering ``preadv`` (`read_contiguous`); a column block of short
+rows is copied out of a mapping of its span (`read_rows`), since a system call per row costs more.
 """
 
 from __future__ import annotations
