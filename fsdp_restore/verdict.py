@@ -103,19 +103,22 @@ def agree(problems: Problems, what: str, group: dist.ProcessGroup | None = None,
     cover every tensor exactly (``coverage``: `check.coverage_terms`), or a non-persistent buffer
     differs between ranks (``buffer_prints``). Every rank calls it at the same point of the protocol.
 
-    Success costs one all-reduce of 6 integers. Failure costs a bounded number of small collectives,
+    Success costs one all-reduce of 7 integers. Failure costs a bounded number of small collectives,
     whatever the world size: no rank gathers anything per rank (see `_reports`)."""
     rank, world = _rank(group)
     d1, d2 = coverage_digest(coverage or {})
     fp = sum(_print_weight(i) * v for i, (_, v) in enumerate(sorted(buffer_prints or []))) % FINGERPRINT_MODULUS
-    values = [int(bool(problems)), d1, d2, fp, fp * fp, len(buffer_prints or [])]
-    failing, s1, s2, f1, f2, n_prints = _all_reduce(values, group) if world > 1 else values
+    n = len(buffer_prints or [])
+    values = [int(bool(problems)), d1, d2, fp, fp * fp, n, n * n]
+    failing, s1, s2, f1, f2, n1, n2 = _all_reduce(values, group) if world > 1 else values
     if failing:
         _raise(_reports(problems.items, bool(problems), failing, group, rank, world), what)
     if s1 % DIGEST_PRIME or s2 % DIGEST_PRIME:
         _raise({"coverage": _uncovered_names(coverage or {}, group, rank, world)}, what)
     if world * f2 != f1 * f1:  # equal iff every rank's fingerprint is the same (Cauchy-Schwarz)
-        _raise({"buffers": _differing_buffers(buffer_prints or [], n_prints, group, world)}, what)
+        # the per-buffer all-reduce needs the same number of buffers on every rank (Cauchy-Schwarz again)
+        same_count = world * n2 == n1 * n1
+        _raise({"buffers": _differing_buffers(buffer_prints or [], same_count, group, world)}, what)
 
 
 def _print_weight(i: int) -> int:
@@ -206,12 +209,12 @@ def _uncovered_names(coverage: dict[str, tuple[int, int]], group: dist.ProcessGr
     return sorted(names) or ["(the digest differs, no single tensor does)"]
 
 
-def _differing_buffers(prints: list[tuple[str, int]], n_prints: int, group: dist.ProcessGroup | None,
+def _differing_buffers(prints: list[tuple[str, int]], same_count: bool, group: dist.ProcessGroup | None,
                        world: int) -> list[str]:
     """Buffers whose fingerprint differs between ranks: per buffer, the sums of v and v^2 over the ranks
     (one all-reduce as long as the model's buffer list, not the world)."""
     ordered = sorted(prints)
-    if n_prints != world * len(ordered):
+    if not same_count:
         return ["(the ranks hold different sets of buffers)"]
     t = torch.tensor([[v, v * v] for _, v in ordered] or [[0, 0]], dtype=torch.int64, device=_device(group))
     dist.all_reduce(t, group=group)

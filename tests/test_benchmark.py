@@ -70,6 +70,8 @@ def test_scale_simulation_runs_and_proves_coverage(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-3000:]
     results = json.loads(out.read_text())
     assert all(not c["uncovered"] for c in results["coverage"]) and len(results["coverage"]) == 3  # 8, 64, HSDP
+    # the verdict's success path: one fixed-size all-reduce, the same bytes at every world size
+    assert {(r["verdict_collectives_per_phase"], r["verdict_bytes_per_phase"]) for r in results["ranks"]} == {(1, 56)}
     for r in results["ranks"]:
         assert not r["problems"] and r["tensors"] == 12, r  # 9 per layer + embedding, norm, head
         replicas = r["world"] // 128 if r["layout"] == "hsdp" else 1

@@ -160,3 +160,17 @@ def test_failure_report_is_bounded_whatever_the_world_size():
     assert "rank-1 problem 3" not in text and "(2 more on this rank) [ranks 0, 1]" in text  # capped
     assert "rank-3" not in text and "(3 ranks failed; the problems of the first 2 are shown)" in text
     assert "missing from the checkpoint (1): w" in text  # rank 1 was a reporter; rank 2 had nothing
+
+
+def _uneven_buffers(rank, world_size):
+    from fsdp_restore import verdict
+
+    prints = [("a", 5), ("b", 7)] + ([("c", 9)] if rank == 1 else [])  # rank 1 holds one buffer more
+    with pytest.raises(RestoreError) as info:
+        verdict.agree(verdict.new_problems(), "restore", buffer_prints=prints)
+    return str(info.value)
+
+
+def test_ranks_with_different_buffer_lists_fail_without_a_mismatched_collective():
+    messages = run_ranks(_uneven_buffers, 3, timeout=120, pg_timeout=60)
+    assert len(set(messages)) == 1 and "the ranks hold different sets of buffers" in messages[0], messages
