@@ -187,3 +187,16 @@ def test_hf_llama_into_olmo_core_names(hf_training_ckpt):
     assert report.tensors == len(source)
     for hf, tensor in source.items():
         assert torch.equal(model.get_parameter(olmo_core_name(hf)), tensor), hf
+
+
+def _restore_titan_weights(rank, world_size, path, how):
+    model = wrap(build("titan", seed=5), how, world_size)
+    fsdp_restore.restore_model(model, path, key_map=parse_spec(str(TITAN_MAP)))
+    saved = torch.load(str(path).replace(".safetensors", ".pt"), weights_only=False)["model"]
+    return [n for n, t in full_state(model, how).items() if not torch.equal(t, saved[titan_to_hf(n)])]
+
+
+@pytest.mark.parametrize("how", ["fsdp1-FULL_SHARD-flat", "fsdp1-FULL_SHARD-orig", "ddp"])
+def test_key_map_under_fsdp1_and_ddp(hf_training_ckpt, how):
+    """Flat parameters hold several renamed tensors each; DDP prefixes every name with module."""
+    assert run_ranks(_restore_titan_weights, 2, hf_training_ckpt, how) == [[], []]
