@@ -69,11 +69,15 @@ def test_scale_simulation_runs_and_proves_coverage(tmp_path):
                           str(tmp_path / "w"), "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-3000:]
     results = json.loads(out.read_text())
-    assert all(not c["uncovered"] for c in results["coverage"]) and len(results["coverage"]) == 3  # 8, 64, HSDP
+    covers = {(c["layout"], c["world"]): c for c in results["coverage"]}
+    assert set(covers) == {("fsdp2", 8), ("fsdp2", 64), ("hsdp", 1024), ("fsdp2+tp", 64)}
+    assert all(not c["uncovered"] for c in covers.values())
+    assert "_StridedShard" in covers["fsdp2+tp", 64]["placements"] and covers["fsdp2+tp", 64]["copies"] == [1, 8]
     # the verdict's success path: one fixed-size all-reduce, the same bytes at every world size
     assert {(r["verdict_collectives_per_phase"], r["verdict_bytes_per_phase"]) for r in results["ranks"]} == {(1, 56)}
     for r in results["ranks"]:
         assert not r["problems"] and r["tensors"] == 12, r  # 9 per layer + embedding, norm, head
-        replicas = r["world"] // 128 if r["layout"] == "hsdp" else 1
+        assert (r["column_blocks"] > 0) == (r["layout"] == "fsdp2+tp"), r  # row-wise TP outputs: Shard(1)
+        replicas = r["world"] // 128 if r["layout"] == "hsdp" else 1  # (TP's replicated norms: < 0.1%)
         share = results["bytes"] * replicas / r["world"]
         assert share * 0.98 <= r["bytes"] <= share * 1.02 or r["rank"] == r["world"] - 1, r
