@@ -242,12 +242,37 @@ def leave_read_limit(group: str) -> None:
         pass
 
 
+def _tensor_parallel(model: torch.nn.Module) -> torch.nn.Module:
+    """torchtitan's Llama plan on a 2-way TP mesh, FSDP2 over the rest: q/k/v/gate/up column-split, o/down
+    row-split (Shard(1): column blocks), the embedding column-split (Shard(1)), the head column-split."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    plan: dict[str, Any] = {"model.embed_tokens": ColwiseParallel(), "lm_head": ColwiseParallel()}
+    for i in range(len(model.model.layers)):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
+    parallelize_module(model, mesh["tp"], plan)
+    for unit in wrap_units(model):
+        fully_shard(unit, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
 def _build(fsdp: str, kind: str, mb: float) -> torch.nn.Module:
     from fsdp_restore import init_non_persistent_buffers
 
     with torch.device("meta"):
         model = build_model(kind, mb)
-    if fsdp == "fsdp2":
+    if fsdp == "fsdp2+tp":
+        _tensor_parallel(model).to_empty(device="cpu")
+    elif fsdp == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
         for unit in wrap_units(model):
@@ -368,8 +393,11 @@ def bench_restore(work: Path, mb: float, world_sizes: list[int], only: list[str]
         full_files.append(str(d / "full.safetensors"))
     rows = []
     for ws in world_sizes:
-        for fsdp, methods in (("fsdp2", ["ours", "ours-nocheck", "dcp", "broadcast", "every-rank-loads", "ours+optim"]),
-                              ("fsdp1", ["ours", "ours-nocheck", "broadcast", "apply", "ours+optim"])):
+        flavours = [("fsdp2", ["ours", "ours-nocheck", "dcp", "broadcast", "every-rank-loads", "ours+optim"]),
+                    ("fsdp1", ["ours", "ours-nocheck", "broadcast", "apply", "ours+optim"])]
+        if kind == "llama" and ws % 2 == 0:  # FSDP2 over 2-way tensor parallel: column blocks (Shard(1))
+            flavours.append(("fsdp2+tp", ["ours", "ours-nocheck", "dcp", "broadcast"]))
+        for fsdp, methods in flavours:
             # ours at each requested read-thread count (default: the library's default only)
             variants = [(m, t) for m in methods for t in ((read_threads or [None]) if m.startswith("ours") else [None])]
             for method, threads in variants:
