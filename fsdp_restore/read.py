@@ -231,6 +231,7 @@ class Checkpoint:
         `read_range`), with one scattering ``preadv``: small tensors stored next to each other cost one
         system call, not one each."""
         views: list[memoryview] = []
+        keys: list[str] = []
         file: Path | None = None
         start = end = 0
         for key, elem_start, dest in parts:
@@ -249,24 +250,11 @@ class Checkpoint:
             elif entry.file != file or offset != end:
                 raise ValueError(f"read_contiguous: '{key}' does not follow the previous range in {file}")
             views.append(_writable_bytes(dest))
+            keys.append(key)
             end += n * entry.itemsize
         if file is None:
             return
-        fd = self._fd(file)
-        if len(views) == 1:
-            _pread_exactly(fd, views[0], start, file)
-            views = []
-        offset = start
-        while views:
-            got = os.preadv(fd, views[:IOV_MAX], offset)
-            if got == 0:
-                raise FormatError(file, f"file ends at byte {offset} (truncated?)")
-            offset += got
-            while views and got >= len(views[0]):
-                got -= len(views[0])
-                views.pop(0)
-            if views and got:
-                views[0] = views[0][got:]
+        _pread_into(self._fd(file), views, start, file, keys)
         with self._lock:
             self.bytes_read += end - start
 
@@ -296,7 +284,7 @@ class Checkpoint:
             row_bytes, stride_bytes = run * entry.itemsize, stride * entry.itemsize
             view = _writable_bytes(dest)
             for i in range(rows):
-                _pread_exactly(fd, view[i * row_bytes:(i + 1) * row_bytes], first + i * stride_bytes, entry.file)
+                _pread_into(fd, [view[i * row_bytes:(i + 1) * row_bytes]], first + i * stride_bytes, entry.file, [key])
             with self._lock:
                 self.bytes_read += n * entry.itemsize
             return
@@ -346,13 +334,21 @@ class Checkpoint:
         return f"Checkpoint({str(self.path)!r}, {len(self.entries)} tensors, {len(self.headers)} file(s))"
 
 
-def _pread_exactly(fd: int, view: memoryview, offset: int, file: Path) -> None:
-    """Fill ``view`` from ``offset`` of ``fd`` (several reads if the kernel returns less)."""
-    while view:
-        got = os.preadv(fd, [view], offset)
+def _pread_into(fd: int, views: list[memoryview], offset: int, file: Path, keys: list[str]) -> None:
+    """Fill ``views`` (the tensors ``keys``, back to back in ``file``) from ``offset`` of ``fd``: scattering
+    positional reads, again where the kernel returns less; a file that ends early names the tensor."""
+    views, keys = list(views), list(keys)
+    while views:
+        got = os.preadv(fd, views[:IOV_MAX], offset)
         if got == 0:
-            raise FormatError(file, f"file ends at byte {offset} (truncated?)")
-        view, offset = view[got:], offset + got
+            raise FormatError(file, f"tensor '{keys[0]}': file ends at byte {offset} (truncated?)")
+        offset += got
+        while views and got >= len(views[0]):
+            got -= len(views[0])
+            views.pop(0)
+            keys.pop(0)
+        if views and got:
+            views[0] = views[0][got:]
 
 
 def _writable_bytes(t: torch.Tensor) -> memoryview:

@@ -76,3 +76,22 @@ def test_misaligned_tensor_reads_row_by_row(tmp_path):
         got = torch.empty(6 * 3)
         ckpt.read_rows("b", 5, got, 6, 8)
     assert torch.equal(got, b[:, 5:8].reshape(-1))
+
+
+def test_a_file_that_ends_early_names_the_tensor(stored, tmp_path):
+    """Truncated after the header was read: the failing read names the file and the tensor."""
+    import shutil
+
+    from fsdp_restore.errors import FormatError
+
+    path, _ = stored
+    copy = tmp_path / "cut.safetensors"
+    shutil.copy(path, copy)
+    with Checkpoint(copy) as ckpt:
+        entry = ckpt.entries["c"]
+        with open(copy, "r+b") as f:
+            f.truncate(entry.offset + 100)
+        with pytest.raises(FormatError, match=r"cut.safetensors.*tensor 'c': file ends at byte"):
+            ckpt.read_range("c", 0, torch.empty(40 * 9000))
+        with pytest.raises(FormatError, match=r"tensor 'c': file ends"):  # a scattering read, two parts
+            ckpt.read_contiguous([("c", 0, torch.empty(10)), ("c", 10, torch.empty(100))])
