@@ -120,32 +120,7 @@ class _Worker:
             return
         step = max(1, self.chunk_bytes // entry.itemsize)
         for s, m, part_start, part_rows in parts(src_start, dest.numel(), rows, stride, step):
-            i = self._slot(m * entry.itemsize)
-            raw_bytes = self.host[i][:m * entry.itemsize]
-            staged = raw_bytes.view(entry.dtype)
-            # With the check on, a staging buffer holds 0xFF bytes (NaN in every float dtype) until the read
-            # fills it: a read that writes nothing, or too little, leaves NaN for the check to find, not the
-            # previous chunk's bytes. The host re-poisons its own (CPU) buffer; a pinned one is re-poisoned by
-            # a device-to-host copy after its upload (the idle direction of the link; no host CPU time).
-            self.ckpt.read_rows(key, part_start, staged, part_rows, stride)
-            part = dest[s:s + m]
-            if self.stream is None:
-                part.copy_(staged)
-                if self.poison:
-                    raw_bytes.fill_(0xFF)
-                continue
-            with torch.cuda.stream(self.stream):
-                if part.dtype == entry.dtype:
-                    part.copy_(staged, non_blocking=True)
-                else:  # copy as stored, cast on the device
-                    buf = self.on_device[i]
-                    if buf is None or buf.numel() < self.host[i].numel():
-                        buf = self.on_device[i] = torch.empty(self.host[i].numel(), dtype=torch.uint8,
-                                                              device=self.device)
-                    raw = buf[:m * entry.itemsize].view(entry.dtype)
-                    raw.copy_(staged, non_blocking=True)
-                    part.copy_(raw)
-                self._repoison_and_record(i, raw_bytes)
+            self._staged([(key, part_start, dest[s:s + m], part_rows, stride)])
 
     def read_group(self, group: Sequence[Chunk]) -> None:
         """Read chunks that lie back to back in one file (see `grouped`) with one positional read: straight
@@ -154,19 +129,33 @@ class _Worker:
             c = group[0]
             self.read(c.item.key, c.src_start, c.item.dest[c.first:c.first + c.count], c.rows, c.item.stride)
             return
-        entries = [self.ckpt.entries[c.item.key] for c in group]
-        dests = [c.item.dest[c.first:c.first + c.count] for c in group]
-        if all(d.device.type == "cpu" and d.dtype == e.dtype for d, e in zip(dests, entries)):
-            self.ckpt.read_contiguous([(c.item.key, c.src_start, d) for c, d in zip(group, dests)])
+        reads = [(c.item.key, c.src_start, c.item.dest[c.first:c.first + c.count], 1, 0) for c in group]
+        if all(d.device.type == "cpu" and d.dtype == self.ckpt.entries[k].dtype for k, _, d, _, _ in reads):
+            self.ckpt.read_contiguous([(k, start, d) for k, start, d, _, _ in reads])
             return
-        sizes = [c.count * e.itemsize for c, e in zip(group, entries)]
+        self._staged(reads)
+
+    def _staged(self, reads: Sequence[tuple[str, int, torch.Tensor, int, int]]) -> None:
+        """Reads ``(key, stored start, dest, rows, stride)`` through one staging buffer: one read (a column
+        block), or several back to back in one file; then copied into each ``dest`` (cast on the device)."""
+        entries = [self.ckpt.entries[key] for key, *_ in reads]
+        sizes = [dest.numel() * e.itemsize for (_, _, dest, _, _), e in zip(reads, entries)]
         i = self._slot(sum(sizes))
         raw_bytes = self.host[i][:sum(sizes)]
         staged, at = [], 0
         for size, e in zip(sizes, entries):
             staged.append(raw_bytes[at:at + size].view(e.dtype))
             at += size
-        self.ckpt.read_contiguous([(c.item.key, c.src_start, v) for c, v in zip(group, staged)])
+        # With the check on, a staging buffer holds 0xFF bytes (NaN in every float dtype) until the read
+        # fills it: a read that writes nothing, or too little, leaves NaN for the check to find, not the
+        # previous chunk's bytes. The host re-poisons its own (CPU) buffer; a pinned one is re-poisoned by
+        # a device-to-host copy after its upload (the idle direction of the link; no host CPU time).
+        if len(reads) == 1:
+            key, start, _, rows, stride = reads[0]
+            self.ckpt.read_rows(key, start, staged[0], rows, stride)
+        else:
+            self.ckpt.read_contiguous([(key, start, v) for (key, start, *_), v in zip(reads, staged)])
+        dests = [dest for _, _, dest, _, _ in reads]
         if self.stream is None:
             for d, v in zip(dests, staged):
                 d.copy_(v)
@@ -177,7 +166,7 @@ class _Worker:
             if all(d.dtype == e.dtype for d, e in zip(dests, entries)):
                 for d, v in zip(dests, staged):
                     d.copy_(v, non_blocking=True)
-            else:  # the whole group to the device as stored in one copy, then cast there
+            else:  # to the device as stored in one copy, then cast there
                 buf = self.on_device[i]
                 if buf is None or buf.numel() < self.host[i].numel():
                     buf = self.on_device[i] = torch.empty(self.host[i].numel(), dtype=torch.uint8, device=self.device)
