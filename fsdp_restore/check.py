@@ -63,7 +63,7 @@ class Storage:
     def floating(self) -> bool:
         return floating(self.flat.dtype)
 
-    ptr_range: tuple[int, int] = (0, 0)  # [first byte, end) of ``flat`` (set from it: looked up per read)
+    ptr_range: tuple[int, int] = field(init=False)  # [first byte, end) of ``flat``: looked up per read
 
     def __post_init__(self) -> None:
         start = self.flat.data_ptr()
@@ -270,7 +270,7 @@ def coverage_terms(items: Sequence[ReadItem]) -> dict[str, tuple[int, int]]:
         s, c, big_n = item.global_start, item.dest.numel(), item.global_numel
         if c == 0:
             continue
-        s1, s2 = _moments(s, item.run if item.rows > 1 else c, item.rows if item.rows > 1 else 1, item.stride)
+        s1, s2 = _moments(s, item.run, item.rows, item.stride)
         t = terms.setdefault(item.name, [0, 0])
         t[0] += 2 * s1 - c * (big_n - 1)
         t[1] += 6 * s2 - c * (big_n - 1) * (2 * big_n - 1)

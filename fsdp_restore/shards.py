@@ -37,10 +37,6 @@ class Piece:
     rows: int = 1
     stride: int = 0  # global flat elements from one run's start to the next's
 
-    @property
-    def run(self) -> int:
-        return self.dest.numel() // self.rows if self.rows else 0
-
 
 @dataclass
 class Target:

@@ -115,10 +115,16 @@ def agree(problems: Problems, what: str, group: dist.ProcessGroup | None = None,
         _raise(_reports(problems.items, bool(problems), failing, group, rank, world), what)
     if s1 % DIGEST_PRIME or s2 % DIGEST_PRIME:
         _raise({"coverage": _uncovered_names(coverage or {}, group, rank, world)}, what)
-    if world * f2 != f1 * f1:  # equal iff every rank's fingerprint is the same (Cauchy-Schwarz)
-        # the per-buffer all-reduce needs the same number of buffers on every rank (Cauchy-Schwarz again)
-        same_count = world * n2 == n1 * n1
-        _raise({"buffers": _differing_buffers(buffer_prints or [], same_count, group, world)}, what)
+    if not _same_everywhere(f1, f2, world):
+        # the per-buffer all-reduce needs the same number of buffers on every rank
+        _raise({"buffers": _differing_buffers(buffer_prints or [], _same_everywhere(n1, n2, world), group, world)},
+               what)
+
+
+def _same_everywhere(total: int, total_of_squares: int, world: int) -> bool:
+    """Whether every rank contributed the same value, from the sums of the values and of their squares
+    over ``world`` ranks: equal exactly then (Cauchy-Schwarz)."""
+    return world * total_of_squares == total * total
 
 
 def _print_weight(i: int) -> int:
@@ -219,7 +225,8 @@ def _differing_buffers(prints: list[tuple[str, int]], same_count: bool, group: d
     t = torch.tensor([[v, v * v] for _, v in ordered] or [[0, 0]], dtype=torch.int64, device=_device(group))
     dist.all_reduce(t, group=group)
     sums = t.cpu().tolist()
-    return [f"{name} differs between ranks" for (name, _), (s, q) in zip(ordered, sums) if world * q != s * s] or [
+    return [f"{name} differs between ranks" for (name, _), (s, q) in zip(ordered, sums)
+            if not _same_everywhere(s, q, world)] or [
         "(the ranks hold different sets of buffers)"]
 
 
