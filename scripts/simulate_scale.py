@@ -179,9 +179,11 @@ def every_rank_covers(layout: str, world: int, layers: int) -> dict:
     holds the same placements). Runs in its own process (it needs the fake process group)."""
     import itertools
 
+    import torch
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-    from fsdp_restore.check import _moments
+    from fsdp_restore.check import coverage_terms
+    from fsdp_restore.plan import ReadItem
     from fsdp_restore.shards import block_rows
 
     model = simulated_model(layout, world, 0, layers)
@@ -194,21 +196,16 @@ def every_rank_covers(layout: str, world: int, layers: int) -> dict:
         n = 1
         for d in shape:
             n *= d
-        s1 = s2 = count = 0
+        items = []  # every rank's reads of this tensor, as the plan would describe them (no memory: meta)
         for coord in itertools.product(*(range(m) for m in mesh_shape)):
             local, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coord), placements)
             blocks, run = block_rows(tuple(shape), tuple(local), tuple(offset))
-            for b in blocks:
-                if run == 0:
-                    continue
-                a, q = _moments(b.start, run, b.rows, b.stride)
-                c = run * b.rows
-                s1 += 2 * a - c * (n - 1)
-                s2 += 6 * q - c * (n - 1) * (2 * n - 1)
-                count += c
-        if s1 or s2 or count % n:
+            items.extend(ReadItem("w", b.start, torch.empty(b.rows * run, device="meta"), "w", b.start, n, b.rows,
+                                  b.stride) for b in blocks if run)
+        terms = coverage_terms(items)  # summed over every rank, as the verdict's all-reduce sums them
+        if any(terms.get("w", (0, 0))):
             bad.append([list(shape), str(placements)])
-        copies.add(count // n)
+        copies.add(sum(i.dest.numel() for i in items) // n)
     return {"layout": layout, "world": world, "shapes": len(layouts), "uncovered": bad, "copies": sorted(copies),
             "placements": sorted({type(p).__name__ for _, _, ps in layouts for p in ps}),
             "seconds": time.perf_counter() - t0}
