@@ -58,10 +58,21 @@ def _rotary_value(module: nn.Module) -> torch.Tensor | None:
 
 
 def expected_value(module: nn.Module, attr: str) -> torch.Tensor | None:
-    """What the module's own initialisation puts into buffer ``attr``, where we know how to compute it."""
-    if attr in ("inv_freq", "original_inv_freq"):
-        return _rotary_value(module)
-    return None
+    """What the module's own initialisation puts into buffer ``attr``, where we know how to compute it,
+    in the buffer's current dtype: computed as the module computes it, then cast, as ``model.to(dtype)``
+    cast the buffer (a Llama cast with ``.to(torch.bfloat16)`` holds a bf16 ``inv_freq``)."""
+    value = _rotary_value(module) if attr in ("inv_freq", "original_inv_freq") else None
+    current = getattr(module, attr, None)  # a registered buffer, or transformers' plain-attribute copy
+    if value is not None and isinstance(current, torch.Tensor) and current.dtype != value.dtype:
+        value = value.to(current.dtype)
+    return value
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    """Relative tolerance of the comparison with `expected_value`: 1e-5 in fp32 (the module may compute on
+    another device, whose ``pow`` differs in the last bits), one unit in the last place of a lower
+    precision (a last-bit difference in fp32 may round to the neighbouring bf16 / fp16 value)."""
+    return max(1e-5, torch.finfo(dtype).eps) if dtype.is_floating_point else 0.0
 
 
 def init_non_persistent_buffers(model: nn.Module) -> list[str]:
@@ -81,7 +92,7 @@ def init_non_persistent_buffers(model: nn.Module) -> list[str]:
             if id(module) in reset:
                 done.append(name)
                 continue
-            value = expected_value(module, attr)
+            value = expected_value(module, attr)  # in the buffer's dtype: the copy changes no dtype
             if value is not None and value.shape == buf.shape:
                 buf.copy_(value)
                 done.append(name)
@@ -111,7 +122,7 @@ def buffer_problems(model: nn.Module) -> tuple[list[str], list[tuple[str, int]]]
         else:
             expected = expected_value(module, attr)
             if expected is not None and (expected.shape != buf.shape or not torch.allclose(
-                    buf.detach().float().cpu(), expected.float(), rtol=1e-5, atol=0)):
+                    buf.detach().float().cpu(), expected.float(), rtol=_tolerance(buf.dtype), atol=0)):
                 problems.append(f"{name} differs from its module's own initialisation")
         prints.append((name, _fingerprint(buf)))
     return problems, prints

@@ -63,3 +63,43 @@ def test_buffer_differing_between_ranks_fails_every_rank(mlp_ckpt):
     assert len(set(messages)) == 1 and "scratch differs between ranks" in messages[0]
     assert "init_non_persistent_buffers" in messages[0]  # the fix is in the message
     assert run_ranks(_differing_buffer, 3, mlp_ckpt, False) == ["ok"] * 3  # when they are meant to differ
+
+
+# ---- a model cast with model.to(torch.bfloat16): the rotary buffers are bf16 ----------------------------
+
+
+def _bf16_llama(seed: int = 0, device: str | None = None) -> torch.nn.Module:
+    """The tiny Llama cast as users cast it: every floating tensor, rotary ``inv_freq`` included, in bf16."""
+    return build("llama", seed=seed, device=device).to(torch.bfloat16)
+
+
+def test_bf16_cast_rotary_buffers_are_not_problems():
+    model = _bf16_llama()
+    assert model.model.rotary_emb.inv_freq.dtype == torch.bfloat16  # what model.to() did
+    assert buffer_problems(model)[0] == []
+
+
+def test_init_rebuilds_bf16_rotary_buffers_in_their_dtype():
+    reference = _bf16_llama()
+    model = _bf16_llama(device="meta").to_empty(device="cpu")
+    model.model.rotary_emb.inv_freq.fill_(-3.6e17)
+    assert buffer_problems(model)[0]  # uninitialised memory is still found in bf16
+    init_non_persistent_buffers(model)
+    inv_freq = model.model.rotary_emb.inv_freq
+    assert inv_freq.dtype == torch.bfloat16 and torch.equal(inv_freq, reference.model.rotary_emb.inv_freq)
+    assert model.model.rotary_emb.original_inv_freq.dtype == torch.bfloat16
+    assert buffer_problems(model)[0] == []
+
+
+def _restore_bf16_llama(rank, world_size, path):
+    model = wrap(_bf16_llama(seed=1234), "fsdp2", world_size)
+    fsdp_restore.restore_model(model, path)
+    expected = fsdp_restore.load(path)["model"]
+    got = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    return all(torch.equal(got[k], t) for k, t in expected.items()) and set(got) == set(expected)
+
+
+def test_bf16_cast_llama_restores_on_real_ranks(tmp_path):
+    torch.save({"model": _bf16_llama(seed=0).state_dict()}, tmp_path / "bf16.pt")
+    fsdp_restore.convert(tmp_path / "bf16.pt", tmp_path / "bf16.safetensors")
+    assert run_ranks(_restore_bf16_llama, 2, tmp_path / "bf16.safetensors", timeout=120) == [True, True]
