@@ -136,17 +136,28 @@ def _stream_range(fd: int, offset: int, job: TensorJob, start: int, stop: int, p
     return crc
 
 
+def file_header(jobs: Sequence[TensorJob], metadata: dict[str, str],
+                checksums: dict[str, str] | None = None) -> tuple[bytes, dict[str, int]]:
+    """The header of one output file holding ``jobs`` (8-byte length + JSON) and each key's offset in its
+    data section: ``metadata`` plus the checksums (8-hex-digit placeholders until ``checksums`` is given;
+    the header's length is the same either way) and the cast record. Shared by the writer and by
+    `fsdp_restore.save_sharded`, whose ranks must lay the file out exactly as a conversion does."""
+    meta = dict(metadata)
+    meta[META_CHECKSUMS] = json.dumps({j.key: (checksums or {}).get(j.key, _PLACEHOLDER) for j in jobs},
+                                      separators=(",", ":"))
+    cast = {j.key: torch_dtype_name(j.source.dtype) for j in jobs if j.source.dtype != j.dtype}
+    if cast:
+        meta[META_CAST] = json.dumps(cast, separators=(",", ":"))
+    return build_header([(j.key, j.dtype, tuple(j.source.shape)) for j in jobs], meta)
+
+
 class _FileWriter:
     """One output safetensors file being written under a temporary name."""
 
     def __init__(self, path: Path, jobs: list[TensorJob], metadata: dict[str, str]) -> None:
         self.path, self.jobs = path, jobs
         self.metadata = dict(metadata)
-        self.metadata[META_CHECKSUMS] = json.dumps({j.key: _PLACEHOLDER for j in jobs}, separators=(",", ":"))
-        cast = {j.key: torch_dtype_name(j.source.dtype) for j in jobs if j.source.dtype != j.dtype}
-        if cast:
-            self.metadata[META_CAST] = json.dumps(cast, separators=(",", ":"))
-        header, self.offsets = build_header([(j.key, j.dtype, tuple(j.source.shape)) for j in jobs], self.metadata)
+        header, self.offsets = file_header(jobs, self.metadata)
         self.data_start = len(header)  # the header length never changes (see the checksum patch)
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         os.ftruncate(self.fd, self.data_start + sum(j.nbytes for j in jobs))
@@ -164,9 +175,7 @@ class _FileWriter:
         """Join each tensor's segment checksums, patch them into the header, fsync and close."""
         for key, segments in self._segment_crcs.items():
             self.checksums[key] = f"{combine_segments(segments[s] for s in sorted(segments)):08x}"
-        self.metadata[META_CHECKSUMS] = json.dumps({j.key: self.checksums[j.key] for j in self.jobs},
-                                                   separators=(",", ":"))
-        header, _ = build_header([(j.key, j.dtype, tuple(j.source.shape)) for j in self.jobs], self.metadata)
+        header, _ = file_header(self.jobs, self.metadata, self.checksums)
         assert len(header) == self.data_start, "checksum patch changed the header length"
         os.pwrite(self.fd, header, 0)
         os.fsync(self.fd)
@@ -191,6 +200,40 @@ def split_into_shards(jobs: Sequence[TensorJob], max_shard_size: int) -> list[li
     return shards
 
 
+@dataclass
+class OutputFile:
+    """One file of an output: its name inside a sharded set (``model-0000k-of-0000n.safetensors``; the
+    destination itself for a single file), the tensors it holds and its header metadata."""
+
+    name: str
+    jobs: list[TensorJob]
+    metadata: dict[str, str]
+
+
+def file_layout(jobs: Sequence[TensorJob], *, structure_json: str | None, max_shard_size: int | None = None,
+                metadata: dict[str, str] | None = None) -> list[OutputFile]:
+    """Which tensors go in which output file, with each file's metadata: one file (holding the structure),
+    or with ``max_shard_size`` the shards of a set (the structure then lives in the index, `index_bytes`)."""
+    meta = {META_FORMAT: "pt", META_VERSION: FORMAT_VERSION, **(metadata or {})}
+    if max_shard_size is None:
+        return [OutputFile("", list(jobs),
+                           dict(meta, **({META_STRUCTURE: structure_json} if structure_json is not None else {})))]
+    groups = split_into_shards(jobs, max_shard_size)
+    n = len(groups)
+    return [OutputFile(f"model-{i + 1:05d}-of-{n:05d}.safetensors", group, dict(meta))
+            for i, group in enumerate(groups)]
+
+
+def index_bytes(files: Sequence[OutputFile], *, structure_json: str | None,
+                metadata: dict[str, str] | None = None) -> bytes:
+    """The ``model.safetensors.index.json`` of a sharded set laid out by `file_layout`."""
+    meta = {META_FORMAT: "pt", META_VERSION: FORMAT_VERSION, **(metadata or {})}
+    index = {"metadata": dict(meta, total_size=sum(j.nbytes for f in files for j in f.jobs),
+                              **({META_STRUCTURE: structure_json} if structure_json is not None else {})),
+             "weight_map": {j.key: f.name for f in files for j in f.jobs}}
+    return json.dumps(index, indent=2).encode()
+
+
 def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *, structure_json: str | None,
                       max_shard_size: int | None = None, threads: int | None = None, force: bool = False,
                       progress: ProgressFn | None = None, metadata: dict[str, str] | None = None) -> WriteResult:
@@ -207,17 +250,12 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
     dst.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(dst)
     tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    meta = {META_FORMAT: "pt", META_VERSION: FORMAT_VERSION, **(metadata or {})}
     sharded = max_shard_size is not None
+    files = file_layout(jobs, structure_json=structure_json, max_shard_size=max_shard_size, metadata=metadata)
+    groups, file_meta = [f.jobs for f in files], [f.metadata for f in files]
+    names = [f.name for f in files] if sharded else [tmp.name]
     if sharded:
         tmp.mkdir()
-        groups = split_into_shards(jobs, max_shard_size)
-        n = len(groups)
-        names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        file_meta = [dict(meta) for _ in groups]
-    else:
-        groups, names = [list(jobs)], [tmp.name]
-        file_meta = [dict(meta, **({META_STRUCTURE: structure_json} if structure_json is not None else {}))]
     writers: list[_FileWriter] = []
     try:
         root = tmp if sharded else dst.parent
@@ -237,10 +275,8 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
         for w in writers:
             result.checksums.update(w.checksums)
         if sharded:
-            index = {"metadata": dict(meta, total_size=result.nbytes,
-                                      **({META_STRUCTURE: structure_json} if structure_json is not None else {})),
-                     "weight_map": {j.key: name for group, name in zip(groups, names) for j in group}}
-            _write_small_file(tmp / DEFAULT_INDEX_NAME, json.dumps(index, indent=2).encode())
+            _write_small_file(tmp / DEFAULT_INDEX_NAME, index_bytes(files, structure_json=structure_json,
+                                                                    metadata=metadata))
             result.paths = [dst / name for name in names]
             _fsync_dir(tmp)
         else:
