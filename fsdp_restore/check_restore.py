@@ -226,6 +226,8 @@ def run_check_restore(path: str, factory: str, *, nproc: int = 2, fsdp: str = "f
                       prefix: str | None = None, key_map: str | None = None, timeout: float = 600) -> CheckRestoreReport:
     """Run the check on ``nproc`` local ranks; never raises for a failed check (see ``report.ok``).
     ``key_map``: a file or ``module:attribute`` (`fsdp_restore.key_map.parse_spec`)."""
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:  # 0 ranks would check nothing and "pass"
+        raise ValueError(f"nproc must be a whole number >= 1 (the local ranks to restore on), not {nproc!r}")
     Checkpoint(path).close()  # a bad file fails here with a FormatError, before spawning anything
     load_factory(factory)  # likewise an import error in the factory
     if key_map:

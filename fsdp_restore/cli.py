@@ -1,19 +1,24 @@
 """The ``fsdp-restore`` command line: convert, verify, inspect, check-restore.
 
 Options come, lowest precedence first, from the built-in defaults (mirrored in
-``configs/convert.yaml``), a ``--config FILE``, the flags, then ``key=value`` overrides. Errors
-print one line and exit non-zero; ``--debug`` shows the traceback.
+``configs/convert.yaml``), a ``--config FILE``, the flags, then ``key=value`` overrides. Every option
+is checked at the door (type and range, `check_convert_options`), before anything is read or written.
+Errors print one line and exit non-zero (usage errors: 2, everything else: 1); ``--debug`` shows the
+traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from rich.console import Console
 from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
                            TransferSpeedColumn)
@@ -48,22 +53,180 @@ def human_bytes(n: float) -> str:
     return f"{n:.2f} TB"
 
 
+class OptionError(ValueError):
+    """A command-line option, config file or override that is malformed or out of range (one line)."""
+
+
+def _yaml_problem(e: yaml.YAMLError, where: bool = True) -> str:
+    """A YAML error on one line: what is wrong and (in a file) where; PyYAML's text spans several lines."""
+    if isinstance(e, yaml.MarkedYAMLError):
+        mark = (e.problem_mark or e.context_mark) if where else None
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        return f"{e.problem or e.context or 'invalid YAML'}{where}"
+    return str(e).replace("\n", " ")
+
+
+def _load_layer(source: str, load: Callable[[], Any], known: Sequence[str], in_file: bool = False) -> DictConfig:
+    """One layer of options, refused in one line naming ``source`` when it is not YAML, not a mapping of
+    options, or names an unknown option."""
+    try:
+        layer = load()
+    except FileNotFoundError:
+        raise OptionError(f"{source}: no such file") from None
+    except yaml.YAMLError as e:
+        raise OptionError(f"{source}: not valid YAML ({_yaml_problem(e, in_file)}); fix the syntax, e.g."
+                          " cast_exclude=[optim.*] or threads: 4") from None
+    except (OmegaConfBaseException, UnicodeDecodeError) as e:
+        raise OptionError(f"{source}: {str(e).splitlines()[0]}") from None
+    if layer is None:  # an empty file
+        return OmegaConf.create({})
+    if not isinstance(layer, DictConfig):
+        raise OptionError(f"{source}: must be a mapping of option: value (see configs/convert.yaml), not a"
+                          f" {type(layer).__name__.removesuffix('Config').lower()}")
+    unknown = set(layer.keys()) - set(known)
+    if unknown:
+        raise OptionError(f"{source}: unknown option(s) {', '.join(sorted(map(str, unknown)))}; known: {', '.join(known)}")
+    return layer
+
+
+_FLAGS = {"allow_globals": "--allow-global"}  # the flags whose name is not the option's
+
+
+def _config_layers(defaults: dict[str, Any], config_file: str | None, flags: dict[str, Any],
+                   overrides: Sequence[str]) -> list[tuple[str, DictConfig]]:
+    """(source, options) of every layer above the defaults, lowest precedence first."""
+    layers = []
+    if config_file:
+        layers.append((f"--config {config_file}", _load_layer(f"--config {config_file}",
+                                                                lambda: OmegaConf.load(config_file), list(defaults),
+                                                                in_file=True)))
+    for key, value in flags.items():  # one layer per flag, so that an error names the flag
+        if value is not None:
+            layers.append((_FLAGS.get(key, "--" + key.replace("_", "-")), OmegaConf.create({key: value})))
+    for item in overrides:  # one at a time, so that an error names the override at fault
+        layers.append((f"override '{item}'", _load_layer(f"override '{item}'", lambda: OmegaConf.from_dotlist([item]),
+                                                         list(defaults))))
+    return layers
+
+
+def _merge(defaults: dict[str, Any], layers: list[tuple[str, DictConfig]]) -> DictConfig:
+    """Each layer's values replace the lower ones key by key (a list replaces a list, as OmegaConf.merge
+    does). Not OmegaConf.merge itself: it refuses a value of another type than the default's (a mapping
+    for a list) with a TypeError that names neither the option nor the layer; `check_convert_options`
+    judges the types instead. Interpolations (${...}) stay unresolved until the values are read."""
+    merged = dict(defaults)
+    for _, layer in layers:
+        merged.update(OmegaConf.to_container(layer, resolve=False))  # type: ignore[arg-type]
+    cfg = OmegaConf.create(merged)
+    OmegaConf.set_struct(cfg, True)
+    return cfg
+
+
 def build_config(defaults: dict[str, Any], config_file: str | None, flags: dict[str, Any],
                  overrides: Sequence[str]) -> DictConfig:
     """Merge defaults < --config file < flags < key=value overrides; unknown keys are errors."""
-    cfg = OmegaConf.create(defaults)
-    OmegaConf.set_struct(cfg, True)
-    layers = []
-    if config_file:
-        layers.append(OmegaConf.load(config_file))
-    layers.append(OmegaConf.create({k: v for k, v in flags.items() if v is not None}))
-    layers.append(OmegaConf.from_dotlist(list(overrides)))
-    for layer in layers:
-        unknown = set(layer.keys()) - set(defaults)
-        if unknown:
-            raise ValueError(f"unknown option(s) {', '.join(sorted(map(str, unknown)))}; known: {', '.join(defaults)}")
-        cfg = OmegaConf.merge(cfg, layer)
-    return cfg
+    return _merge(defaults, _config_layers(defaults, config_file, flags, overrides))
+
+
+def convert_options(config_file: str | None, flags: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """The options of a conversion as plain values, every one checked (`check_convert_options`); an error
+    names the layer that set the bad value (--config FILE, a flag, an override)."""
+    layers = _config_layers(CONVERT_DEFAULTS, config_file, flags, overrides)
+    origin = {key: "the defaults" for key in CONVERT_DEFAULTS}
+    for source, layer in layers:
+        origin.update({str(key): source for key in layer.keys()})
+    cfg = _merge(CONVERT_DEFAULTS, layers)
+    values: dict[str, Any] = {}
+    for key in CONVERT_DEFAULTS:
+        try:  # an interpolation (${...}) is resolved here, and may point nowhere
+            values[key] = _resolved(cfg, key)
+        except OmegaConfBaseException as e:
+            raise OptionError(f"{origin[key]}: {key}: {str(e).splitlines()[0]}") from None
+    return check_convert_options(values, origin)
+
+
+def _resolved(cfg: DictConfig, key: str) -> Any:
+    node = cfg[key]
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+
+
+_SIZE_HINT = "a size such as 5GB, 512MiB or a number of bytes >= 1"
+
+
+def _patterns(key: str, value: Any, *, allow_null: bool) -> list[str] | None:
+    """A list of key patterns; one pattern alone (``cast_exclude=optim.*``) is a list of one, not of its
+    characters; bare numbers (``cast_include=[0]``, a list index) are patterns too."""
+    if value is None:
+        return None if allow_null else []
+    items = [value] if isinstance(value, (str, int)) and not isinstance(value, bool) else value
+    if not isinstance(items, list) or not all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in items):
+        raise OptionError(f"{key}: expected a list of key patterns such as [optim.*, model.lm_head.*], got {value!r}")
+    return [str(p) for p in items]
+
+
+def _scalar_text(key: str, value: Any, example: str) -> str | None:
+    """null or one name (a bare number is a name: tag=1000, select=0)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, int)) or str(value) == "":
+        raise OptionError(f"{key}: expected one name such as {example} (or null), got {value!r}")
+    return str(value)
+
+
+def check_convert_options(values: dict[str, Any], origin: dict[str, str] | None = None) -> dict[str, Any]:
+    """Every convert option checked for type and range, normalized (sizes in bytes, one pattern -> a list
+    of one): `OptionError` naming the option, the value, where it was set and what it takes. Checked here
+    so that a bad value fails before anything is read, not as a TypeError deep in the conversion, and so
+    that a wrong one (``max_shard_size=-5``, ``threads=0``) is never silently taken for a default."""
+    out = dict(values)
+
+    def fail(key: str, text: str) -> NoReturn:
+        where = f" ({origin[key]})" if origin and key in origin and origin[key] != "the defaults" else ""
+        raise OptionError(f"{key}={values[key]!r}{where}: {text}")
+
+    def check(key: str, fn: Callable[[], Any]) -> None:
+        try:
+            out[key] = fn()
+        except OptionError as e:
+            fail(key, str(e).removeprefix(f"{key}: "))
+
+    threads = values.get("threads")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        fail("threads", "expected a whole number >= 1 (or null: every core)")
+    size = values.get("max_shard_size")
+    if size is not None:
+        if isinstance(size, bool) or not isinstance(size, (int, str)):
+            fail("max_shard_size", f"expected {_SIZE_HINT} (or null: one file)")
+        from .jobs import parse_size  # the parser convert itself uses
+
+        try:
+            parsed = parse_size(size)
+        except ValueError:
+            fail("max_shard_size", f"expected {_SIZE_HINT} (or null: one file)")
+        if parsed is None or parsed < 1:
+            fail("max_shard_size", f"expected {_SIZE_HINT} (or null: one file)")
+        out["max_shard_size"] = parsed
+    for key in ("force", "trust_pickle"):
+        if not isinstance(values.get(key), bool):
+            fail(key, "expected true or false")
+    if values.get("on_unsupported") not in ("error", "skip"):
+        fail("on_unsupported", "expected error (refuse the file) or skip (drop such values with a warning)")
+    check("cast_include", lambda: _patterns("cast_include", values.get("cast_include"), allow_null=True))
+    check("cast_exclude", lambda: _patterns("cast_exclude", values.get("cast_exclude"), allow_null=False))
+    check("allow_globals", lambda: _patterns("allow_globals", values.get("allow_globals"), allow_null=False))
+    if any("." not in name.strip(".") for name in out["allow_globals"] or []):
+        fail("allow_globals", "expected a list of classes as module.Name, e.g. [argparse.Namespace]")
+    check("select", lambda: _scalar_text("select", values.get("select"), "model"))
+    check("tag", lambda: _scalar_text("tag", values.get("tag"), "global_step1000"))
+    check("dtype", lambda: _scalar_text("dtype", values.get("dtype"), "bf16"))
+    if out["dtype"] is not None:
+        from .jobs import cast_target  # convert's own rule: floating targets only
+
+        try:
+            cast_target(out["dtype"])
+        except (ValueError, TypeError) as e:
+            fail("dtype", str(e))
+    return out
 
 
 def _progress() -> Progress:
@@ -78,8 +241,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
              "threads": args.threads, "force": True if args.force else None,
              "trust_pickle": True if args.trust_pickle else None,
              "allow_globals": args.allow_global or None}
-    cfg = OmegaConf.to_container(build_config(CONVERT_DEFAULTS, args.config, flags, args.overrides))
-    assert isinstance(cfg, dict)
+    cfg = convert_options(args.config, flags, args.overrides)
     with _progress() as progress:
         task = progress.add_task("convert", total=None)
 
@@ -116,9 +278,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _must_exist(path: str, option: str = "") -> None:
+    """A missing input is one line before any work starts (verify would report it in its table)."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{option + ' ' if option else ''}{path}: no such file or directory")
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from .verify import render_verify, verify
 
+    _must_exist(args.path)
+    if args.against:
+        _must_exist(args.against, "--against")
     with _progress() as progress:
         task = progress.add_task("verify", total=None)
         report = verify(args.path, against=args.against, select=args.select, threads=args.threads,
@@ -137,9 +308,42 @@ def cmd_check_restore(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors (its own print the whole usage block first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= ``low`` (argparse names the option when it is not)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {low}, got '{text}'") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {low}, got {value}")
+        return value
+    return parse
+
+
+def _version() -> str:
+    """The installed distribution's version, else the package's (a source tree run without installing)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fsdp_restore")
+    except PackageNotFoundError:
+        from . import __version__
+
+        return __version__
+
+
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fsdp-restore", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="fsdp-restore", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("convert", help="stream a torch.save .pt file, a DeepSpeed ZeRO or a DCP checkpoint"
@@ -152,7 +356,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", help="e.g. 5GB: write shards plus model.safetensors.index.json")
     p.add_argument("--select", help="only this subtree, e.g. model")
     p.add_argument("--tag", help="DeepSpeed checkpoint tag to convert, e.g. global_step1000 (default: latest)")
-    p.add_argument("--threads", type=int)
+    p.add_argument("--threads", type=_int_at_least(1), help="read/write threads (default: every core)")
     p.add_argument("--force", action="store_true", help="replace an existing destination")
     p.add_argument("--trust-pickle", action="store_true", help="execute the file's pickle (trusted files only)")
     p.add_argument("--allow-global", action="append", metavar="MODULE.NAME",
@@ -163,7 +367,7 @@ def make_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="show what a checkpoint holds")
     p.add_argument("path")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--depth", type=int, default=3, help="tree depth shown (totals include everything below)")
+    p.add_argument("--depth", type=_int_at_least(0), default=3, help="tree depth shown (totals include everything below)")
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("verify", help="check a converted checkpoint (checksums; --against the source .pt)",
@@ -173,7 +377,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.add_argument("--against", help="the source (.pt, DeepSpeed or DCP directory): compare every tensor")
     p.add_argument("--select", help="the subtree of the source that was converted (convert --select)")
-    p.add_argument("--threads", type=int)
+    p.add_argument("--threads", type=_int_at_least(1))
     p.add_argument("--trust-pickle", action="store_true")
     p.set_defaults(func=cmd_verify)
 
@@ -181,7 +385,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.add_argument("--model", required=True, metavar="MODULE:FUNCTION",
                    help="a function returning the (unsharded) model, e.g. mypkg.models:build or train.py:build")
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--nproc", type=_int_at_least(1), default=2, help="local ranks (processes) to restore on")
     p.add_argument("--fsdp", choices=["fsdp2", "fsdp1"], default="fsdp2")
     p.add_argument("--prefix", default=None, help="subtree holding the weights (default: model, or '' for plain files)")
     p.add_argument("--key-map", metavar="FILE|MODULE:ATTR", help="the checkpoint's name of each model name: a JSON/YAML"

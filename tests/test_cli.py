@@ -74,3 +74,142 @@ def test_configs_file_matches_builtin_defaults():
 
 def test_main_returns_exit_code(tmp_path):
     assert main(["inspect", str(tmp_path / "nope.safetensors")]) == 1
+
+
+# ---- arguments are checked at the door: one line naming the option and the fix, non-zero exit --------------
+
+
+def _main(argv):
+    """`main`'s exit code, usage errors (argparse's SystemExit) included."""
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+def _one_line_error(code, stderr):
+    """A refused command: non-zero exit, no traceback, exactly one line on stderr."""
+    assert code != 0, stderr
+    assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    return stderr
+
+
+@pytest.mark.parametrize("argv,names", [
+    (["threads=abc"], ["threads", "abc"]),
+    (["threads=0"], ["threads"]),
+    (["threads=2.5"], ["threads"]),
+    (["--threads", "-2"], ["--threads"]),
+    (["--threads", "abc"], ["--threads"]),
+    (["max_shard_size=-5"], ["max_shard_size", "-5"]),
+    (["max_shard_size=0"], ["max_shard_size"]),
+    (["max_shard_size=5XB"], ["5XB"]),
+    (["--max-shard-size=-5"], ["-5"]),
+    (["on_unsupported=maybe"], ["on_unsupported", "skip"]),
+    (["force=maybe"], ["force"]),
+    (["trust_pickle=1"], ["trust_pickle"]),
+    (["select=[a, b]"], ["select"]),
+    (["cast_exclude={a: 1}"], ["cast_exclude"]),
+    (["cast_include=[[model.*]]"], ["cast_include"]),
+    (["allow_globals=[nodots]"], ["allow_globals", "module.Name"]),
+    (["dtype=int8"], ["dtype"]),
+    (["dtype=[bf16]"], ["dtype"]),
+    (["tag=[a]"], ["tag"]),
+    (["cast_exclude=[optim.*"], ["cast_exclude=[optim.*", "YAML"]),  # a YAML typo in an override
+    (["threads=${nowhere}"], ["threads"]),
+])
+def test_bad_convert_options_are_one_line(src, tmp_path, capsys, argv, names):
+    dst = tmp_path / "out.safetensors"
+    code = _main(["convert", str(src), str(dst), *argv])
+    err = _one_line_error(code, capsys.readouterr().err)
+    for name in names:
+        assert name in err, err
+    assert not dst.exists()
+
+
+@pytest.mark.parametrize("text,names", [
+    ("dtype: bf16\nthreads: [3\n", ["line 3", "YAML"]),  # the typo: an unclosed list
+    ("dtype: bf16\n  threads: 3\n", ["line 2", "YAML"]),  # bad indentation
+    ("- dtype\n- bf16\n", ["mapping"]),  # a list, not options
+    ("threads: abc\n", ["threads", "abc"]),  # valid YAML, wrong type
+    ("max_shard_size: -5\n", ["max_shard_size"]),
+])
+def test_bad_config_file_is_one_line_naming_it(src, tmp_path, capsys, text, names):
+    cfg = tmp_path / "opts.yaml"
+    cfg.write_text(text)
+    code = main(["convert", str(src), str(tmp_path / "out.safetensors"), "--config", str(cfg)])
+    err = _one_line_error(code, capsys.readouterr().err)
+    for name in [*names, "opts.yaml"]:
+        assert name in err, err
+
+
+def test_missing_config_file_is_one_line(src, tmp_path, capsys):
+    code = main(["convert", str(src), str(tmp_path / "out.safetensors"), "--config", str(tmp_path / "nope.yaml")])
+    assert "nope.yaml" in _one_line_error(code, capsys.readouterr().err)
+
+
+def test_a_single_pattern_is_a_list_of_one(src, tmp_path):
+    """``cast_exclude=model.w`` (no brackets) is the pattern model.w, not the patterns m, o, d, e, l, ..."""
+    dst = tmp_path / "out.safetensors"
+    assert main(["convert", str(src), str(dst), "--dtype", "bf16", "cast_exclude=model.w"]) == 0
+    import fsdp_restore
+
+    assert fsdp_restore.load(dst)["model"]["w"].dtype == torch.float32
+
+
+def test_good_options_still_convert(src, tmp_path):
+    dst = tmp_path / "out"
+    assert main(["convert", str(src), str(dst), "max_shard_size=1KB", "threads=1", "on_unsupported=skip",
+                 "tag=null", "cast_exclude=[]"]) == 0
+    assert (dst / "model.safetensors.index.json").exists()
+
+
+def test_check_restore_refuses_nproc_0(src, tmp_path, capsys):
+    code = _main(["check-restore", str(src), "--model", "tests.models:build", "--nproc", "0"])
+    err = _one_line_error(code, capsys.readouterr().err)
+    assert "--nproc" in err and "passed" not in err
+
+
+def test_run_check_restore_refuses_nproc_0(tmp_path):
+    from fsdp_restore.check_restore import run_check_restore
+
+    with pytest.raises(ValueError, match="nproc"):
+        run_check_restore(str(tmp_path / "x.safetensors"), "tests.models:build", nproc=0)
+
+
+def test_version():
+    from importlib.metadata import version
+
+    res = run("--version")
+    assert res.returncode == 0 and res.stdout.strip() == f"fsdp-restore {version('fsdp_restore')}", res
+
+
+def test_help_and_version_do_not_convert_anything(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.startswith("fsdp-restore ")
+
+
+def test_verify_missing_file_is_one_line(tmp_path, capsys, src):
+    code = main(["verify", str(tmp_path / "missing.safetensors")])
+    captured = capsys.readouterr()
+    assert "missing.safetensors" in _one_line_error(code, captured.err) and captured.out == ""
+    dst = tmp_path / "ok.safetensors"
+    assert main(["convert", str(src), str(dst)]) == 0
+    capsys.readouterr()
+    code = main(["verify", str(dst), "--against", str(tmp_path / "gone.pt")])
+    captured = capsys.readouterr()
+    assert "gone.pt" in _one_line_error(code, captured.err) and captured.out == ""
+
+
+@pytest.mark.parametrize("argv", [["inspect", "x", "--depth", "-1"], ["verify", "x", "--threads", "0"],
+                                  ["nonsense"], ["convert", "a"]])
+def test_usage_errors_are_one_line(capsys, argv):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    _one_line_error(info.value.code, capsys.readouterr().err)
+
+
+def test_defaults_pass_the_checks():
+    from fsdp_restore.cli import check_convert_options
+
+    assert check_convert_options(dict(CONVERT_DEFAULTS)) == CONVERT_DEFAULTS
