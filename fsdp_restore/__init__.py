@@ -10,14 +10,15 @@ import warnings
 from typing import Any
 
 from .convert import ConvertReport, convert, load_pt, save
-from .errors import (FormatError, FsdpRestoreError, RestoreError, UnsafePickleError, UnsupportedObjectError,
-                     VerifyError)
+from .errors import (FormatError, FsdpRestoreError, RestoreError, SaveError, UnsafePickleError,
+                     UnsupportedObjectError, VerifyError)
 from .flatten import flatten, unflatten
 from .read import Checkpoint, find_safetensors_for, open_checkpoint, stale_sibling
 from .buffers import init_non_persistent_buffers
 from .key_map import KeyMap
 from .plan import RestoreReport
 from .restore import RestoreResult, restore, restore_model, restore_optimizer
+from .save import SaveReport, save_sharded
 from .verify import VerifyReport, inspect_checkpoint, verify
 
 __version__ = "0.1.0"
@@ -51,5 +52,5 @@ __all__ = [
     "Checkpoint", "ConvertReport", "FormatError", "FsdpRestoreError", "KeyMap", "RestoreError", "RestoreReport", "RestoreResult",
     "UnsafePickleError", "UnsupportedObjectError", "VerifyError", "VerifyReport", "convert", "find_safetensors_for",
     "flatten", "init_non_persistent_buffers", "inspect_checkpoint", "load", "load_pt", "open_checkpoint", "restore",
-    "restore_model", "restore_optimizer", "save", "unflatten", "verify",
+    "restore_model", "restore_optimizer", "save", "SaveError", "SaveReport", "save_sharded", "unflatten", "verify",
 ]

@@ -43,3 +43,11 @@ class RestoreError(FsdpRestoreError):
 
 class VerifyError(FsdpRestoreError):
     """A checkpoint failed verification."""
+
+
+class SaveError(FsdpRestoreError):
+    """`save_sharded` failed; raised with the same message on every rank (nothing is left at the destination)."""
+
+    def __init__(self, message: str, problems: dict[str, list[str]] | None = None) -> None:
+        self.problems = problems or {}
+        super().__init__(message)

@@ -1,0 +1,474 @@
+"""Save from the sharded model: every rank writes its own bytes of one unsharded checkpoint, no gather.
+
+The mirror of restore.py; this module only orchestrates, in phases with one verdict each (verdict.py), so
+that a failure anywhere becomes the same `SaveError` on every rank and nobody waits in a collective for a
+rank that has given up:
+
+0. rank 0 sends ``extra`` and the temporary's name to every rank (one broadcast).
+1. plan (save_plan.py): the header from the model on every rank, this rank's write items. Rank 0 creates
+   the temporary next to the destination and preallocates it. Agree: no rank failed, every rank computed
+   the same header (a digest), and the items of all ranks write every element of every tensor once
+   (the restore's moment digest plus counts), in one all-reduce. Nothing is written before this.
+2. every rank opens the temporary by name: a rank that does not see it is on another filesystem, which
+   is refused (before a byte is written) with the fix. Agree.
+3. every rank ``pwrite`` s its items (threads; GPU memory staged through pinned buffers in chunks) and
+   fsyncs. Agree.
+4. the checksums: each rank's crc32 of its pieces folded per tensor (`_Crc`) and joined over the ranks
+   in one all-reduce, nothing read back; rank 0 patches them into the header(s), fsyncs, writes the index
+   of a sharded set, renames the temporary over the destination and fsyncs the directory. Agree.
+
+On any failure the temporary is removed; a checkpoint already under the final name is untouched (a reader
+sees the old file or the new one: a single file is replaced with one ``rename``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import shutil
+import threading
+import time
+import uuid
+import zlib
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import save_plan
+from .checksum import _ONE, _multiply, _shift, crc32_combine
+from .errors import FsdpRestoreError, RestoreError, SaveError
+from .execute import parts
+from .format import DEFAULT_INDEX_NAME
+from .jobs import parse_size
+from .restore import _no_cyclic_gc, _refuse_unsharded_fsdp1, _reshard_fsdp2
+from .save_plan import WriteItem, WritePlan
+from .verdict import _LABELS, _device, _rank, agree, new_problems
+from .write import (CHUNK_BYTES, _fsync_dir, _replace, _write_small_file, file_header, index_bytes,
+                    remove_stale_temporaries, start_writeback, tensor_bytes)
+
+__all__ = ["SaveReport", "save_sharded"]
+
+
+@dataclass
+class SaveReport:
+    """What `save_sharded` did on this rank."""
+
+    path: str
+    files: list[str]
+    tensors: int
+    nbytes: int  # tensor bytes of the whole checkpoint
+    bytes_written: int  # tensor bytes this rank wrote
+    items: int  # this rank's write items
+    seconds: float
+    timings: dict[str, float] = field(default_factory=dict)  # plan, open, write, commit
+    checksums: dict[str, str] = field(default_factory=dict, repr=False)
+
+
+# ---- crc32 of a tensor written in pieces by many ranks ---------------------------------------------------
+
+_ZEROS: list[int] = [zlib.crc32(b"\0")]  # crc32 of 2^k zero bytes
+
+
+def crc32_zeros(n: int) -> int:
+    """crc32 of ``n`` zero bytes, in O(log n) without touching them."""
+    crc, k = 0, 0
+    while n:
+        while len(_ZEROS) <= k:
+            half = 1 << (len(_ZEROS) - 1)
+            _ZEROS.append(crc32_combine(_ZEROS[-1], _ZEROS[-1], half))
+        if n & 1:
+            crc = crc32_combine(crc, _ZEROS[k], 1 << k)
+        n >>= 1
+        k += 1
+    return crc
+
+
+class _Crc:
+    """Per tensor, the XOR of its pieces' *linear parts*: crc32 is affine, ``crc(M) = L(M) ^ crc(0^|M|)``
+    with ``L`` linear, and a piece ``s`` at byte ``o`` of an ``N``-byte tensor contributes
+    ``L(0^o s 0^t) = L(s) x^(8t)`` (``t = N - o - |s|``; leading zeros add nothing). The pieces of all ranks
+    tile the tensor, so its crc32 is the XOR of every rank's fold ``^ crc(0^N)``: each rank folds its own
+    pieces in any order (threads), and the ranks join theirs with one all-reduce. Rows at a stride fold
+    by Horner's rule, one multiplication each."""
+
+    def __init__(self) -> None:
+        self.folds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def add(self, key: str, row_crcs: Sequence[int], row_bytes: int, stride_bytes: int, trailing: int) -> None:
+        """Rows of ``row_bytes`` each (crc32s ``row_crcs``), ``stride_bytes`` apart; ``trailing`` bytes of
+        the tensor follow the last row."""
+        zeros = crc32_zeros(row_bytes)
+        acc = 0
+        power = _shift(_ONE, stride_bytes) if len(row_crcs) > 1 else _ONE
+        for crc in row_crcs:
+            acc = _multiply(power, acc) ^ crc ^ zeros
+        acc = _shift(acc, trailing)
+        with self._lock:
+            self.folds[key] = self.folds.get(key, 0) ^ acc
+
+
+def _join_crcs(plan: WritePlan, crc: _Crc, group: dist.ProcessGroup | None, world: int) -> dict[str, str]:
+    """Every tensor's crc32 on every rank: the ranks' folds XOR-ed by one all-reduce of their bits (a sum,
+    taken mod 2: NCCL has no bitwise reduction)."""
+    keys = list(plan.jobs)
+    if world > 1:
+        bits = torch.tensor([[(crc.folds.get(k, 0) >> b) & 1 for b in range(32)] for k in keys] or [[0] * 32],
+                            dtype=torch.int32)
+        t = bits.to(_device(group))
+        dist.all_reduce(t, group=group)
+        parity = (t.cpu() % 2).tolist()
+        folds = [sum(bit << b for b, bit in enumerate(row)) for row in parity]
+    else:
+        folds = [crc.folds.get(k, 0) for k in keys]
+    return {k: f"{fold ^ crc32_zeros(plan.jobs[k].nbytes):08x}" for k, fold in zip(keys, folds)}
+
+
+# ---- writing -----------------------------------------------------------------------------------------------
+
+
+def _pwrite_all(fd: int, data: Any, offset: int) -> None:
+    view = memoryview(data)
+    while view:  # pwrite may write less than asked
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+class _Staging(threading.local):
+    """Per thread: a pinned host buffer and a CUDA stream, reused for every chunk of GPU memory."""
+
+    buf: torch.Tensor | None = None
+    stream: Any = None
+
+
+def _write_items(plan: WritePlan, fds: list[int], threads: int, crc: _Crc) -> int:
+    """Write this rank's items in chunks of at most `CHUNK_BYTES` on ``threads`` threads; fold the crc32
+    of every chunk as it is written. Returns the bytes written."""
+    tasks = []
+    for item in plan.items:
+        step = max(1, CHUNK_BYTES // item.data.element_size())
+        for first, count, start, rows in parts(item.global_start, item.data.numel(), item.rows, item.stride, step):
+            tasks.append((item, first, count, start, rows))
+    tasks.sort(key=lambda t: plan.where[t[0].key][1] + t[3] * t[0].data.element_size())  # file order
+    ready = None
+    if any(i.data.device.type == "cuda" for i in plan.items):
+        ready = {d: torch.cuda.current_stream(d).record_event()
+                 for d in {i.data.device for i in plan.items if i.data.device.type == "cuda"}}
+    staging = _Staging()
+
+    def host(src: torch.Tensor) -> torch.Tensor:
+        if src.device.type == "cpu":
+            return src
+        if src.device.type != "cuda":
+            return src.to("cpu")
+        nbytes = src.numel() * src.element_size()
+        if staging.buf is None or staging.buf.numel() < nbytes:
+            staging.buf = torch.empty(max(nbytes, CHUNK_BYTES), dtype=torch.uint8, pin_memory=True)
+            staging.stream = torch.cuda.Stream(src.device)
+        out = staging.buf[:nbytes].view(src.dtype)
+        with torch.cuda.stream(staging.stream):
+            staging.stream.wait_event(ready[src.device])  # the caller's kernels that wrote the shard
+            out.copy_(src, non_blocking=True)
+        staging.stream.synchronize()
+        return out
+
+    def write(task: tuple[WriteItem, int, int, int, int]) -> int:
+        item, first, count, start, rows = task
+        file_index, base = plan.where[item.key]
+        fd, size = fds[file_index], item.data.element_size()
+        data = tensor_bytes(host(item.data[first:first + count]))
+        run_bytes = count * size // rows
+        crcs = []
+        for r in range(rows):
+            row = data[r * run_bytes:(r + 1) * run_bytes]
+            crcs.append(zlib.crc32(row))
+            _pwrite_all(fd, row, base + (start + r * item.stride) * size)
+        last = (start + (rows - 1) * item.stride) * size + run_bytes
+        crc.add(item.key, crcs, run_bytes, item.stride * size, plan.jobs[item.key].nbytes - last)
+        first_byte = base + start * size
+        start_writeback(fd, first_byte, last - start * size)
+        return count * size
+
+    if threads <= 1 or len(tasks) <= 1:
+        return sum(write(t) for t in tasks)
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        return sum(pool.map(write, tasks))
+
+
+# ---- the temporary -------------------------------------------------------------------------------------------
+
+
+def _temp_path(dst: Path, name: str) -> Path:
+    return dst.parent / name
+
+
+def _create_temp(dst: Path, tmp: Path, plan: WritePlan, sharded: bool) -> None:
+    """Rank 0: the temporary (a file, or a directory of shard files), every file preallocated to its final
+    size (ENOSPC now, not mid-write) with its header, checksums still placeholders."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(dst)
+    if sharded:
+        tmp.mkdir()
+    for f in plan.files:
+        path = tmp / f.name if sharded else tmp
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, f.size)
+            except (AttributeError, OSError) as e:  # filesystems without fallocate: a sparse file
+                if isinstance(e, OSError) and e.errno not in (95, 22):  # EOPNOTSUPP, EINVAL
+                    raise
+                os.ftruncate(fd, f.size)
+            _pwrite_all(fd, f.header, 0)
+        finally:
+            os.close(fd)
+
+
+def _open_temp(tmp: Path, plan: WritePlan, sharded: bool, rank: int) -> list[int]:
+    """Every rank: open each file of the temporary rank 0 created; a rank that does not see it does not
+    share rank 0's filesystem."""
+    fds: list[int] = []
+    try:
+        for f in plan.files:
+            path = tmp / f.name if sharded else tmp
+            try:
+                fd = os.open(path, os.O_WRONLY)
+            except FileNotFoundError:
+                raise FsdpRestoreError(
+                    f"rank {rank} does not see {path}, which rank 0 has just created: the ranks do not share one"
+                    f" filesystem at {tmp.parent} (a node-local disk?). Every rank writes its own bytes into the"
+                    " one file, so save to a path every rank sees (NFS, Lustre, GPFS, a cloud file store mounted"
+                    " on every node)") from None
+            fds.append(fd)
+            size = os.fstat(fd).st_size
+            if size != f.size:
+                raise FsdpRestoreError(f"rank {rank} sees {path} with {size} bytes, rank 0 created it with {f.size}:"
+                                       " the ranks do not share one filesystem")
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds
+
+
+def _commit(dst: Path, tmp: Path, plan: WritePlan, sharded: bool, checksums: dict[str, str],
+            fds: list[int]) -> None:
+    """Rank 0, once every rank has written and fsynced: the real checksums into the header(s), fsync,
+    the index of a sharded set, then the temporary in place of the destination."""
+    for f, fd in zip(plan.files, fds):
+        header, _ = file_header(f.jobs, f.metadata, checksums)
+        if len(header) != f.data_start:
+            raise FsdpRestoreError("the checksum patch changed the header length (a bug)")
+        _pwrite_all(fd, header, 0)
+        os.fsync(fd)
+    if sharded:
+        _write_small_file(tmp / DEFAULT_INDEX_NAME, index_bytes(plan.output_files(), structure_json=plan.structure_json))
+        _fsync_dir(tmp)
+        _replace(tmp, dst)
+    elif dst.is_dir() and not dst.is_symlink():
+        _replace(tmp, dst)
+    else:
+        os.replace(tmp, dst)  # atomic: a reader opens the old file or the new one
+        _fsync_dir(dst.parent)
+
+
+def _remove(tmp: Path | None) -> None:
+    if tmp is None:
+        return
+    if tmp.is_dir() and not tmp.is_symlink():
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        tmp.unlink(missing_ok=True)
+
+
+# ---- the verdicts ----------------------------------------------------------------------------------------------
+
+
+def _header_terms(plan: WritePlan, rank: int, world: int) -> dict[str, tuple[int, int]]:
+    """Coverage-style terms that sum to zero over the ranks exactly when every rank computed rank 0's
+    header: each rank counts one for its header's digest, rank 0 takes ``world`` away from its own."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(plan.structure_json.encode())
+    for f in plan.files:
+        h.update(f.name.encode() + b"\0" + f.header)
+    name = f"header {h.hexdigest()}"
+    return {name: (1 - (world if rank == 0 else 0), 0)}
+
+
+def _save_error(e: RestoreError, what: str) -> SaveError:
+    """The verdict's error in a save's words (the same text on every rank: the problems are agreed)."""
+    lines = [f"{what} failed:"]
+    for kind, items in e.problems.items():
+        if kind == "coverage":
+            headers = [n for n in items if n.startswith("header ")]
+            counts = [n.removesuffix(" (elements written)") for n in items if n.endswith(" (elements written)")]
+            moments = [n for n in items if n not in headers and not n.endswith(" (elements written)")]
+            if headers:
+                lines.append("  the ranks computed different checkpoint headers (their models' shapes, dtypes,"
+                             " optimizer state or param groups differ); nothing was written")
+            if counts:
+                lines.append(f"  the ranks together do not write every element of these tensors exactly once"
+                             f" ({len(counts)}): {', '.join(counts[:20])}")
+            if moments:
+                lines.append(f"  the ranks' writes do not cover these tensors exactly (a piece shifted, lost or"
+                             f" doubled) ({len(moments)}): {', '.join(moments[:20])}")
+        else:
+            lines.append(f"  {_LABELS.get(kind, kind)} ({len(items)}): {', '.join(items[:20])}")
+    return SaveError("\n".join(lines), e.problems)
+
+
+def _agree(problems: Any, what: str, group: dist.ProcessGroup | None,
+           coverage: dict[str, tuple[int, int]] | None = None) -> None:
+    try:
+        agree(problems, what, group, coverage=coverage)
+    except RestoreError as e:
+        raise _save_error(e, what) from None
+
+
+# ---- the entry point ---------------------------------------------------------------------------------------------
+
+
+def _check_arguments(model: Any, path: Any, optimizer: Any, extra: Any, process_group: Any, max_shard_size: Any,
+                     thread_count: Any) -> int | None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, not {type(model).__name__}")
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise TypeError(f"path must be a str or os.PathLike, not {type(path).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, not {type(optimizer).__name__}")
+    if extra is not None and not isinstance(extra, dict):
+        raise TypeError(f"extra must be a dict (step, scheduler state, RNG states...) or None, not"
+                        f" {type(extra).__name__}")
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, not"
+                        f" {type(process_group).__name__}")
+    if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
+        raise ValueError(f"thread_count must be a positive int, not {thread_count!r}")
+    if isinstance(max_shard_size, bool):
+        raise TypeError("max_shard_size must be a size (int bytes or a string such as '5GB') or None")
+    size = parse_size(max_shard_size)
+    if size is not None and size <= 0:
+        raise ValueError(f"max_shard_size must be positive, not {max_shard_size!r}")
+    return size
+
+
+def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: torch.optim.Optimizer | None = None,
+                 extra: dict[str, Any] | None = None, process_group: dist.ProcessGroup | None = None,
+                 max_shard_size: int | str | None = None, thread_count: int = 4) -> SaveReport:
+    """Save a sharded model (and optimizer) into one unsharded checkpoint; call on every rank.
+
+    Every rank writes its own bytes straight into the final file (no gather): the file is byte for byte
+    what `convert` writes for ``torch.save({"model": full state dict, "optim": Optimizer.state_dict() of
+    the unsharded model, **extra})``, so `restore`, `load`, `verify` and the CLI read it as any other.
+    With ``optimizer=None`` and ``extra=None`` it is a plain weights file instead (keys without ``model.``,
+    tied weights stored once), loadable by ``safetensors.torch.load_file`` and ``from_pretrained``.
+    ``extra`` (step, ``scheduler.state_dict()``, RNG states, config) is taken from rank 0. ``max_shard_size``
+    writes a directory of shards with a Hugging Face index instead of one file.
+
+    Works for FSDP2 (any DTensor layout: Shard(0), TP column blocks, 2-D meshes, HSDP), FSDP1
+    (``use_orig_params`` either way, hybrid sharding), DDP and plain modules; a byte held by several ranks is
+    written by one of them. The header is computed on every rank and agreed, and the ranks' writes are proven
+    to cover every element exactly once before a byte is written; the file is written under a temporary name
+    in the destination's directory (which every rank must see: a shared filesystem), fsynced by every rank,
+    and only then renamed over ``path``. Any failure on any rank raises the same `SaveError` on every rank,
+    removes the temporary and leaves an existing checkpoint at ``path`` untouched.
+    """
+    t0 = time.perf_counter()
+    rank, world = _rank(process_group)
+    group = process_group
+    timings: dict[str, float] = {}
+    plan: WritePlan | None = None
+    tmp: Path | None = None
+    fds: list[int] = []
+    created = False
+    with _no_cyclic_gc():
+        try:
+            # -- phase 0: arguments; rank 0's extra and the temporary's name reach every rank --------------------
+            problems = new_problems()
+            payload: bytes | None = None
+            size: int | None = None
+            with problems.guard():
+                size = _check_arguments(model, path, optimizer, extra, process_group, max_shard_size, thread_count)
+                if rank == 0:
+                    dst0 = Path(path)
+                    payload = pickle.dumps((extra, f".{dst0.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"))
+            if world > 1:
+                box = [payload]
+                src = dist.get_global_rank(group, 0) if group is not None else 0
+                dist.broadcast_object_list(box, src=src, group=group, device=_device(group))
+                payload = box[0]
+            # -- phase 1: plan, agree on the header and on the coverage --------------------------------------------
+            coverage: dict[str, tuple[int, int]] = {}
+            with problems.guard():
+                if payload is None:
+                    raise FsdpRestoreError("rank 0 could not send extra (see its error)" if rank else
+                                           "extra could not be pickled")
+                sent_extra, tmp_name = pickle.loads(payload)
+                dst = Path(path)
+                tmp = _temp_path(dst, tmp_name)
+                weights_only = optimizer is None and extra is None
+                _reshard_fsdp2(model)
+                _refuse_unsharded_fsdp1(model)
+                plan = save_plan.build_write_plan(model, optimizer=optimizer,
+                                                  extra=extra if rank == 0 else sent_extra,
+                                                  weights_only=weights_only, rank=rank, world=world,
+                                                  max_shard_size=size)
+                coverage = plan.coverage(rank)
+                coverage.update(_header_terms(plan, rank, world))
+                if rank == 0:
+                    created = True
+                    _create_temp(dst, tmp, plan, size is not None)
+            _agree(problems, "save_sharded (plan)", group, coverage)
+            assert plan is not None and tmp is not None
+            timings["plan"] = time.perf_counter() - t0
+            sharded = size is not None
+
+            # -- phase 2: every rank sees the one temporary ------------------------------------------------------
+            t1 = time.perf_counter()
+            problems = new_problems()
+            with problems.guard():
+                fds = _open_temp(tmp, plan, sharded, rank)
+            _agree(problems, "save_sharded (open)", group)
+            timings["open"] = time.perf_counter() - t1
+
+            # -- phase 3: write and fsync ------------------------------------------------------------------------------
+            t2 = time.perf_counter()
+            problems = new_problems()
+            crc = _Crc()
+            written = 0
+            with problems.guard():
+                written = _write_items(plan, fds, thread_count, crc)
+                for fd in fds:
+                    os.fsync(fd)
+            _agree(problems, "save_sharded (write)", group)
+            timings["write"] = time.perf_counter() - t2
+
+            # -- phase 4: checksums, rename --------------------------------------------------------------------------
+            t3 = time.perf_counter()
+            problems = new_problems()
+            checksums = _join_crcs(plan, crc, group, world)
+            with problems.guard():
+                if rank == 0:
+                    _commit(dst, tmp, plan, sharded, checksums, fds)
+                    created = False
+            _agree(problems, "save_sharded (commit)", group)
+            timings["commit"] = time.perf_counter() - t3
+        except BaseException:
+            if rank == 0 and created:
+                _remove(tmp)
+            raise
+        finally:
+            for fd in fds:
+                os.close(fd)
+    files = [str(dst / f.name) for f in plan.files] if sharded else [str(dst)]
+    return SaveReport(path=str(dst), files=files, tensors=len(plan.jobs),
+                      nbytes=sum(j.nbytes for j in plan.jobs.values()),
+                      bytes_written=written, items=len(plan.items), seconds=time.perf_counter() - t0,
+                      timings=timings, checksums=checksums)

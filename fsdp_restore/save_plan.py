@@ -1,0 +1,407 @@
+"""The write plan of `save_sharded`: the checkpoint's header from the sharded model, and this rank's bytes.
+
+The mirror of plan.py. Every rank builds the object a conversion of the gathered checkpoint would hold
+(``{"model": state dict, "optim": Optimizer.state_dict(), **extra}``, or the bare state dict in weights-only
+mode) with stand-in tensors that carry only the global shape and dtype (`write.stand_in`), flattens it
+with the conversion's own `flatten`, and lays the file(s) out with the writer's own `file_layout` and
+`file_header`: the header is the conversion's, byte for byte, and no rank holds any tensor but its own.
+
+Then each stored tensor gets this rank's `WriteItem` s, from the restore's layout (`shards.local_targets`):
+an FSDP2 ``Shard(0)`` block is one range, an FSDP1 flat-parameter segment one range (padding is in no
+piece), a ``Shard(1)`` column block one item of rows at a stride. A piece that several ranks hold alike
+(DDP, plain modules, ``Replicate`` mesh dims, HSDP and FSDP1 hybrid replicas) is written by exactly one
+of them: a large piece is cut into one part per replica, a small one goes whole to one replica chosen by
+its name (so the work spreads). Optimizer state laid out like its parameter follows the parameter's
+pieces; every other value (step counters, param-group tensors, ``extra``) is written by rank 0.
+
+Coverage is proven like the restore's (`check.coverage_terms`, summed over ranks in the verdict's one
+all-reduce): plus a count term per tensor, so that the ranks together write every element exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from math import prod
+from typing import Any
+
+import torch
+from torch import nn
+
+from .check import coverage_terms, name_weight
+from .errors import FsdpRestoreError
+from .flatten import flatten
+from .jobs import plan_jobs
+from .shards import Piece, Target, _fsdp1_units, _is_dtensor, _join, clean_name, local_targets, local_tensor
+from .write import HeldInPieces, OutputFile, TensorJob, file_header, file_layout, stand_in
+
+try:  # the restore's optimizer planning lives in optim_plan.py (newer) or plan.py
+    from .optim_plan import live_groups
+except ImportError:  # pragma: no cover - depends on the tree's state
+    from .plan import _param_slots as live_groups
+
+SPLIT_MIN_BYTES = 4 * 1024 * 1024  # a replicated piece below this is written whole by one replica
+
+
+@dataclass
+class WriteItem:
+    """Write ``data`` (contiguous 1-D local memory) into stored tensor ``key`` at global flat element
+    ``global_start``; with ``rows > 1``, ``data`` holds ``rows`` runs of equal length that lie ``stride``
+    elements apart in the stored tensor (a column block). ``name`` is what the coverage proof calls it."""
+
+    key: str
+    data: torch.Tensor
+    global_start: int
+    global_numel: int
+    rows: int = 1
+    stride: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.key
+
+    @property
+    def dest(self) -> torch.Tensor:  # the attribute `check.coverage_terms` counts elements of
+        return self.data
+
+    @property
+    def run(self) -> int:
+        return self.data.numel() // self.rows if self.rows else 0
+
+
+@dataclass
+class FilePlan:
+    """One output file: its name in the set ("" for a single file), its header and each key's offset."""
+
+    name: str
+    header: bytes
+    offsets: dict[str, int]
+    jobs: list[TensorJob]
+    metadata: dict[str, str]
+
+    @property
+    def data_start(self) -> int:
+        return len(self.header)
+
+    @property
+    def size(self) -> int:
+        return self.data_start + sum(j.nbytes for j in self.jobs)
+
+
+@dataclass
+class WritePlan:
+    structure_json: str
+    files: list[FilePlan]
+    items: list[WriteItem] = field(default_factory=list)
+    where: dict[str, tuple[int, int]] = field(default_factory=dict)  # key -> (file index, absolute offset)
+    jobs: dict[str, TensorJob] = field(default_factory=dict)
+
+    def coverage(self, rank: int) -> dict[str, tuple[int, int]]:
+        """The restore's moment terms of this rank's items, plus per tensor a count term (the elements this
+        rank writes, minus the tensor's size on rank 0): all sum to zero over the ranks exactly when every
+        element of every stored tensor is written once."""
+        terms = coverage_terms(self.items)
+        counts: dict[str, int] = {}
+        for item in self.items:
+            counts[item.key] = counts.get(item.key, 0) + item.data.numel()
+        if rank == 0:
+            for key, job in self.jobs.items():
+                counts[key] = counts.get(key, 0) - prod(job.source.shape)
+        for key, c in counts.items():
+            if c:
+                terms[f"{key} (elements written)"] = (c, 0)
+        return terms
+
+    def output_files(self) -> list[OutputFile]:
+        return [OutputFile(f.name, f.jobs, f.metadata) for f in self.files]
+
+
+# ---- who holds what, and which replica writes it --------------------------------------------------------
+
+
+def state_dict_names(model: nn.Module) -> list[str]:
+    """The model's state-dict names (clean, tied names included) in ``state_dict()`` order, from the module
+    tree: no state dict is built (FSDP1's would gather). FSDP1 flat parameters are expanded in place of the
+    modules that registered the original parameters."""
+    from torch.distributed.fsdp._flat_param import FlatParameter
+
+    top = "module." if isinstance(model, nn.parallel.DistributedDataParallel) else ""
+    flat_params: dict[int, list[str]] = {}  # id(original module) -> its parameter names held by a flat param
+    for _, handle in _fsdp1_units(model):
+        flat = handle.flat_param
+        for info in flat._param_infos:
+            flat_params.setdefault(id(info.module), []).append(info.param_name)
+        for info in flat._shared_param_infos:
+            flat_params.setdefault(id(info.module), []).append(info.param_name)
+    names: list[str] = []
+    seen: set[str] = set()
+
+    def add(name: str) -> None:
+        name = clean_name(name.removeprefix(top))
+        if name not in seen:
+            seen.add(name)
+            names.append(name)
+
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for p_name, p in module._parameters.items():
+            if p is not None and not isinstance(p, FlatParameter):
+                add(_join(mod_name, p_name))
+        for p_name in flat_params.get(id(module), ()):
+            add(_join(mod_name, p_name))
+        for b_name, b in module._buffers.items():
+            if b is not None and b_name not in module._non_persistent_buffers_set:
+                add(_join(mod_name, b_name))
+    return names
+
+
+def _replicas(model: nn.Module, targets: Sequence[Target], rank: int, world: int) -> dict[str, tuple[int, int]]:
+    """``{target name: (replicas, this rank's replica index)}``: how many ranks hold the same pieces."""
+    by_name: dict[str, torch.Tensor] = {}
+    top = "module." if isinstance(model, nn.parallel.DistributedDataParallel) else ""
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
+        by_name.setdefault(clean_name(name.removeprefix(top)), t)
+    fsdp1: dict[str, tuple[int, int]] = {}
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    except ImportError:  # pragma: no cover
+        FSDP = None  # noqa: N806
+    if FSDP is not None:
+        import torch.distributed as dist
+
+        for mod_name, module in model.named_modules():
+            handle = getattr(module, "_handle", None) if isinstance(module, FSDP) else None
+            if handle is None:
+                continue
+            shard_ranks = handle.world_size if handle.uses_sharded_strategy else 1
+            replicas = max(1, world // max(1, shard_ranks))
+            inter = getattr(module, "_inter_node_pg", None)
+            if replicas > 1 and inter is not None and shard_ranks > 1:
+                index = dist.get_rank(inter)
+            else:
+                index = rank // shard_ranks if shard_ranks > 1 else rank
+            prefix = clean_name(mod_name)
+            for fqn in handle.flat_param._fqns:
+                fsdp1[_join(prefix, clean_name(fqn))] = (replicas, index)
+    out: dict[str, tuple[int, int]] = {}
+    for target in targets:
+        if target.layout == "fsdp1":
+            out[target.name] = fsdp1.get(target.name, (1, 0))
+        elif target.layout == "dtensor":
+            dt = by_name[target.name]
+            mesh = dt.device_mesh
+            if mesh.size() != world:
+                raise FsdpRestoreError(f"{target.name}: its device mesh spans {mesh.size()} of the {world} ranks; save"
+                                       " with a process group of the mesh's ranks")
+            coord = mesh.get_coordinate()
+            replicas, index = 1, 0
+            for d, placement in enumerate(dt.placements):
+                if placement.is_replicate():
+                    index = index * mesh.size(d) + coord[d]
+                    replicas *= mesh.size(d)
+            out[target.name] = (replicas, index)
+        else:
+            out[target.name] = (world, rank)
+    return out
+
+
+def _my_part(key: str, data: torch.Tensor, start: int, rows: int, stride: int, replicas: int,
+             index: int) -> list[tuple[torch.Tensor, int, int, int]]:
+    """This replica's share of a piece that ``replicas`` ranks hold alike: (data, start, rows, stride)."""
+    if replicas <= 1:
+        return [(data, start, rows, stride)] if data.numel() else []
+    if data.numel() * data.element_size() < SPLIT_MIN_BYTES:
+        owner = name_weight(f"{key}@{start}", b"owner") % replicas
+        return [(data, start, rows, stride)] if owner == index and data.numel() else []
+    if rows <= 1:
+        n = data.numel()
+        lo, hi = n * index // replicas, n * (index + 1) // replicas
+        return [(data[lo:hi], start + lo, 1, 0)] if hi > lo else []
+    run = data.numel() // rows
+    lo, hi = rows * index // replicas, rows * (index + 1) // replicas
+    if hi <= lo:
+        return []
+    return [(data[lo * run:hi * run], start + lo * stride, hi - lo, stride if hi - lo > 1 else 0)]
+
+
+# ---- the object, with stand-ins --------------------------------------------------------------------------
+
+
+@dataclass
+class _Shaped:
+    """A stored tensor this rank writes parts of: its pieces of local memory and how many ranks hold them."""
+
+    pieces: list[tuple[torch.Tensor, Piece]]  # (local 1-D data, the piece it follows)
+    replicas: tuple[int, int]
+
+
+@dataclass
+class _Whole:
+    """A stored tensor written whole by rank 0 from its own memory."""
+
+    value: torch.Tensor
+
+
+def _never(first: int, count: int) -> torch.Tensor:  # stand-ins are never read: each rank writes its pieces
+    raise AssertionError("save_sharded stand-ins are not read")
+
+
+def build_write_plan(model: nn.Module, *, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any] | None,
+                     weights_only: bool, rank: int, world: int, max_shard_size: int | None) -> WritePlan:
+    """This rank's write plan (see the module docstring). Raises `FsdpRestoreError` for a layout or state
+    that cannot be saved this way; the caller turns it into the verdict."""
+    import json
+
+    targets, aliases = local_targets(model)
+    bad = [f"{t.name}: {t.unsupported}" for t in targets if t.unsupported]
+    if bad:
+        raise FsdpRestoreError("cannot save these layouts: " + "; ".join(bad[:5]))
+    on_meta = [t.name for t in targets if any(p.dest.is_meta for p in t.pieces)]
+    if on_meta:
+        raise FsdpRestoreError(f"parameters on the meta device ({', '.join(on_meta[:5])}): nothing to save")
+    by_name = {t.name: t for t in targets}
+    replicas = _replicas(model, targets, rank, world)
+    held: HeldInPieces = {}
+    sources: dict[int, _Shaped | _Whole] = {}  # stand-in data_ptr -> what this rank writes of it
+
+    def shaped(shape: tuple[int, ...], dtype: torch.dtype, pieces: list[tuple[torch.Tensor, Piece]],
+               rep: tuple[int, int]) -> torch.Tensor:
+        t = stand_in(held, shape, dtype, _never)
+        sources[t.data_ptr()] = _Shaped(pieces, rep)
+        return t
+
+    def whole(value: torch.Tensor, where: str) -> torch.Tensor:
+        if _is_dtensor(value):
+            raise FsdpRestoreError(f"{where}: a DTensor not laid out like its parameter cannot be saved")
+        t = stand_in(held, tuple(value.shape), value.dtype, _never)
+        sources[t.data_ptr()] = _Whole(value)
+        return t
+
+    # the model: state-dict order, one stand-in per tensor (a tied name refers to its tensor's stand-in)
+    names = state_dict_names(model)
+    known = set(by_name) | set(aliases)
+    if set(names) != known:
+        diff = sorted(set(names) ^ known)
+        raise FsdpRestoreError(f"the model's state-dict names and its tensors differ: {', '.join(diff[:8])}")
+    model_stand_ins: dict[str, torch.Tensor] = {}
+    state: dict[str, torch.Tensor] = {}
+    for name in names:
+        canonical = aliases.get(name, name)
+        if canonical not in model_stand_ins:
+            target = by_name[canonical]
+            model_stand_ins[canonical] = shaped(target.global_shape, target.dtype,
+                                                [(p.dest, p) for p in target.pieces], replicas[canonical])
+        state[name] = model_stand_ins[canonical]
+
+    if weights_only:
+        obj: Any = state
+    else:
+        obj = {"model": state}
+        if optimizer is not None:
+            obj["optim"] = _optimizer_object(model, optimizer, targets, aliases, replicas, shaped, whole)
+        for k, v in (extra or {}).items():
+            if k in obj:
+                raise FsdpRestoreError(f"extra has the key '{k}', which the checkpoint uses for the"
+                                       f" {'model' if k == 'model' else 'optimizer'}; rename it")
+            obj[k] = v
+    tensors, structure = flatten(obj)
+    structure_json = json.dumps(structure, separators=(",", ":"))
+    kinds: dict[str, _Shaped | _Whole] = {}
+    for key, t in tensors.items():
+        ptr = t.data_ptr()
+        if t.numel() == 1 and ptr in held:
+            tensors[key] = held[ptr][0]
+            kinds[key] = sources[ptr]
+        else:  # a tensor of extra itself (broadcast from rank 0): rank 0 writes it
+            kinds[key] = _Whole(t)
+    jobs = plan_jobs(tensors, structure, None)
+    plan = WritePlan(structure_json, [])
+    for f in file_layout(jobs, structure_json=structure_json, max_shard_size=max_shard_size):
+        header, offsets = file_header(f.jobs, f.metadata)
+        plan.files.append(FilePlan(f.name, header, offsets, f.jobs, f.metadata))
+        for job in f.jobs:
+            plan.where[job.key] = (len(plan.files) - 1, len(header) + offsets[job.key])
+            plan.jobs[job.key] = job
+    for job in jobs:
+        kind, numel = kinds[job.key], prod(job.source.shape)
+        if isinstance(kind, _Whole):
+            if rank == 0 and numel:
+                value = kind.value.detach()
+                if value.device.type != "cpu" or not value.is_contiguous():
+                    value = value.to("cpu").contiguous()  # small values: step counters, extra
+                plan.items.append(WriteItem(job.key, value.reshape(-1), 0, numel))
+            continue
+        for data, piece in kind.pieces:
+            for part, start, rows, stride in _my_part(job.key, data, piece.start, piece.rows, piece.stride,
+                                                      *kind.replicas):
+                plan.items.append(WriteItem(job.key, part, start, numel, rows, stride))
+    return plan
+
+
+def _optimizer_object(model: nn.Module, optimizer: torch.optim.Optimizer, targets: Sequence[Target],
+                      aliases: dict[str, str], replicas: dict[str, tuple[int, int]], shaped: Any,
+                      whole: Any) -> dict[str, Any]:
+    """``Optimizer.state_dict()`` of the unsharded model, with stand-ins: integer ids numbered group by group
+    in the order an unsharded optimizer over the same parameters holds them (an FSDP1 flat parameter expands
+    to its original parameters, in the model's order, as the restore maps them), state in id order, every
+    group with ``param_names`` (where the group has it, else just before ``params``, which comes last)."""
+    found = live_groups(model, optimizer, targets, aliases)
+    # newer restores also return each group's names in the order an unsharded optimizer numbers them
+    groups, ordered = found if isinstance(found, tuple) else (found, [[n for s in g for n in s.names] for g in found])
+    id_of: dict[str, int] = {}
+    packed_groups = []
+    for g, (group, slots, names) in enumerate(zip(optimizer.param_groups, groups, ordered)):
+        for slot in slots:
+            bad = getattr(slot, "unsupported", None)
+            if bad:
+                raise FsdpRestoreError("optimizer state of " + "; ".join(bad[:3]))
+        for name in names:
+            id_of[name] = len(id_of)
+        packed: dict[str, Any] = {}
+        for k, v in group.items():
+            if k == "param_names":
+                packed[k] = list(names)
+            elif k != "params":
+                packed[k] = _group_value(v, f"optim.param_groups.{g}.{k}", whole)
+        packed.setdefault("param_names", list(names))
+        packed["params"] = [id_of[n] for n in names]
+        packed_groups.append(packed)
+    slot_of = {id(s.param): s for slots in groups for s in slots}
+    entries: list[tuple[int, dict[str, Any]]] = []
+    for param, param_state in optimizer.state.items():
+        slot = slot_of.get(id(param))
+        if slot is None:
+            raise FsdpRestoreError("the optimizer holds state for a parameter that is in none of its groups")
+        for name in slot.names:
+            pid = id_of[name]
+            fields: dict[str, Any] = {}
+            for fld, value in param_state.items():
+                where = f"optim.state.{pid}.{fld} ({name})"
+                if isinstance(value, torch.Tensor) and _like_param(value, slot):
+                    flat = local_tensor(value).reshape(-1)
+                    pieces = [(flat[off:off + piece.dest.numel()], piece)
+                              for target, off, piece in slot.pieces if target.name == name]
+                    fields[fld] = shaped(tuple(slot.global_shapes[name]), value.dtype, pieces, replicas[name])
+                elif isinstance(value, torch.Tensor):
+                    fields[fld] = whole(value, where)
+                else:
+                    fields[fld] = _group_value(value, where, whole)
+            entries.append((pid, fields))
+    state = dict(sorted(entries, key=lambda e: e[0]))  # as an unsharded optimizer holds it: in id order
+    return {"state": state, "param_groups": packed_groups}
+
+
+def _like_param(value: torch.Tensor, slot: Any) -> bool:
+    """State laid out like its parameter's local shard (exp_avg, ...); 0-dim values (step) never are."""
+    if value.dim() == 0 or _is_dtensor(value) != _is_dtensor(slot.param):
+        return False
+    if _is_dtensor(value) and (value.device_mesh != slot.param.device_mesh or value.placements != slot.param.placements):
+        return False
+    local = local_tensor(value)
+    return tuple(local.shape) == tuple(slot.local.shape) and local.is_contiguous()
+
+
+def _group_value(value: Any, where: str, whole: Any) -> Any:
+    """A hyperparameter or scalar state value: tensors (a tensor lr) written whole by rank 0."""
+    if isinstance(value, torch.Tensor):
+        return whole(value, where)
+    return value

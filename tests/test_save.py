@@ -1,0 +1,209 @@
+"""save_sharded on real gloo ranks: every rank writes its own bytes of one unsharded checkpoint.
+
+The oracle is the gathered checkpoint: torch's own ``get_state_dict(full_state_dict=True)``, turned into
+``Optimizer.state_dict()`` form (integer ids in the optimizer's order, ``param_names``), ``torch.save``-d and
+converted by ``fsdp_restore.convert``; our file must be the same bytes (apart from the conversion's source
+metadata). Then torch's own ``Optimizer.load_state_dict`` of an unsharded model takes ``load(path)["optim"]``,
+and ``restore`` puts the state back into a freshly sharded model, exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import struct
+import threading
+
+import numpy as np
+import pytest
+import torch
+from dist import run_ranks
+from models import build, full_state, wrap
+
+import fsdp_restore
+from fsdp_restore import SaveError, save_sharded
+from fsdp_restore.format import META_SOURCE
+
+# what differs between two writes of the same state: the conversion's source identity, and what covers it or
+# is new per write (the header's own crc32, a sharded set's id)
+_PER_WRITE = (META_SOURCE, "fsdp_restore.header_crc32", "fsdp_restore.set_id")
+
+# ---- training a sharded model -------------------------------------------------------------------------------
+
+
+def _freeze(model: torch.nn.Module, name: str) -> None:
+    """A frozen subset (before wrapping: FSDP1 needs one requires_grad per unit)."""
+    frozen = {"mlp": "blocks.0.", "llama": "model.layers.0.mlp.", "llama-tied": "model.layers.0.mlp."}[name]
+    for n, p in model.named_parameters():
+        if n.startswith(frozen):
+            p.requires_grad_(False)
+
+
+def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=1e-2)
+
+
+def _trained(name: str, how: str, world_size: int, seed: int = 0, steps: int = 2):
+    model = build(name, seed=seed)
+    _freeze(model, name)
+    model = wrap(model, how, world_size)
+    opt = _optimizer(model)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    gen = torch.Generator().manual_seed(seed + 1)
+    for _ in range(steps):
+        if name == "mlp":
+            loss = model(torch.randn(4, 7, generator=gen)).square().mean()
+        else:
+            ids = torch.randint(0, 101, (2, 8), generator=gen)
+            loss = model(input_ids=ids).logits.float().square().mean()
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    random.seed(seed)
+    np.random.seed(seed)
+    extra = {"step": steps, "scheduler": sched.state_dict(),
+             "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}}
+    return model, opt, extra
+
+
+# ---- the oracle -----------------------------------------------------------------------------------------------------
+
+
+def _tie_groups(name: str) -> list[list[str]]:
+    seen: dict[int, list[str]] = {}
+    for n, p in build(name, device="meta").named_parameters(remove_duplicate=False):
+        seen.setdefault(id(p), []).append(n)
+    return [names for names in seen.values() if len(names) > 1]
+
+
+def _gathered(model, opt, name: str, how: str, with_optim: bool):
+    """The unsharded checkpoint from torch's own gather, in Optimizer.state_dict() form."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    cpu_offload = not how.startswith("fsdp1")  # torch on CPU fails FSDP1's offloaded gather
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload))
+    if not msd:  # offloaded gathers land on rank 0 only
+        return None, None
+    msd = {k: v.detach().cpu().clone() for k, v in msd.items()}
+    for names in _tie_groups(name):  # an unsharded model's state dict holds a tied tensor once
+        for alias in names[1:]:
+            msd[alias] = msd[names[0]]
+    if not with_optim:
+        return msd, None
+    order = list(next(iter(opt.state.values())).keys())  # the optimizer's own field order
+    twin = build(name, device="meta")  # the unsharded model's optimizer numbers its parameters in its order
+    _freeze(twin, name)
+    twin_names = {id(p): n for n, p in twin.named_parameters()}
+    ids, groups = {}, []
+    for g, twin_group in zip(osd["param_groups"], _optimizer(twin).param_groups):
+        names = [twin_names[id(p)] for p in twin_group["params"]]
+        assert sorted(names) == sorted(g["params"]), (names, g["params"])
+        for n in names:
+            ids[n] = len(ids)
+        packed = {k: v for k, v in g.items() if k not in ("params", "param_names")}
+        packed["param_names"] = names
+        packed["params"] = [ids[n] for n in names]
+        groups.append(packed)
+    state = {ids[n]: {f: (s[f].detach().cpu().clone() if isinstance(s[f], torch.Tensor) else s[f]) for f in order}
+             for n, s in sorted(osd["state"].items(), key=lambda kv: ids[kv[0]])}
+    return msd, {"state": state, "param_groups": groups}
+
+
+def _split(path) -> tuple[dict, bytes]:
+    data = open(path, "rb").read()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    for k in _PER_WRITE:
+        header.get("__metadata__", {}).pop(k, None)
+    return header, data[8 + n:]
+
+
+def assert_same_files(ours, reference) -> None:
+    """Byte for byte, apart from the conversion's source identity (and the header padding it shifts)."""
+    ours, reference = str(ours), str(reference)
+    if os.path.isdir(reference):
+        assert sorted(os.listdir(ours)) == sorted(os.listdir(reference))
+        for f in os.listdir(reference):
+            if f.endswith(".json"):
+                a, b = json.load(open(os.path.join(ours, f))), json.load(open(os.path.join(reference, f)))
+                for k in _PER_WRITE:
+                    a["metadata"].pop(k, None), b["metadata"].pop(k, None)
+                assert a == b, f
+            else:
+                assert_same_files(os.path.join(ours, f), os.path.join(reference, f))
+        return
+    (h1, d1), (h2, d2) = _split(ours), _split(reference)
+    assert h1 == h2, json.dumps(h1)[:3000] + "\n!=\n" + json.dumps(h2)[:3000]
+    assert d1 == d2, "data sections differ"
+
+
+def _save_and_check(rank, world_size, root, name, how, mode, max_shard_size=None):
+    """Train, save_sharded, and on rank 0 compare with the converted gather; then every rank restores."""
+    model, opt, extra = _trained(name, how, world_size)
+    with_optim = mode == "full"
+    path = os.path.join(root, "ours" + (".safetensors" if max_shard_size is None else ""))
+    report = save_sharded(model, path, optimizer=opt if with_optim else None, extra=extra if with_optim else None,
+                          max_shard_size=max_shard_size)
+    msd, osd = _gathered(model, opt, name, how, with_optim)
+    if rank == 0:
+        obj = {"model": msd, "optim": osd, **extra} if with_optim else msd
+        torch.save(obj, os.path.join(root, "ref.pt"))
+        ref = os.path.join(root, "ref" + (".safetensors" if max_shard_size is None else ""))
+        fsdp_restore.convert(os.path.join(root, "ref.pt"), ref, max_shard_size=max_shard_size)
+        assert_same_files(path, ref)
+        fsdp_restore.verify(path)
+        if with_optim:  # torch's own load_state_dict of an unsharded model takes our optimizer state
+            loaded = fsdp_restore.load(path)
+            plain = build(name, seed=5)
+            _freeze(plain, name)
+            plain_opt = _optimizer(plain)
+            plain_opt.load_state_dict(loaded["optim"])
+            ours_state = plain_opt.state_dict()
+            for pid, s in osd["state"].items():
+                for f, v in s.items():
+                    assert torch.equal(ours_state["state"][pid][f], v), (pid, f)
+            assert loaded["step"] == extra["step"] and loaded["scheduler"] == extra["scheduler"]
+            assert torch.equal(loaded["rng"]["torch"], extra["rng"]["torch"])
+    torch.distributed.barrier() if world_size > 1 else None
+    # the round trip: restore into a freshly sharded model (another init) and compare with the gather
+    fresh, fresh_opt, _ = _trained(name, how, world_size, seed=9, steps=1)
+    if with_optim:
+        fsdp_restore.restore(fresh, path, fresh_opt)
+    else:
+        fsdp_restore.restore_model(fresh, path)
+    got = full_state(fresh, how)
+    for k, v in (msd if rank == 0 else {}).items():
+        assert torch.equal(got[k], v), f"{k} differs after save -> restore"
+    if with_optim:
+        _, osd2 = _gathered(fresh, fresh_opt, name, how, True)
+        for pid, s in (osd["state"] if rank == 0 else {}).items():
+            for f, v in s.items():
+                assert torch.equal(osd2["state"][pid][f], v), ("optimizer state after restore", pid, f)
+    return report.bytes_written, report.nbytes
+
+
+CORE = [("mlp", "plain", 1), ("mlp", "fsdp2", 2), ("mlp", "fsdp2", 3), ("mlp", "ddp", 2)]
+
+
+@pytest.mark.parametrize("name,how,world_size", CORE, ids=[f"{n}-{h}-{w}" for n, h, w in CORE])
+def test_full_checkpoint_matches_the_converted_gather(tmp_path, name, how, world_size):
+    results = run_ranks(_save_and_check, world_size, str(tmp_path), name, how, "full")
+    written = sum(w for w, _ in results)
+    assert written == results[0][1], (written, results[0][1])  # every byte written once, by one rank
+
+
+WIDE = [("mlp", "fsdp2", 4), ("mlp", "hsdp", 4), ("mlp", "fsdp1-FULL_SHARD-flat", 2),
+        ("mlp", "fsdp1-FULL_SHARD-orig", 3), ("mlp", "fsdp1-HYBRID_SHARD-flat", 4), ("llama", "tp", 2),
+        ("llama", "fsdp2+tp", 4), ("llama", "ddp", 3)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,how,world_size", WIDE, ids=[f"{n}-{h}-{w}" for n, h, w in WIDE])
+def test_full_checkpoint_wider_layouts(tmp_path, name, how, world_size):
+    results = run_ranks(_save_and_check, world_size, str(tmp_path), name, how, "full")
+    assert sum(w for w, _ in results) == results[0][1]
