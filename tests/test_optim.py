@@ -227,7 +227,7 @@ def test_fqn_keyed_optimizer_state(tmp_path):
 
 def test_state_padding_outside_every_piece_is_zeroed():
     """New state tensors start uninitialized; whatever no piece covers (FSDP1 padding) must be zero."""
-    from fsdp_restore.plan import _zero_uncovered
+    from fsdp_restore.optim_plan import zero_uncovered as _zero_uncovered
 
     flat = torch.full((20,), 7.0)
     _zero_uncovered(flat, [(12, 3), (2, 4), (4, 3)])  # unsorted, overlapping ranges

@@ -1,0 +1,301 @@
+"""The optimizer half of the read plan: which saved state belongs to which live parameter, and its reads.
+
+Saved parameters are matched to the live optimizer's exactly as ``Optimizer.load_state_dict`` matches them:
+saved group ``g`` zips live group ``g``, and within a group torch's integer ids map by position, because
+``Optimizer.state_dict()`` numbers parameters in the optimizer's own order, group by group (not in the
+model's order). When the saver recorded names (``param_names``, or state keyed by names), they decide
+instead, group by group, so a group listed in another order still maps each name to its own state. The
+live side is this rank's optimizer: each of its parameters expands to the model name it holds, so the
+mapping is the same for FSDP2, DDP, tensor parallel, FSDP1 with ``use_orig_params=True`` and plain models.
+An FSDP1 flat parameter holds several original parameters at once; the unsharded optimizer that saved
+such a run listed them in the model's order (``model.parameters()``), so a group of flat parameters
+expands to its names in the model's order. Only a true mismatch is refused (group counts, group sizes, names, state not shaped like its
+parameter), naming the group, the id and the names; problems are collected, never raised, so that the
+weights' problems found before are reported with them (plan.py).
+
+The NaN check cannot see a permutation of whole parameters' state (every element is written once), so this
+mapping is what stands between a resumed run and silently exchanged AdamW moments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import FsdpRestoreError
+from .flatten import unflatten
+from .read import Checkpoint
+from .readplan import ReadItem, ReadPlan
+from .shards import Piece, Target, _fsdp1_units, _is_dtensor, _join, clean_name, local_tensor
+from .stored import StoredOptimizer, is_tensor_node, node_shape, node_source, stored_optimizer
+
+# State fields that torch's optimizers keep shaped like their parameter (AdamW, Adam, SGD, Adagrad,
+# RMSprop, Adadelta, Adamax, Rprop, ASGD, NAdam, RAdam): one of these of another shape means the saved state
+# belongs to another parameter. Other fields (Adafactor-style factors) may legitimately differ.
+_PARAM_SHAPED = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "grad_avg",
+                           "acc_delta", "sum", "exp_inf", "prev", "step_size", "ax"})
+
+
+@dataclass
+class ParamSlot:
+    """One live optimizer parameter: the model names it holds and where each name's elements lie in its
+    local tensor."""
+
+    param: torch.Tensor
+    local: torch.Tensor  # the local tensor whose layout the state tensors copy
+    names: list[str]
+    pieces: list[tuple[Target, int, Piece]]  # (target, offset of the piece in the local tensor, piece)
+    global_shapes: dict[str, tuple[int, ...]]
+    unsupported: list[str]  # "name: why" for names whose layout cannot be restored from a file
+
+
+def live_groups(model: nn.Module, optimizer: torch.optim.Optimizer, targets: Sequence[Target],
+                aliases: dict[str, str]) -> tuple[list[list[ParamSlot]], list[list[str]]]:
+    """Per optimizer group, each parameter's names and pieces (found by memory overlap with the model's
+    targets, so FSDP1 flat parameters, DTensors and plain tensors all work alike), and the group's model
+    names in the order an unsharded optimizer over the same parameters numbers them. Raises for a
+    parameter the model does not hold: nothing about the optimizer can be planned then."""
+    from torch.distributed.fsdp._flat_param import FlatParameter
+
+    top = "module." if isinstance(model, nn.parallel.DistributedDataParallel) else ""
+    # Tied parameters: whichever name a wrapper reports first, use the canonical (first stored) one.
+    name_of = {id(p): aliases.get(c, c) for n, p in model.named_parameters()
+               for c in [clean_name(n.removeprefix(top))]}
+    flat_names: dict[int, list[str]] = {}
+    for unit_prefix, handle in _fsdp1_units(model):
+        flat_names[id(handle.flat_param)] = [_join(unit_prefix, clean_name(f)) for f in handle.flat_param._fqns]
+    by_name = {t.name: t for t in targets}
+    groups, ordered = [], []
+    module_order = {clean_name(n.removeprefix(top)): i for i, (n, _) in enumerate(model.named_modules())}
+    for g, group in enumerate(optimizer.param_groups):
+        slots = []
+        for p in group["params"]:
+            names = flat_names.get(id(p)) if isinstance(p, FlatParameter) else [name_of.get(id(p), "")]
+            if not names or not all(names):
+                raise FsdpRestoreError(f"param group {g} of the optimizer holds a parameter that is not in the model;"
+                                       " build the optimizer from the sharded model's parameters")
+            local = local_tensor(p)
+            base, itemsize = local.data_ptr(), local.element_size()
+            end = base + local.numel() * itemsize
+            pieces = []
+            for name in names:
+                for piece in by_name[name].pieces if name in by_name else []:
+                    ptr = piece.dest.data_ptr()
+                    if local.numel() and base <= ptr < end:
+                        pieces.append((by_name[name], (ptr - base) // itemsize, piece))
+            shapes = {n: by_name[n].global_shape for n in names if n in by_name}
+            unsupported = [f"{n}: {by_name[n].unsupported}" for n in names if n in by_name and by_name[n].unsupported]
+            slots.append(ParamSlot(p, local, names, pieces, shapes, unsupported))
+        names = [n for slot in slots for n in slot.names]
+        if any(isinstance(p, FlatParameter) for p in group["params"]):
+            # model.parameters() order: modules depth first, each module's parameters in the order registered
+            # (which a flat parameter's names keep: the sort is stable)
+            names.sort(key=lambda n: module_order.get(n.rpartition(".")[0], -1))
+        groups.append(slots)
+        ordered.append(names)
+    return groups, ordered
+
+
+def match_saved(saved: StoredOptimizer, live: list[list[str]], problems: list[str], unheld: Sequence[str] = ()
+                ) -> dict[str, tuple[int, str]]:
+    """``{live model name: (group, saved state key)}``, matched as ``Optimizer.load_state_dict`` matches
+    (by position within each group) or, where the saver recorded names, by name. Mismatches go to
+    ``problems`` (``unheld``: the model's parameters no group holds, named when sizes differ); a group with
+    a problem maps nothing."""
+    if len(saved.groups) != len(live):
+        problems.append(f"the checkpoint's optimizer has {len(saved.groups)} param groups, the optimizer"
+                        f" {len(live)}: build the optimizer's groups as the saved run did")
+        return {}
+    mapping: dict[str, tuple[int, str]] = {}
+    for g, (stored, names) in enumerate(zip(saved.groups, live)):
+        if stored.names is None:  # torch's integer ids: by position in the group, exactly as load_state_dict
+            if len(stored.ids) != len(names):
+                outside = f"; the model's parameters in no group: {_few(list(unheld))}" if unheld else ""
+                problems.append(
+                    f"param group {g}: the checkpoint's group has {len(stored.ids)} parameters, the optimizer's"
+                    f" {len(names)} ({_few(names)}){outside}; torch.save(opt.state_dict()) numbers parameters in"
+                    " the optimizer's order, group by group: build the optimizer's groups as the saved run did")
+                continue
+            mapping.update((name, (g, key)) for name, key in zip(names, stored.ids))
+            continue
+        if sorted(stored.names) != sorted(names):
+            extra = sorted(set(stored.names) - set(names))
+            lacking = sorted(set(names) - set(stored.names))
+            detail = "; ".join(x for x in (f"only in the checkpoint: {_few(extra)}" if extra else "",
+                                           f"only in the optimizer: {_few(lacking)}" if lacking else "") if x)
+            problems.append(f"param group {g}: the optimizer's parameters differ from the checkpoint's"
+                            f" ({detail or 'same names, different count'})")
+            continue
+        mapping.update((name, (g, key)) for name, key in zip(stored.names, stored.ids))
+    return mapping
+
+
+def _few(names: Sequence[str], limit: int = 8) -> str:
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def plan_optimizer(plan: ReadPlan, model: nn.Module, targets: Sequence[Target], aliases: dict[str, str],
+                   ckpt: Checkpoint, prefix: str, stored_as: dict[str, str]) -> None:
+    """Plan the optimizer's state into ``plan``: per-parameter tensors read slice by slice into tensors laid
+    out like each parameter's local shard (DTensors for FSDP2); scalar state (``step``) and param-group
+    hyperparameters copied whole. Every problem goes to ``plan.problems``."""
+    optim = plan.optim
+    assert optim is not None and plan.optim_report is not None
+    try:
+        saved = stored_optimizer(ckpt, prefix, [t.name for t in targets])
+        slots, live_names = live_groups(model, optim.optimizer, targets, aliases)
+    except FsdpRestoreError as e:
+        plan.add_problem("optimizer", str(e))
+        return
+    # the checkpoint names its parameters its own way (key_map): saved names back to the model's names
+    model_name_of = {key: name for name, key in stored_as.items()}
+    saved = saved.renamed(lambda n: aliases.get(model_name_of.get(n, n), model_name_of.get(n, n)))
+    problems: list[str] = []
+    held = {n for names in live_names for n in names}
+    unheld = [t.name for t in targets if t.kind == "param" and t.name not in held]
+    mapping = match_saved(saved, live_names, problems, unheld)
+    for text in problems:
+        plan.add_problem("optimizer", text)
+    if problems:
+        return
+    optim.groups.extend(dict(stored.hyper) for stored in saved.groups)
+    lazy = ckpt.tensors(exact=True)  # small values (step): no mmap readahead
+    misfits: list[str] = []
+    for g, (group_slots, group) in enumerate(zip(slots, saved.groups)):
+        for slot in group_slots:
+            keys = {n: mapping[n][1] if n in mapping else stored_as.get(n, n) for n in slot.names}
+            state = _plan_param_state(plan, slot, g, keys, saved, ckpt, lazy,
+                                      optim.optimizer.state.get(slot.param, {}), group.hyper, misfits)
+            if state:
+                optim.state[slot.param] = state
+    for text in misfits:
+        plan.add_problem("optimizer", text)
+    if misfits:
+        plan.add_problem("optimizer", "the saved state above belongs to other parameters: torch.save(opt.state_dict())"
+                         " numbers parameters in the optimizer's order, group by group; list each group's parameters"
+                         " in the order the saved run did (or save with param_names: build the optimizer from"
+                         " model.named_parameters())")
+
+
+def _reusable(existing: Any, slot: ParamSlot) -> torch.Tensor | None:
+    """The local tensor of an existing state tensor laid out exactly like ``slot``'s parameter, else None."""
+    if not isinstance(existing, torch.Tensor) or _is_dtensor(existing) != _is_dtensor(slot.param):
+        return None
+    if _is_dtensor(existing) and (existing.device_mesh != slot.param.device_mesh
+                                  or existing.placements != slot.param.placements):
+        return None
+    local = local_tensor(existing)
+    same = (local.shape == slot.local.shape and local.dtype == slot.local.dtype and local.device == slot.local.device
+            and local.is_contiguous())
+    return local if same else None
+
+
+def _as_the_optimizer_holds(value: torch.Tensor, param: torch.Tensor, key: str, group: Mapping[str, Any]) -> torch.Tensor:
+    """A state value placed as ``Optimizer.load_state_dict`` places it (torch's policy, see
+    ``Optimizer._process_value_according_to_param_policy``): ``step`` stays as saved, or becomes float32
+    on the parameter's device for ``fused`` / ``capturable`` optimizers; other floating state takes the
+    parameter's dtype and device."""
+    if key == "step":
+        if group.get("fused") or group.get("capturable"):
+            return value.to(dtype=torch.float32, device=param.device)
+        return value
+    if param.is_floating_point():
+        return value.to(dtype=param.dtype, device=param.device)
+    return value.to(device=param.device)
+
+
+def _plan_param_state(plan: ReadPlan, slot: ParamSlot, g: int, keys: dict[str, str], saved: StoredOptimizer,
+                      ckpt: Checkpoint, lazy: Any, existing: dict[str, Any], group: Mapping[str, Any],
+                      misfits: list[str]) -> dict[str, Any]:
+    """State tensors for one parameter, with read items for their local slices: the optimizer's own
+    tensors when it already has state of that layout (restored in place), else new ones. Every dtype
+    change is reported; state placed as the optimizer's own ``load_state_dict`` would place it. Saved
+    state of another shape than its parameter (it belongs to another one) goes to ``misfits``."""
+    report, optim = plan.optim_report, plan.optim
+    assert report is not None and optim is not None
+    per_name = {n: saved.state.get(keys[n]) for n in slot.names}
+    present = {n: s for n, s in per_name.items() if s is not None}
+    if not present:
+        return {}
+    first_name = slot.names[0]
+    if slot.unsupported:
+        plan.add_problem("optimizer", "; ".join(f"optimizer state of {text}" for text in slot.unsupported))
+        return {}
+    if len(present) != len(per_name):
+        plan.add_problem("optimizer", f"optimizer state exists for {sorted(present)} but not for "
+                                      f"{sorted(set(per_name) - set(present))}, which share one flat parameter")
+        return {}
+    wrong = {f"param group {g}, id {keys[n]} -> {n} {list(slot.global_shapes[n])}: saved '{fld}' has shape"
+             f" {list(node_shape(ckpt, node))}": None for n, st in present.items() for fld, node in st.items()
+             if fld in _PARAM_SHAPED and is_tensor_node(node) and n in slot.global_shapes
+             and tuple(node_shape(ckpt, node)) != tuple(slot.global_shapes[n])}
+    if wrong:
+        misfits.append(next(iter(wrong)))  # one line per parameter: its first misfit field
+        return {}
+    state: dict[str, Any] = {}
+    for fld in present[first_name]:
+        field_nodes = {n: s.get(fld) for n, s in present.items()}
+        node = field_nodes[first_name]
+        sources = {n: node_source(ckpt, fn) if is_tensor_node(fn) else None for n, fn in field_nodes.items()}
+        shaped = all(src is not None and tuple(src.shape) == tuple(slot.global_shapes.get(n, ()))
+                     for n, src in sources.items())
+        if not shaped:
+            # scalar state (step) or anything not laid out like the parameter: small, copied whole
+            value = unflatten(lazy, {"version": 1, "root": node})
+            if isinstance(value, torch.Tensor):
+                if value.dim() > 0 and _is_dtensor(slot.param):
+                    plan.add_problem("optimizer",
+                        f"optimizer state '{fld}' of {first_name} has shape {list(value.shape)}, unlike the parameter's"
+                        f" {list(slot.param.shape)}, and cannot be restored into a sharded (DTensor) parameter: how the"
+                        " optimizer shards it is its own (Adafactor's row/column factors); restore this optimizer"
+                        " from torch.distributed.checkpoint's optimizer state dict instead")
+                    return {}
+                placed = _as_the_optimizer_holds(value, slot.param, fld, group)
+                if placed.dtype != value.dtype:
+                    report.cast.append(f"optim:{first_name}.{fld}: {value.dtype} -> {placed.dtype}")
+                value = placed.clone() if placed is value else placed
+            state[fld] = value
+            continue
+        # Existing state of the same layout is overwritten in place: a new tensor would hold the optimizer
+        # state twice until the swap (the peak) and pay fresh page faults (measured: BENCHMARKS.md).
+        # Only the padding that no piece covers is zeroed here (FSDP1 flat-parameter padding).
+        reused = _reusable(existing.get(fld), slot)
+        local = reused if reused is not None else torch.empty_like(slot.local)
+        stored = ckpt.entries[node["key"]].dtype
+        if stored != local.dtype:  # as load_state_dict: state takes the parameter's dtype (reported)
+            report.cast.append(f"optim:{first_name}.{fld}: {stored} -> {local.dtype}")
+        flat_local = local.view(-1)
+        zero_uncovered(flat_local, [(offset, piece.dest.numel()) for _, offset, piece in slot.pieces])
+        for target, offset, piece in slot.pieces:
+            src = sources[target.name]
+            assert src is not None
+            plan.items.append(ReadItem(src.key, src.start + piece.start, flat_local[offset:offset + piece.dest.numel()],
+                                       f"optim:{target.name}.{fld}", piece.start, src.numel, piece.rows, piece.stride))
+        report.tensors += 1
+        optim.shaped.append((slot.param, fld))
+        if reused is not None:
+            state[fld] = existing[fld]
+        elif _is_dtensor(slot.param):
+            from torch.distributed.tensor import DTensor
+
+            state[fld] = DTensor.from_local(local, slot.param.device_mesh, slot.param.placements, run_check=False,
+                                            shape=slot.param.shape, stride=slot.param.stride())
+        else:
+            state[fld] = local
+    return state
+
+
+def zero_uncovered(flat: torch.Tensor, covered: list[tuple[int, int]]) -> None:
+    """Zero the elements of ``flat`` outside the (offset, count) ranges, e.g. FSDP1 flat-parameter padding."""
+    at = 0
+    with torch.no_grad():
+        for offset, count in sorted(covered):
+            if offset > at:
+                flat[at:offset].zero_()
+            at = max(at, offset + count)
+        if at < flat.numel():
+            flat[at:].zero_()

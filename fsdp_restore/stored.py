@@ -1,0 +1,193 @@
+"""What a checkpoint holds, decoded once from its stored structure into a typed, read-only view.
+
+The restore's planners never walk the header's JSON by hand: they ask this module where a named tensor's
+elements lie (`Source`), which subtree holds the model (`default_prefix`), and what an optimizer state dict
+holds (`StoredOptimizer`: its param groups, each with the ids its state is keyed by and, when the saver
+recorded them, the parameters' names). The rules that used to live in several places live here once:
+
+- the top level of a training checkpoint holds a ``model`` subtree (only that exact key);
+- names as a wrapper saved them are normalized as ``torch.distributed.checkpoint.state_dict`` does:
+  ``_orig_mod.`` (torch.compile), ``_checkpoint_wrapped_module.``, ``_fsdp_wrapped_module.`` anywhere, and
+  DDP's leading ``module.`` when every stored name has it (and the model's names do not);
+- optimizer state comes keyed by torch's integer ids (``Optimizer.state_dict()``), by ids with
+  ``param_names`` beside them (optimizers built from ``named_parameters()``), or by names
+  (``get_optimizer_state_dict``, FSDP1's full optimizer state dict).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from .errors import FsdpRestoreError
+from .flatten import iter_tensor_nodes, subtree, unflatten
+from .read import Checkpoint
+from .shards import clean_name
+
+_DDP_PREFIX = "module."
+# param-group entries that say which parameters a group holds, not how to optimize them
+GROUP_MEMBERSHIP = ("params", "param_names")
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a named tensor's elements start inside a stored tensor (views of a stored buffer too)."""
+
+    key: str
+    start: int
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def node_source(ckpt: Checkpoint, node: Mapping[str, Any]) -> Source | None:
+    """The `Source` of a tensor node, or None for a strided view (its elements are not one range)."""
+    entry = ckpt.entries[node["key"]]
+    view = node.get("view")
+    if view is None:
+        return Source(node["key"], 0, entry.shape)
+    shape = tuple(view["shape"])
+    contiguous = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        contiguous[d] = contiguous[d + 1] * shape[d + 1]
+    if all(s == c for s, c, n in zip(view["stride"], contiguous, shape) if n > 1):
+        return Source(node["key"], view["offset"], shape)
+    return None
+
+
+def is_tensor_node(node: Any) -> bool:
+    return isinstance(node, Mapping) and node.get("type") == "tensor" and "key" in node
+
+
+def node_shape(ckpt: Checkpoint, node: Mapping[str, Any]) -> tuple[int, ...]:
+    view = node.get("view")
+    return tuple(view["shape"]) if view else ckpt.entries[node["key"]].shape
+
+
+def normalize_names(names: Iterable[str], model_names: Iterable[str] = ()) -> dict[str, str]:
+    """``{stored name: normalized name}``: wrapper infixes dropped, and DDP's ``module.`` when every stored
+    name starts with it and not every model name does (a model may have a submodule called ``module``)."""
+    names = list(names)
+    model_names = list(model_names)
+    strip = (bool(names) and all(n.startswith(_DDP_PREFIX) for n in names)
+             and not (model_names and all(n.startswith(_DDP_PREFIX) for n in model_names)))
+    return {n: clean_name(n.removeprefix(_DDP_PREFIX) if strip else n) for n in names}
+
+
+def default_prefix(ckpt: Checkpoint) -> str:
+    """``"model"`` when the top level holds a ``"model"`` subtree (a training checkpoint saved as
+    ``{"model": ..., "optim": ...}``); ``""`` for plain weight files (Hugging Face files, ``--select``
+    outputs, a converted ``torch.save(model.state_dict())``). Only the exact top-level key counts:
+    Hugging Face state dicts have flat keys that themselves start with ``model.`` (``LlamaForCausalLM``)."""
+    root = ckpt.structure["root"] if ckpt.has_structure else None
+    if not (isinstance(root, dict) and root.get("type") in ("dict", "OrderedDict")):
+        return ""
+    return "model" if any(k == "model" and isinstance(v, dict) and v.get("type") != "tensor"
+                          for k, v in root["items"]) else ""
+
+
+def tensor_sources(ckpt: Checkpoint, prefix: str, model_names: Iterable[str] = ()
+                   ) -> tuple[dict[str, Source], list[str]]:
+    """``{normalized name: Source}`` for every tensor under dotted ``prefix``, plus names we cannot range-read.
+
+    Names that a plain safetensors file dropped as duplicates of a tied tensor
+    (``safetensors.torch.save_model`` records ``{dropped: kept}`` in its metadata) resolve to the kept one."""
+    found: dict[str, Source] = {}
+    unsupported: list[str] = []
+    lead = prefix + "." if prefix else ""
+    for path, node in iter_tensor_nodes(ckpt.structure["root"]):
+        if not path.startswith(lead):
+            continue
+        src = node_source(ckpt, node)
+        if src is None:
+            unsupported.append(f"{path[len(lead):]} (a strided view of '{node['key']}')")
+        else:
+            found[path[len(lead):]] = src
+    if not ckpt.has_structure:
+        for dropped, kept in ckpt.tied_aliases().items():
+            name, kept_name = dropped[len(lead):], kept[len(lead):]
+            if dropped.startswith(lead) and kept.startswith(lead) and kept_name in found:
+                found.setdefault(name, found[kept_name])
+    normal = normalize_names(found, model_names)
+    return {normal[n]: src for n, src in found.items()}, unsupported
+
+
+# ---- optimizer state ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StoredGroup:
+    """One saved param group: ``ids`` keys its parameters' state (torch's integer ids as text, or names),
+    ``names`` the parameters' normalized names when the saver recorded them (``param_names``, or the ids
+    themselves when they are names), else None; ``hyper`` its hyperparameters (lr, betas, ...)."""
+
+    ids: tuple[str, ...]
+    names: tuple[str, ...] | None
+    hyper: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class StoredOptimizer:
+    """A saved optimizer state dict: its groups in order, and ``state[id][field]`` structure nodes."""
+
+    groups: tuple[StoredGroup, ...]
+    state: Mapping[str, Mapping[str, Any]]
+
+    def renamed(self, rename: Callable[[str], str]) -> StoredOptimizer:
+        """The same state with every recorded parameter name passed through ``rename`` (e.g. a key map)."""
+        groups = tuple(StoredGroup(g.ids, None if g.names is None else tuple(map(rename, g.names)), g.hyper)
+                       for g in self.groups)
+        return StoredOptimizer(groups, self.state)
+
+
+def _items(node: Any) -> list[tuple[Any, Any]]:
+    return [(k, v) for k, v in node.get("items", [])] if isinstance(node, Mapping) else []
+
+
+def _child(node: Any, name: str, prefix: str) -> Any:
+    for k, v in _items(node):
+        if k == name:
+            return v
+    raise FsdpRestoreError(f"'{prefix}' in the checkpoint is not an optimizer state dict (no '{name}')")
+
+
+def key_text(key: Any) -> str:
+    """A state dict key as text: integer ids and names alike (JSON-encoded keys carry their value)."""
+    return str(key) if not isinstance(key, Mapping) else str(key.get("value"))
+
+
+def stored_optimizer(ckpt: Checkpoint, prefix: str, model_names: Iterable[str] = ()) -> StoredOptimizer:
+    """Decode the optimizer state dict under ``prefix``; raises FsdpRestoreError when there is none."""
+    try:
+        node = subtree(ckpt.structure, prefix)
+    except KeyError:
+        raise FsdpRestoreError(f"the checkpoint has no optimizer state under '{prefix}' (pass optim_key=...)") from None
+    lazy = ckpt.tensors(exact=True)  # small values (group tensors such as lr): no mmap readahead
+    groups = unflatten(lazy, {"version": 1, "root": _child(node, "param_groups", prefix)})
+    state_node = _child(node, "state", prefix)
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                               for g in groups):
+        raise FsdpRestoreError(f"'{prefix}.param_groups' in the checkpoint is not a list of param groups with 'params'")
+    recorded = [str(n) for g in groups for n in (g.get("param_names") or [])]
+    recorded += [p for g in groups for p in g["params"] if isinstance(p, str)]
+    normal = normalize_names(recorded, model_names)
+    out = []
+    for g in groups:
+        ids = tuple(key_text(p) for p in g["params"])
+        if g.get("param_names") is not None:
+            names: tuple[str, ...] | None = tuple(normal[str(n)] for n in g["param_names"])
+        elif g["params"] and all(isinstance(p, str) for p in g["params"]):
+            names = tuple(normal[p] for p in g["params"])
+        else:
+            names = None
+        hyper = MappingProxyType({k: v for k, v in g.items() if k not in GROUP_MEMBERSHIP})
+        out.append(StoredGroup(ids, names, hyper))
+    state = {key_text(k): MappingProxyType({str(f): v for f, v in _items(s)}) for k, s in _items(state_node)}
+    return StoredOptimizer(tuple(out), MappingProxyType(state))
