@@ -268,8 +268,12 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
     Per-parameter state tensors are read slice by slice into tensors laid out like each parameter's
     local shard (DTensors for FSDP2): the optimizer's existing state tensors when they have that
     layout (overwritten in place), else new ones. Scalar state (``step``) is copied whole and the
-    param-group hyperparameters are restored. ``model_prefix`` (default: as `restore_model`) is where
-    the model's parameter order is read when the saved state is keyed by integer ids. Every rank
+    param-group hyperparameters are restored. Saved parameters are matched to the optimizer's as
+    ``Optimizer.load_state_dict`` matches them: saved group ``g`` to group ``g``, torch's integer ids by
+    position within their group (or by name where ``param_names`` were saved), so the optimizer's groups
+    must hold the parameters in the order the saved run's did; an optimizer file saved alone (a Hugging
+    Face Trainer's ``optimizer.pt``, converted) needs ``prefix=""``. ``model_prefix`` is no longer needed
+    for that and is accepted for compatibility. Every rank
     raises the same `RestoreError` when the optimizer does not match the checkpoint (nothing is
     modified then) or when a read or its check fails (the state is then not installed)."""
     plan, _ = _run(model, checkpoint, weights=False, optimizer=optimizer, prefix=model_prefix,

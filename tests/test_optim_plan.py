@@ -176,3 +176,56 @@ def test_ids_whose_shapes_do_not_fit_are_refused_naming_them(tmp_path):
     # saved in reverse name order, restored in reverse model order: id 8 was norm.weight's [5] in the saved run
     assert "param group 0, id 8 -> inp.weight [5, 7]: saved 'exp_avg' has shape [5]" in messages[0], messages[0]
     assert "belongs to other parameters" in messages[0]
+
+
+# ---- a Hugging Face Trainer output directory ----------------------------------------------------------
+
+
+def _trainer_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """transformers.Trainer's groups: weight decay on everything but biases and norm weights."""
+    decay = [n for n, _ in model.named_parameters() if not n.endswith("bias") and "norm" not in _clean(n)]
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if n in decay], "weight_decay": 0.01},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+
+
+def _trainer_run(out) -> None:
+    """What Trainer leaves in a checkpoint directory: model.safetensors (save_pretrained) beside optimizer.pt,
+    torch.save(optimizer.state_dict()) saved alone (integer ids over two groups)."""
+    from helpers import tiny_llama
+
+    model = tiny_llama(seed=0)
+    opt = torch.optim.AdamW(_trainer_groups(model), lr=1e-3)
+    for step in range(2):
+        ids = torch.randint(0, 101, (2, 8), generator=torch.Generator().manual_seed(step))
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(out, safe_serialization=True)
+    torch.save(opt.state_dict(), out / "optimizer.pt")
+
+
+def _trainer_resume(rank: int, world_size: int, out) -> dict[str, dict[str, torch.Tensor]]:
+    from helpers import tiny_llama
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    model = wrap(tiny_llama(seed=5), "fsdp2", world_size)
+    opt = torch.optim.AdamW(_trainer_groups(model), lr=1e-3)
+    fsdp_restore.restore_model(model, out / "model.safetensors")
+    fsdp_restore.restore_optimizer(opt, model, out / "optimizer.safetensors", prefix="")
+    gathered = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    return {name: {k: v.detach().cpu() for k, v in s.items()} for name, s in gathered["state"].items()}
+
+
+def test_hf_trainer_directory_resumes_under_fsdp2(tmp_path):
+    from helpers import tiny_llama
+
+    _trainer_run(tmp_path)
+    fsdp_restore.convert(tmp_path / "optimizer.pt", tmp_path / "optimizer.safetensors")
+    model = tiny_llama(seed=9)
+    opt = torch.optim.AdamW(_trainer_groups(model), lr=1e-3)
+    opt.load_state_dict(torch.load(tmp_path / "optimizer.pt", weights_only=True))  # the oracle: torch's mapping
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    want = {name_of[id(p)]: dict(s) for p, s in opt.state.items()}
+    for got in run_ranks(_trainer_resume, 2, tmp_path):
+        _assert_same_state(got, want)
