@@ -269,7 +269,8 @@ def _commit(dst: Path, tmp: Path, plan: WritePlan, sharded: bool, checksums: dic
         _pwrite_all(fd, header, 0)
         os.fsync(fd)
     if sharded:
-        _write_small_file(tmp / DEFAULT_INDEX_NAME, index_bytes(plan.output_files(), structure_json=plan.structure_json))
+        _write_small_file(tmp / DEFAULT_INDEX_NAME, index_bytes(plan.output_files(), structure_json=plan.structure_json,
+                                                                    metadata=plan.metadata))
         _fsync_dir(tmp)
         _replace(tmp, dst)
     elif dst.is_dir() and not dst.is_symlink():

@@ -30,7 +30,7 @@ from torch import nn
 
 from .check import coverage_terms, name_weight
 from .errors import FsdpRestoreError
-from .flatten import flatten
+from .flatten import flatten, iter_tensor_nodes
 from .jobs import plan_jobs
 from .shards import Piece, Target, _fsdp1_units, _is_dtensor, _join, clean_name, local_targets, local_tensor
 from .write import HeldInPieces, OutputFile, TensorJob, file_header, file_layout, stand_in
@@ -95,6 +95,7 @@ class WritePlan:
     items: list[WriteItem] = field(default_factory=list)
     where: dict[str, tuple[int, int]] = field(default_factory=dict)  # key -> (file index, absolute offset)
     jobs: dict[str, TensorJob] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)  # extra metadata of every file (and the index)
 
     def coverage(self, rank: int) -> dict[str, tuple[int, int]]:
         """The restore's moment terms of this rank's items, plus per tensor a count term (the elements this
@@ -189,11 +190,20 @@ def _replicas(model: nn.Module, targets: Sequence[Target], rank: int, world: int
         elif target.layout == "dtensor":
             dt = by_name[target.name]
             mesh = dt.device_mesh
-            if mesh.size() != world:
-                raise FsdpRestoreError(f"{target.name}: its device mesh spans {mesh.size()} of the {world} ranks; save"
-                                       " with a process group of the mesh's ranks")
             coord = mesh.get_coordinate()
             replicas, index = 1, 0
+            if mesh.size() != world:  # a sub-mesh (FSDP over "dp" of a dp x tp mesh): the other dims replicate it
+                root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else None
+                names, root_names = mesh.mesh_dim_names or (), (root.mesh_dim_names or ()) if root is not None else ()
+                if root is None or root.size() != world or not names or not set(names) <= set(root_names):
+                    raise FsdpRestoreError(f"{target.name}: its device mesh spans {mesh.size()} of the {world} ranks"
+                                           " and no named root mesh of all of them says who else holds it; save with"
+                                           " a process group of the mesh's ranks")
+                root_coord = root.get_coordinate()
+                for d, dim_name in enumerate(root_names):
+                    if dim_name not in names:
+                        index = index * root.size(d) + root_coord[d]
+                        replicas *= root.size(d)
             for d, placement in enumerate(dt.placements):
                 if placement.is_replicate():
                     index = index * mesh.size(d) + coord[d]
@@ -314,8 +324,12 @@ def build_write_plan(model: nn.Module, *, optimizer: torch.optim.Optimizer | Non
         else:  # a tensor of extra itself (broadcast from rank 0): rank 0 writes it
             kinds[key] = _Whole(t)
     jobs = plan_jobs(tensors, structure, None)
-    plan = WritePlan(structure_json, [])
-    for f in file_layout(jobs, structure_json=structure_json, max_shard_size=max_shard_size):
+    metadata: dict[str, str] = {}
+    if weights_only:  # {dropped name: kept name} of tied tensors, as safetensors.torch.save_model records them
+        metadata = {path: node["key"] for path, node in iter_tensor_nodes(structure["root"])
+                    if path != node["key"] and "view" not in node}
+    plan = WritePlan(structure_json, [], metadata=metadata)
+    for f in file_layout(jobs, structure_json=structure_json, max_shard_size=max_shard_size, metadata=metadata):
         header, offsets = file_header(f.jobs, f.metadata)
         plan.files.append(FilePlan(f.name, header, offsets, f.jobs, f.metadata))
         for job in f.jobs:

@@ -40,7 +40,10 @@ def _freeze(model: torch.nn.Module, name: str) -> None:
             p.requires_grad_(False)
 
 
-def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+def _optimizer(model: torch.nn.Module, one_group: bool = False) -> torch.optim.Optimizer:
+    """AdamW with a decay and a no-decay group (one group for FSDP1 flat parameters, which are all 1-D)."""
+    if one_group:
+        return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
@@ -51,10 +54,18 @@ def _trained(name: str, how: str, world_size: int, seed: int = 0, steps: int = 2
     model = build(name, seed=seed)
     _freeze(model, name)
     model = wrap(model, how, world_size)
-    opt = _optimizer(model)
+    opt = _optimizer(model, how.endswith("-flat"))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     gen = torch.Generator().manual_seed(seed + 1)
     for _ in range(steps):
+        if how in ("tp", "fsdp2+tp"):  # the test's TP plan shards for restores, not for a forward: made-up grads
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.grad = p.detach() * 0.5 + 0.01
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            continue
         if name == "mlp":
             loss = model(torch.randn(4, 7, generator=gen)).square().mean()
         else:
@@ -100,7 +111,7 @@ def _gathered(model, opt, name: str, how: str, with_optim: bool):
     _freeze(twin, name)
     twin_names = {id(p): n for n, p in twin.named_parameters()}
     ids, groups = {}, []
-    for g, twin_group in zip(osd["param_groups"], _optimizer(twin).param_groups):
+    for g, twin_group in zip(osd["param_groups"], _optimizer(twin, how.endswith("-flat")).param_groups):
         names = [twin_names[id(p)] for p in twin_group["params"]]
         assert sorted(names) == sorted(g["params"]), (names, g["params"])
         for n in names:
@@ -114,30 +125,31 @@ def _gathered(model, opt, name: str, how: str, with_optim: bool):
     return msd, {"state": state, "param_groups": groups}
 
 
-def _split(path) -> tuple[dict, bytes]:
+def _split(path, ignore=()) -> tuple[dict, bytes]:
     data = open(path, "rb").read()
     (n,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8:8 + n])
-    for k in _PER_WRITE:
+    for k in (*_PER_WRITE, *ignore):
         header.get("__metadata__", {}).pop(k, None)
     return header, data[8 + n:]
 
 
-def assert_same_files(ours, reference) -> None:
-    """Byte for byte, apart from the conversion's source identity (and the header padding it shifts)."""
+def assert_same_files(ours, reference, ignore=()) -> None:
+    """Byte for byte, apart from the conversion's source identity (and the header padding it shifts) and the
+    metadata keys ``ignore``."""
     ours, reference = str(ours), str(reference)
     if os.path.isdir(reference):
         assert sorted(os.listdir(ours)) == sorted(os.listdir(reference))
         for f in os.listdir(reference):
             if f.endswith(".json"):
                 a, b = json.load(open(os.path.join(ours, f))), json.load(open(os.path.join(reference, f)))
-                for k in _PER_WRITE:
+                for k in (*_PER_WRITE, *ignore):
                     a["metadata"].pop(k, None), b["metadata"].pop(k, None)
                 assert a == b, f
             else:
-                assert_same_files(os.path.join(ours, f), os.path.join(reference, f))
+                assert_same_files(os.path.join(ours, f), os.path.join(reference, f), ignore)
         return
-    (h1, d1), (h2, d2) = _split(ours), _split(reference)
+    (h1, d1), (h2, d2) = _split(ours, ignore), _split(reference, ignore)
     assert h1 == h2, json.dumps(h1)[:3000] + "\n!=\n" + json.dumps(h2)[:3000]
     assert d1 == d2, "data sections differ"
 
@@ -161,7 +173,7 @@ def _save_and_check(rank, world_size, root, name, how, mode, max_shard_size=None
             loaded = fsdp_restore.load(path)
             plain = build(name, seed=5)
             _freeze(plain, name)
-            plain_opt = _optimizer(plain)
+            plain_opt = _optimizer(plain, how.endswith("-flat"))
             plain_opt.load_state_dict(loaded["optim"])
             ours_state = plain_opt.state_dict()
             for pid, s in osd["state"].items():
@@ -207,3 +219,49 @@ WIDE = [("mlp", "fsdp2", 4), ("mlp", "hsdp", 4), ("mlp", "fsdp1-FULL_SHARD-flat"
 def test_full_checkpoint_wider_layouts(tmp_path, name, how, world_size):
     results = run_ranks(_save_and_check, world_size, str(tmp_path), name, how, "full")
     assert sum(w for w, _ in results) == results[0][1]
+
+
+def _weights_only(rank, world_size, root, name, how, max_shard_size):
+    """Weights only: plain keys, the tie stored once with save_model's alias record; safetensors and
+    transformers load it; it is convert's file otherwise."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model, opt, _ = _trained(name, how, world_size)
+    out = os.path.join(root, "hf")
+    path = out if max_shard_size else os.path.join(out, "model.safetensors")
+    save_sharded(model, path, max_shard_size=max_shard_size)
+    msd, _ = _gathered(model, opt, name, how, False)
+    if rank == 0:
+        torch.save(msd, os.path.join(root, "ref.pt"))
+        ref = os.path.join(root, "ref" + ("" if max_shard_size else ".safetensors"))
+        fsdp_restore.convert(os.path.join(root, "ref.pt"), ref, max_shard_size=max_shard_size)
+        aliases = {"lm_head.weight": "model.embed_tokens.weight"}
+        assert_same_files(path, ref, ignore=aliases)
+        first = path if not max_shard_size else os.path.join(path, sorted(os.listdir(path))[0])
+        assert _split(first)[0]["__metadata__"]["lm_head.weight"] == "model.embed_tokens.weight"
+        fsdp_restore.verify(path)
+        if not max_shard_size:
+            flat = load_file(path)
+            assert set(flat) == set(msd) - {"lm_head.weight"}
+            for k, v in flat.items():
+                assert torch.equal(v, msd[k]), k
+        build(name).config.save_pretrained(out)
+        hf = AutoModelForCausalLM.from_pretrained(out)
+        for k, v in hf.state_dict().items():
+            assert torch.equal(v, msd[k]), k
+        assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    fresh = wrap(build(name, seed=3), how, world_size)
+    fsdp_restore.restore_model(fresh, path)
+    got = full_state(fresh, how)
+    for k, v in (msd if rank == 0 else {}).items():
+        assert torch.equal(got[k], v), k
+
+
+@pytest.mark.parametrize("max_shard_size", [None, 20_000], ids=["file", "sharded"])
+def test_weights_only_loads_with_safetensors_and_transformers(tmp_path, max_shard_size):
+    run_ranks(_weights_only, 2, str(tmp_path), "llama-tied", "fsdp2", max_shard_size)
+
+
+def test_full_checkpoint_sharded_set_matches(tmp_path):
+    run_ranks(_save_and_check, 3, str(tmp_path), "mlp", "fsdp2", "full", 300)
