@@ -81,6 +81,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     traceback, when a rank dies without reporting, or on timeout (a hang is a failure).
     ``pg_timeout``: the process group's collective timeout in seconds (torch's default if None).
     """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a whole number >= 1, not {world_size!r}: no rank would run")
     import torch
 
     ctx = _context()
@@ -107,7 +109,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                 for r in dead:  # died without reporting (segfault, os._exit, OOM kill)
                     results[r] = ("error", f"died with exit code {procs[r].exitcode} without reporting")
                     died_at = died_at or time.monotonic()
-                # The survivors now wait for the dead rank in a collective until their process-group
+                # Survivors in a gloo collective fail at once (the dead rank's sockets close) and report;
+                # under NCCL, or blocked outside a collective, they would wait until their process-group
                 # timeout: give them a moment to report anything they have, then stop them.
                 if died_at is not None and time.monotonic() - died_at > DEAD_RANK_GRACE_S:
                     first = min(r for r, (s, v) in results.items() if s == "error" and "without reporting" in v)

@@ -7,6 +7,11 @@ At the end of a phase `agree` makes one fixed-size ``all_reduce`` (the number of
 plan's coverage digest and the buffer fingerprint); only when something is wrong do the lowest failing
 ranks (at most `REPORTERS`) broadcast their problems, capped, so that every rank raises the same
 `RestoreError` text and nothing any rank sends, receives or holds grows with the world size.
+
+A rank that *dies* (killed, out of memory, a crash) cannot report anything: its peers learn of it in the
+verdict's collective, which fails (gloo on one host: at once, "Connection closed by peer"; NCCL, or a rank
+that hangs: at the process group's timeout). `_collective` turns that failure into a `RestoreError` too,
+so that a caller handles one error type, and says what happened and what to do.
 """
 
 from __future__ import annotations
@@ -69,6 +74,28 @@ class Problems:
             self.add("error", [f"{type(e).__name__}: {text}"])
 
 
+_DIED_HINT = ("find the rank that died in its own log and exit status (killed, out of memory, a crash) or the"
+              " broken connection, fix that and restart every rank; do not use this model as it is (a restore"
+              " stopped in its reads leaves it partly written). With gloo on one host the others fail at once;"
+              " with NCCL, or a rank that hangs, they wait until the process group's timeout: pass timeout= to"
+              " init_process_group to bound it")
+
+
+@contextlib.contextmanager
+def _collective(what: str, step: str) -> Iterator[None]:
+    """A failing collective of the verdict (a peer died or its connection broke, or the process group
+    timed out) becomes a `RestoreError` naming the phase (``what``) and the ``step``, not torch's
+    RuntimeError / DistBackendError (whose text speaks of sockets and pair.cc lines)."""
+    try:
+        yield
+    except RuntimeError as e:  # DistBackendError, DistNetworkError and gloo's errors all derive from it
+        text = str(e).strip()
+        cause = f"{type(e).__name__}: {text.splitlines()[0] if text else '(no message)'}"
+        line = f"a rank died or lost its connection (the verdict's collective, {step}, failed with {cause})"
+        raise RestoreError(f"{what} failed:\n  {_LABELS['error']} (1): {line}\n  hint: {_DIED_HINT}",
+                           {"error": [line]}) from e
+
+
 def _rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(group), dist.get_world_size(group)
@@ -110,15 +137,21 @@ def agree(problems: Problems, what: str, group: dist.ProcessGroup | None = None,
     fp = sum(_print_weight(i) * v for i, (_, v) in enumerate(sorted(buffer_prints or []))) % FINGERPRINT_MODULUS
     n = len(buffer_prints or [])
     values = [int(bool(problems)), d1, d2, fp, fp * fp, n, n * n]
-    failing, s1, s2, f1, f2, n1, n2 = _all_reduce(values, group) if world > 1 else values
+    with _collective(what, "agreeing on the verdict"):
+        failing, s1, s2, f1, f2, n1, n2 = _all_reduce(values, group) if world > 1 else values
     if failing:
-        _raise(_reports(problems.items, bool(problems), failing, group, rank, world), what)
+        with _collective(what, "collecting the failing ranks' problems"):
+            reports = _reports(problems.items, bool(problems), failing, group, rank, world)
+        _raise(reports, what)
     if s1 % DIGEST_PRIME or s2 % DIGEST_PRIME:
-        _raise({"coverage": _uncovered_names(coverage or {}, group, rank, world)}, what)
+        with _collective(what, "finding the tensors the plans do not cover"):
+            uncovered = _uncovered_names(coverage or {}, group, rank, world)
+        _raise({"coverage": uncovered}, what)
     if not _same_everywhere(f1, f2, world):
         # the per-buffer all-reduce needs the same number of buffers on every rank
-        _raise({"buffers": _differing_buffers(buffer_prints or [], _same_everywhere(n1, n2, world), group, world)},
-               what)
+        with _collective(what, "finding the buffers that differ between ranks"):
+            differing = _differing_buffers(buffer_prints or [], _same_everywhere(n1, n2, world), group, world)
+        _raise({"buffers": differing}, what)
 
 
 def _same_everywhere(total: int, total_of_squares: int, world: int) -> bool:

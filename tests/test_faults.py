@@ -229,3 +229,66 @@ def test_fuzz_unflatten_structure(kind, items, value):
         fsdp_restore.unflatten({"k": torch.ones(2)}, {"version": 1, "root": node})
     except FormatError:
         pass
+
+
+# ---- a rank that dies (SIGKILL) mid-restore: the survivors raise RestoreError at once --------------------
+
+
+class _Seen(Exception):
+    """What a surviving rank saw (raised so that the launcher reports it next to the dead rank)."""
+
+
+def _killed_mid_restore(rank, world_size, path, dies_at):
+    """Rank 1 is killed (SIGKILL: no exception, no report, its sockets closed by the kernel) as it reaches
+    the verdict of phase ``dies_at`` (1: open and plan; 2: read and check); the other ranks are there."""
+    import importlib
+    import os
+
+    from models import build, wrap
+
+    restore_module = importlib.import_module("fsdp_restore.restore")  # the package's `restore` is the function
+
+    model = wrap(build("mlp"), "fsdp2", world_size)
+    if rank == 1:
+        calls = []
+        real_agree = restore_module.agree
+
+        def agree_or_die(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == dies_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_agree(*args, **kwargs)
+
+        restore_module.agree = agree_or_die
+    t0 = time.monotonic()
+    try:
+        fsdp_restore.restore_model(model, path)
+    except Exception as e:  # noqa: BLE001 - which type the survivors see is the point
+        raise _Seen(f"{type(e).__name__} after {time.monotonic() - t0:.1f}s: {e}") from None
+    raise _Seen("no error")
+
+
+@pytest.mark.parametrize("dies_at,phase", [(1, "restore failed"), (2, "restore check failed")])
+def test_rank_killed_mid_restore_fails_survivors_with_restore_error(tmp_path, dies_at, phase):
+    import re
+
+    from models import build
+
+    from fsdp_restore.launch import RankFailure, run_ranks as launch_ranks
+
+    torch.save({"model": build("mlp").state_dict()}, tmp_path / "m.pt")
+    fsdp_restore.convert(tmp_path / "m.pt", tmp_path / "m.safetensors")
+    t0 = time.monotonic()
+    # a short process-group timeout: were the death not noticed, the collective would still end soon
+    with pytest.raises(RankFailure) as info:
+        launch_ranks(_killed_mid_restore, 3, tmp_path / "m.safetensors", dies_at, timeout=120, backend="gloo",
+                     pg_timeout=30)
+    errors = info.value.errors
+    assert "died with exit code -9" in errors[1], errors[1]
+    for r in (0, 2):  # they reported (within the launcher's grace period), not "stopped: rank 1 died"
+        first = errors[r].splitlines()[0]
+        m = re.match(r"_Seen: RestoreError after ([0-9.]+)s: (.*)", first)
+        assert m, errors[r]
+        assert float(m.group(1)) < 10 and phase in errors[r], errors[r]
+        assert "a rank died or lost its connection" in errors[r] and "init_process_group" in errors[r], errors[r]
+    assert time.monotonic() - t0 < 60

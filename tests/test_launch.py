@@ -78,3 +78,10 @@ def test_finished_dead_and_running_ranks_at_once():
         run_ranks(_one_finishes_one_dies_one_blocks, 3, timeout=300, backend="gloo")
     errors = info.value.errors
     assert set(errors) == {1, 2} and "died with exit code 4" in errors[1] and "stopped: rank 1 died" in errors[2]
+
+
+@pytest.mark.parametrize("world_size", [0, -1])
+def test_no_ranks_is_refused(world_size):
+    """Zero ranks ran nothing and returned [] (so `check-restore --nproc 0` said "passed")."""
+    with pytest.raises(ValueError, match="world_size"):
+        run_ranks(_sum_ranks, world_size, backend="gloo")

@@ -38,7 +38,6 @@ def ckpts(tmp_path_factory):
 def _inject(fault: str) -> None:
     from fsdp_restore.read import Checkpoint
 
-    plan = importlib.import_module("fsdp_restore.plan")
     restore = importlib.import_module("fsdp_restore.restore")
     if fault == "read-runtime-error":
         real = Checkpoint.read_contiguous
@@ -55,7 +54,8 @@ def _inject(fault: str) -> None:
     elif fault == "optimizer-attribute-error":
         def failing_state(*args, **kwargs):
             raise AttributeError("injected optimizer failure")
-        plan._plan_param_state = failing_state
+        # the optimizer half of the plan lives in optim_plan.py (it was in plan.py)
+        importlib.import_module("fsdp_restore.optim_plan")._plan_param_state = failing_state
 
 
 def _entry(rank, world_size, root, fault, entry):
@@ -174,3 +174,18 @@ def _uneven_buffers(rank, world_size):
 def test_ranks_with_different_buffer_lists_fail_without_a_mismatched_collective():
     messages = run_ranks(_uneven_buffers, 3, timeout=120, pg_timeout=60)
     assert len(set(messages)) == 1 and "the ranks hold different sets of buffers" in messages[0], messages
+
+
+@pytest.mark.parametrize("error", [RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer"),
+                                  torch.distributed.DistBackendError("Timed out waiting 30000ms for recv")])
+def test_failing_collective_is_a_restore_error(error):
+    """What a survivor of a dead rank sees in the verdict's collective (gloo: at once; else at the process
+    group's timeout) is a RestoreError naming the phase, what happened and the fix, with torch's cause."""
+    from fsdp_restore.verdict import _collective
+
+    with pytest.raises(RestoreError) as info:
+        with _collective("optimizer restore check", "agreeing on the verdict"):
+            raise error
+    text = str(info.value)
+    assert text.startswith("optimizer restore check failed:") and "a rank died or lost its connection" in text
+    assert str(error).splitlines()[0] in text and "init_process_group" in text and info.value.__cause__ is error
