@@ -265,3 +265,135 @@ def test_weights_only_loads_with_safetensors_and_transformers(tmp_path, max_shar
 
 def test_full_checkpoint_sharded_set_matches(tmp_path):
     run_ranks(_save_and_check, 3, str(tmp_path), "mlp", "fsdp2", "full", 300)
+
+
+# ---- faults: one verdict on every rank, nothing left behind, the old checkpoint untouched -------------------
+
+
+def _old_checkpoint(rank, world_size, path, how):
+    model, opt, extra = _trained("mlp", how, world_size, seed=0)
+    save_sharded(model, path, optimizer=opt, extra=extra)
+    return _trained("mlp", how, world_size, seed=1)  # the state a second save writes
+
+
+def _leftovers(path) -> list[str]:
+    return [f for f in os.listdir(os.path.dirname(path)) if ".tmp-" in f or ".old-" in f]
+
+
+def _fault(rank, world_size, path, how, fault):
+    import time
+
+    import fsdp_restore.save_plan as save_plan
+
+    model, opt, extra = _old_checkpoint(rank, world_size, path, how)
+    old = open(path, "rb").read() if rank == 0 else b""
+    if fault == "raise mid-write" and rank == 1:
+        calls = [0]
+        real = os.pwrite
+
+        def failing(fd, data, offset):
+            calls[0] += 1
+            if calls[0] == 2:
+                raise OSError(28, "No space left on device")
+            return real(fd, data, offset)
+
+        os.pwrite = failing
+    if fault == "wrong offset" and rank == world_size - 1:
+        real_plan = save_plan.build_write_plan
+
+        def shifted(*args, **kwargs):
+            plan = real_plan(*args, **kwargs)
+            item = next(i for i in plan.items if i.key == "model.inp.weight" and i.data.numel())
+            item.global_start += 1  # one element off
+            return plan
+
+        save_plan.build_write_plan = shifted
+    if fault == "not shared" and rank == 1:
+        real_open = os.open
+
+        def local_disk(p, flags, *args):  # this rank's "node" does not see rank 0's temporary
+            if ".tmp-" in str(p):
+                raise FileNotFoundError(2, "No such file or directory", str(p))
+            return real_open(p, flags, *args)
+
+        os.open = local_disk
+    t0 = time.perf_counter()
+    with pytest.raises(SaveError) as info:
+        save_sharded(model, path, optimizer=opt, extra=extra)
+    seconds = time.perf_counter() - t0
+    if rank == 0:
+        assert open(path, "rb").read() == old, "the old checkpoint changed"
+        assert not _leftovers(path), _leftovers(path)
+        fsdp_restore.verify(path)
+    return str(info.value), seconds
+
+
+FAULTS = [("raise mid-write", "fsdp2", 3, "OSError: [Errno 28] No space left on device [rank 1]"),
+          ("wrong offset", "fsdp2", 2, "model.inp.weight"),
+          ("not shared", "ddp", 2, "do not share one filesystem")]
+
+
+@pytest.mark.parametrize("fault,how,world_size,expected", FAULTS, ids=[f[0].replace(" ", "-") for f in FAULTS])
+def test_fault_every_rank_raises_the_same_error_and_the_old_file_stays(tmp_path, fault, how, world_size, expected):
+    path = str(tmp_path / "ckpt.safetensors")
+    results = run_ranks(_fault, world_size, path, how, fault)
+    texts = {text for text, _ in results}
+    assert len(texts) == 1, texts  # the same error on every rank
+    text = texts.pop()
+    assert expected in text, text
+    if fault == "wrong offset":
+        assert "do not cover these tensors exactly" in text and "(write)" not in text, text  # before writing
+    assert max(s for _, s in results) < 30, results
+
+
+def _reader_during_replacement(rank, world_size, path):
+    import hashlib
+
+    model, opt, extra = _old_checkpoint(rank, world_size, path, "fsdp2")
+    seen: list[str] = []
+    stop = threading.Event()
+
+    def read_loop():
+        while not stop.is_set():
+            with open(path, "rb") as f:  # what a reader opening the name gets: one whole file
+                seen.append(hashlib.sha256(f.read()).hexdigest())
+
+    old = hashlib.sha256(open(path, "rb").read()).hexdigest() if rank == 0 else ""
+    reader = threading.Thread(target=read_loop)
+    if rank == 0:
+        reader.start()
+    written = {old}
+    for step in range(3):  # a few replacements while the reader reads
+        save_sharded(model, path, optimizer=opt, extra=dict(extra, step=100 + step))
+        if rank == 0:
+            written.add(hashlib.sha256(open(path, "rb").read()).hexdigest())
+    if rank == 0:
+        stop.set()
+        reader.join()
+        assert len(written) == 4 and old in seen and len(seen) > 3, len(seen)
+        assert set(seen) <= written, "a reader saw a file that is neither an old nor a new checkpoint"
+        assert fsdp_restore.load(path)["step"] == 102
+    return True
+
+
+def test_concurrent_reader_sees_old_or_new(tmp_path):
+    run_ranks(_reader_during_replacement, 2, str(tmp_path / "ckpt.safetensors"))
+
+
+def _bad_arguments(rank, world_size, path):
+    model = wrap(build("mlp"), "fsdp2", world_size)
+    texts = []
+    for kwargs in ({"thread_count": 0}, {"extra": [1, 2]}, {"max_shard_size": "lots"}):
+        with pytest.raises(SaveError) as info:
+            save_sharded(model, path, **kwargs)
+        texts.append(str(info.value))
+    with pytest.raises(TypeError):
+        save_sharded(model, path, None)  # options are keyword-only
+    assert not os.path.exists(path) and not _leftovers(path)
+    return texts
+
+
+def test_arguments_are_checked_at_the_door(tmp_path):
+    results = run_ranks(_bad_arguments, 2, str(tmp_path / "x.safetensors"))
+    assert results[0] == results[1]
+    assert "thread_count" in results[0][0] and "extra must be a dict" in results[0][1] and "size" in results[0][2]
