@@ -61,7 +61,9 @@ class _Flattener:
     def __init__(self, on_unsupported: str) -> None:
         self.on_unsupported = on_unsupported
         self.refs: list[_TensorRef] = []
-        self.used_keys: set[str] = set()
+        # "__metadata__" is the safetensors header's own field, never a tensor name: a dict key of that name
+        # gets "__metadata__~2", as any other collision does
+        self.used_keys: set[str] = {"__metadata__"}
         self.skipped: list[str] = []
 
     def key_for(self, path: str) -> str:
@@ -73,9 +75,13 @@ class _Flattener:
         self.used_keys.add(key)
         return key
 
-    def encode(self, obj: Any, path: str) -> Any:
+    def encode(self, obj: Any, path: str, depth: int = 0) -> Any:
         # Exact type checks: a subclass (IntEnum, defaultdict, a custom dict) would not come back as itself.
         t = type(obj)
+        if depth > MAX_DEPTH:  # readers refuse deeper structures (validate_structure): never write one
+            raise UnsupportedObjectError(path, obj, f"nested deeper than {MAX_DEPTH} levels, which readers refuse;"
+                                         " flatten that part (e.g. a list of its items) before saving")
+        down = depth + 1
         if obj is None or t is str or t is bool:
             return obj
         if t is int:
@@ -85,12 +91,13 @@ class _Flattener:
         if t is complex:
             return {"type": "complex", "real": repr(obj.real), "imag": repr(obj.imag)}
         if t is dict or t is OrderedDict:
-            items = [[self.encode_key(k, path), self.encode(v, _join(path, k))] for k, v in obj.items()]
+            items = [[self.encode_key(k, _join(path, k), down), self.encode(v, _join(path, k), down)]
+                     for k, v in obj.items()]
             return {"type": "dict" if t is dict else "OrderedDict", "items": items}
         if t is list or t is tuple:
-            return {"type": t.__name__, "items": [self.encode(v, _join(path, i)) for i, v in enumerate(obj)]}
+            return {"type": t.__name__, "items": [self.encode(v, _join(path, i), down) for i, v in enumerate(obj)]}
         if t is set or t is frozenset:
-            return {"type": t.__name__, "items": [self.encode(v, _join(path, i)) for i, v in enumerate(obj)]}
+            return {"type": t.__name__, "items": [self.encode(v, _join(path, i), down) for i, v in enumerate(obj)]}
         if isinstance(obj, torch.Tensor) and (t is torch.Tensor or t is torch.nn.Parameter):
             return self.encode_tensor(obj, path)
         if t is np.ndarray:
@@ -109,7 +116,7 @@ class _Flattener:
         if t is torch.device:
             return {"type": "device", "value": str(obj)}
         if t is argparse.Namespace:
-            items = [[k, self.encode(v, _join(path, k))] for k, v in vars(obj).items()]
+            items = [[k, self.encode(v, _join(path, k), down)] for k, v in vars(obj).items()]
             return {"type": "Namespace", "items": items}
         if t.__name__ in _PATH_TYPES and _PATH_TYPES[t.__name__] is t:
             return {"type": "path", "class": t.__name__, "value": str(obj)}
@@ -121,14 +128,17 @@ class _Flattener:
             return {"type": "skipped", "python_type": f"{type(obj).__module__}.{type(obj).__qualname__}"}
         raise UnsupportedObjectError(path, obj, hint)
 
-    def encode_key(self, key: Any, path: str) -> Any:
-        if type(key) in (str, int, bool) or key is None:
-            return self.encode(key, path)
-        if type(key) in (float, tuple, torch.dtype):
-            return self.encode(key, path)
-        raise UnsupportedObjectError(_join(path, key), key, "dict keys must be str, int, float, bool, None or tuples")
+    def encode_key(self, key: Any, path: str, depth: int) -> Any:
+        """A dict key (``path`` is its entry's): only what readers accept as a key node, tuples of those too."""
+        if not _storable_key(key):
+            raise UnsupportedObjectError(path, key, "dict keys must be str, int, float, bool, None, torch.dtype"
+                                         " or tuples of those")
+        return self.encode(key, path, depth)
 
     def encode_tensor(self, tensor: torch.Tensor, path: str) -> Any:
+        if tensor.is_nested:  # checked first: a nested tensor raises on most other questions
+            return self.unsupported(tensor, path, "a nested (jagged) tensor has no fixed shape to store; store its"
+                                    " components (tensor.unbind()) instead")
         if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_meta:
             return self.unsupported(tensor, path, f"tensor with layout {tensor.layout}"
                                     f"{' (quantized)' if tensor.is_quantized else ''}"
@@ -140,7 +150,14 @@ class _Flattener:
             node["param"] = True
         if tensor.requires_grad:
             node["requires_grad"] = True
-        self.refs.append(_TensorRef(tensor.detach(), path, node))
+        # A conj or neg view shares its base's memory and negates on reading: store the memory as it is (so
+        # that it still aliases its base) and the bit in the node
+        raw = tensor.detach()
+        if raw.is_conj():
+            node["conj"], raw = True, raw.conj()
+        if raw.is_neg():
+            node["neg"], raw = True, torch._neg_view(raw)
+        self.refs.append(_TensorRef(raw, path, node))
         return node
 
     def encode_ndarray(self, array: np.ndarray, path: str) -> Any:
@@ -148,9 +165,12 @@ class _Flattener:
             return self.unsupported(array, path, f"numpy dtype {array.dtype} is not a plain numeric dtype")
         native = array.astype(array.dtype.newbyteorder("="), copy=False)
         try:
-            tensor = torch.from_numpy(np.ascontiguousarray(native))
+            # np.ascontiguousarray makes a 0-d array 1-d: reshape keeps its shape
+            tensor = torch.from_numpy(np.ascontiguousarray(native).reshape(native.shape))
         except TypeError:
             return self.unsupported(array, path, f"numpy dtype {array.dtype} has no torch equivalent")
+        if tensor.dtype not in DTYPE_TO_NAME:
+            return self.unsupported(array, path, f"numpy dtype {array.dtype} has no safetensors equivalent")
         node = {"type": "ndarray", "dtype": array.dtype.str}
         self.refs.append(_TensorRef(tensor, path, node))
         return node
@@ -183,6 +203,13 @@ class _Flattener:
                     ref.node["view"] = {"offset": ref.tensor.storage_offset() - base.tensor.storage_offset(),
                                         "shape": list(ref.tensor.shape), "stride": list(ref.tensor.stride())}
         return tensors
+
+
+def _storable_key(key: Any) -> bool:
+    """A dict key readers accept: a JSON scalar, a float, a dtype, or a tuple of those (validate_structure)."""
+    if type(key) is tuple:
+        return all(_storable_key(k) for k in key)
+    return key is None or type(key) in (str, int, bool, float, torch.dtype)
 
 
 def _join(path: str, key: Any) -> str:
@@ -254,6 +281,10 @@ def _decode(node: Any, tensors: Mapping[str, torch.Tensor], cache: dict[str, tor
             return complex(float(node["real"]), float(node["imag"]))
         if kind == "tensor":
             t = _lookup(node, tensors, cache, path)
+            if node.get("neg"):
+                t = torch._neg_view(t)
+            if node.get("conj"):
+                t = t.conj()
             if node.get("param"):
                 return torch.nn.Parameter(t, requires_grad=bool(node.get("requires_grad")))
             return t.requires_grad_(True) if node.get("requires_grad") else t
@@ -373,6 +404,8 @@ def validate_structure(structure: Any, where: object, keys: Mapping[str, Any] | 
                 raise bad(f"names tensor {str(key)[:60]!r}, which the file does not hold")
             if kind == "ndarray" and not isinstance(node.get("dtype"), str):
                 raise bad("ndarray node without a dtype string")
+            if any(not isinstance(node.get(flag, False), bool) for flag in ("conj", "neg", "param", "requires_grad")):
+                raise bad("conj, neg, param and requires_grad must be true or false")
             view = node.get("view")
             if view is not None:
                 if not (isinstance(view, dict) and _is_json_int(view.get("offset")) and view["offset"] >= 0

@@ -251,3 +251,29 @@ def test_crafted_structure_is_a_format_error(tmp_path, text):
 
         fsdp_restore.Checkpoint(path)
     assert str(path) in str(info.value)
+
+
+def test_conj_and_neg_bits_are_kept_beside_their_base():
+    c = torch.randn(3, dtype=torch.complex64)
+    x = torch.randn(4)
+    back, tensors, structure = roundtrip({"c": c, "cc": c.conj(), "x": x, "nx": torch._neg_view(x)})
+    assert len(tensors) == 2 and not any(t.is_conj() or t.is_neg() for t in tensors.values())  # raw memory
+    assert back["cc"].is_conj() and back["nx"].is_neg() and not back["c"].is_conj()
+    assert torch.equal(back["cc"].resolve_conj(), c.conj().resolve_conj())
+    assert torch.equal(back["nx"].resolve_neg(), -x)
+    assert back["cc"].untyped_storage().data_ptr() == back["c"].untyped_storage().data_ptr()
+
+
+def test_zero_dim_ndarray_and_unsupported_arrays():
+    back, _, _ = roundtrip({"a": np.array(1.5)})
+    assert back["a"].shape == () and back["a"] == 1.5
+    with pytest.raises(UnsupportedObjectError, match="'z'.*complex128"):
+        flatten({"z": np.ones(2, dtype=np.complex128)})
+
+
+def test_flags_must_be_booleans():
+    from fsdp_restore.flatten import validate_structure
+
+    structure = {"version": 1, "root": {"type": "tensor", "key": "t", "conj": "yes"}}
+    with pytest.raises(FormatError, match="conj"):
+        validate_structure(structure, "f.safetensors", {"t": None})
