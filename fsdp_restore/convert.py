@@ -54,6 +54,42 @@ def _import_global(name: str) -> Any:
         raise ValueError(f"cannot import allowed global '{name}': {e}") from None
 
 
+def _pickle_protocol(path: Path) -> int | None:
+    """The pickle protocol a ``torch.save`` file was written with (its pickle's PROTO opcode), or None."""
+    try:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as z:
+                name = next((n for n in z.namelist() if n.endswith("data.pkl")), None)
+                head = z.open(name).read(2) if name else b""
+        else:  # legacy format: the file opens with a pickled magic number, in the same protocol
+            with open(path, "rb") as f:
+                head = f.read(2)
+    except (OSError, zipfile.BadZipFile, EOFError):
+        return None
+    return head[1] if len(head) == 2 and head[0] == 0x80 else None
+
+
+def weights_only_refusal_hint(path: str | os.PathLike[str]) -> str:
+    """Why torch's weights-only unpickler refuses a file that is not corrupt, when it is its pickle protocol."""
+    protocol = _pickle_protocol(Path(path))
+    if protocol is None or protocol <= 3:
+        return ""
+    return (f"; it was written with pickle protocol {protocol} (torch.save(..., pickle_protocol={protocol})), and"
+            " torch's weights-only unpickler reads protocols 2 and 3 only")
+
+
+def _check_zip_members(path: Path) -> bool:
+    """Whether every member is stored uncompressed (what torch.save writes, and all torch can memory-map).
+    DEFLATE members are read by torch's plain (non-mmap) loader; any other method is refused here."""
+    with zipfile.ZipFile(path) as z:
+        methods = {info.filename: info.compress_type for info in z.infolist()}
+    for name, method in methods.items():
+        if method not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+            raise FormatError(path, f"zip member '{name}' is compressed with zip method {method}, which torch.load"
+                              " cannot read; re-create the archive with members stored (zip -0) or DEFLATE-compressed")
+    return all(m == zipfile.ZIP_STORED for m in methods.values())
+
+
 def load_pt(path: str | os.PathLike[str], *, trust_pickle: bool = False, allow_globals: Sequence[str] = (),
             mmap: bool = True) -> Any:
     """Load a ``torch.save`` file without executing untrusted code.
@@ -72,7 +108,17 @@ def load_pt(path: str | os.PathLike[str], *, trust_pickle: bool = False, allow_g
     if magic == b"PK\x03\x04" and not is_zip:
         raise FormatError(path, "zip archive is truncated or corrupt (no central directory); re-copy the file")
     extra = [_import_global(n) for n in allow_globals]
+    stored = is_zip and _check_zip_members(path)
+    if is_zip and not stored:
+        # torch's mmap path would take the compressed bytes as tensor data: read (and inflate) it whole instead
+        warnings.warn(f"{path}: its zip members are DEFLATE-compressed, which cannot be memory-mapped; loading it"
+                      " fully into memory (torch.save writes them uncompressed: re-save it to stream)", stacklevel=2)
     if not trust_pickle:
+        hint = weights_only_refusal_hint(path)
+        if hint:
+            raise UnsafePickleError(f"{path}: refused by torch's weights-only unpickler{hint}. If you trust this file,"
+                                    " pass --trust-pickle (trust_pickle=True) to convert it, or re-save it with"
+                                    " torch.save's default protocol")
         if is_zip:
             try:
                 needed = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
@@ -92,7 +138,7 @@ def load_pt(path: str | os.PathLike[str], *, trust_pickle: bool = False, allow_g
     if not is_zip:
         warnings.warn(f"{path} is a legacy (non-zip) torch.save file: it cannot be memory-mapped and is loaded"
                       " fully into memory; re-save it with a current torch for streaming", stacklevel=2)
-    kwargs: dict[str, Any] = {"map_location": "cpu", "mmap": mmap and is_zip}
+    kwargs: dict[str, Any] = {"map_location": "cpu", "mmap": mmap and stored}
     try:
         if trust_pickle:
             return torch.load(path, weights_only=False, **kwargs)
