@@ -24,16 +24,26 @@ def rss_anon_bytes() -> int:
     return status_bytes("RssAnon")
 
 
-def disk_read_bytes() -> int:
-    """Bytes this process caused to be fetched from storage (``read_bytes`` in /proc/self/io)."""
+def _io_counter(field: str) -> int:
     try:
         with open("/proc/self/io") as f:
             for line in f:
-                if line.startswith("read_bytes:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1])
     except OSError:
         pass
     return 0
+
+
+def disk_read_bytes() -> int:
+    """Bytes this process caused to be fetched from storage (``read_bytes`` in /proc/self/io)."""
+    return _io_counter("read_bytes")
+
+
+def disk_write_bytes() -> int:
+    """Bytes this process caused to be sent to storage (``write_bytes`` in /proc/self/io: dirtied page-cache
+    pages are counted when dirtied, by the process that dirtied them)."""
+    return _io_counter("write_bytes")
 
 
 class PeakAnonMemory:

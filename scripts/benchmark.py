@@ -13,6 +13,9 @@ HuggingFaceStorageReader (FSDP2); set_model_state_dict(broadcast_from_rank0=True
 every rank loading the whole file and copying its slice (OLMo style; for FSDP1 the seed's FSDP.apply
 route). Per rank: wall time, peak anonymous memory above the sharded model, disk bytes read
 (/proc/self/io read_bytes around the restore only).
+
+Save (scripts/benchmark_save.py, the same model with AdamW state): ours against a rank-0 gather, dcp.save,
+dcp.save with Hugging Face consolidation, and the floor (every rank pwrite-ing its share into one file).
 """
 
 from __future__ import annotations
@@ -493,7 +496,7 @@ def main() -> None:
                         help="restore subject: a stack of odd-sized Linear layers (default) or a random-init"
                              " transformers LlamaForCausalLM (embeddings, norms, many small tensors)")
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--skip", choices=["convert", "restore"], action="append", default=[])
+    parser.add_argument("--skip", choices=["convert", "restore", "save"], action="append", default=[])
     parser.add_argument("--repeat", type=int, default=3, help="runs per method; the median is reported")
     parser.add_argument("--methods", nargs="+", help="restore methods to run, e.g. ours dcp fsdp1:apply")
     parser.add_argument("--read-threads", type=int, nargs="+",
@@ -514,8 +517,15 @@ def main() -> None:
         rest = [] if "restore" in args.skip else bench_restore(work, args.restore_mb, args.world_sizes, args.methods, args.repeat,
                                                                args.read_threads, args.cache, args.rank_read_mbps, args.model)
         markdown = report(conv, rest)
+        saved: list[dict[str, Any]] = []
+        if "save" not in args.skip:  # scripts/benchmark_save.py: the same model, saved from its shards
+            from benchmark_save import bench_save, report_save
+
+            saved = bench_save(work, args.restore_mb, args.world_sizes, kind=args.model, repeat=args.repeat)
+            markdown += "\n\n" + report_save(saved)
         if args.out:
-            Path(args.out).write_text(json.dumps({"convert": conv, "restore": rest, "markdown": markdown}, indent=2))
+            Path(args.out).write_text(json.dumps({"convert": conv, "restore": rest, "save": saved, "markdown": markdown},
+                                                 indent=2))
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
