@@ -61,8 +61,8 @@ def _yaml_problem(e: yaml.YAMLError, where: bool = True) -> str:
     """A YAML error on one line: what is wrong and (in a file) where; PyYAML's text spans several lines."""
     if isinstance(e, yaml.MarkedYAMLError):
         mark = (e.problem_mark or e.context_mark) if where else None
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        return f"{e.problem or e.context or 'invalid YAML'}{where}"
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        return f"{e.problem or e.context or 'invalid YAML'}{at}"
     return str(e).replace("\n", " ")
 
 
