@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import zlib
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
@@ -19,7 +20,9 @@ import torch
 
 from .errors import FormatError
 
-FORMAT_VERSION = "1"
+# 2: headers and indexes carry their own crc32 (META_HEADER_CRC); shards of a set carry its id (META_SET_ID).
+# Version-1 files (and files of other tools) have neither and still read.
+FORMAT_VERSION = "2"
 
 # Metadata keys in the safetensors header (``__metadata__``, str -> str) and in the index json.
 META_FORMAT = "format"  # "pt", as Hugging Face writes it
@@ -28,6 +31,15 @@ META_STRUCTURE = "fsdp_restore.structure"  # JSON of the nested object, see flat
 META_CHECKSUMS = "fsdp_restore.checksums"  # JSON {key: 8 hex digits of crc32}
 META_CAST = "fsdp_restore.cast"  # JSON {key: original dtype name} for tensors cast on conversion
 META_SOURCE = "fsdp_restore.source"  # JSON {name, size, mtime_ns, fingerprint} of the converted .pt (provenance.py)
+META_HEADER_CRC = "fsdp_restore.header_crc32"  # 8 hex digits: crc32 of the header itself (see `seal`)
+META_SET_ID = "fsdp_restore.set_id"  # 32 hex digits shared by a sharded set's index and shards, new per write
+
+# A sealed header (index) starts with exactly these bytes, then the 8 digits of its crc32: a fixed place, so a
+# reader finds the value without re-serialising anything, and any rewrite of the header (even one that
+# keeps its meaning) moves or changes it.
+_SEAL_DIGITS = 8
+HEADER_SEAL_PREFIX = b'{"__metadata__":{"' + META_HEADER_CRC.encode() + b'":"'
+INDEX_SEAL_PREFIX = b'{\n  "metadata": {\n    "' + META_HEADER_CRC.encode() + b'": "'
 
 INDEX_SUFFIX = ".safetensors.index.json"
 DEFAULT_INDEX_NAME = "model.safetensors.index.json"
@@ -120,18 +132,24 @@ class FileHeader:
     metadata: dict[str, str] = field(default_factory=dict)
 
 
-def read_header(path: str | os.PathLike[str]) -> FileHeader:
+def read_header(path: str | os.PathLike[str], fd: int | None = None) -> FileHeader:
     """Parse and validate the header of one safetensors file.
 
     Checks everything that can be checked without reading tensor bytes: header length, JSON, dtypes,
-    shapes, that every tensor's byte count matches its shape, and that offsets lie inside the file
-    and neither overlap nor leave holes. Raises `FormatError` naming the file and the problem.
+    shapes, that every tensor's byte count matches its shape, that offsets lie inside the file and
+    neither overlap nor leave holes, and the header's own crc32 when it has one. Raises `FormatError`
+    naming the file and the problem. With ``fd`` (open on ``path``; left open) the header is read through
+    it, so that a reader that keeps ``fd`` for the data reads header and data from one file even if
+    ``path`` is replaced meanwhile.
     """
     path = Path(path)
+    own = fd is None
     try:
-        fd = os.open(path, os.O_RDONLY)
+        if own:
+            fd = os.open(path, os.O_RDONLY)
     except OSError as e:
         raise FormatError(path, f"cannot read: {e.strerror or e}") from None
+    assert fd is not None
     try:
         if hasattr(os, "posix_fadvise"):
             # No readahead: a buffered read of the header would also pull in the first tensors' bytes,
@@ -153,11 +171,51 @@ def read_header(path: str | os.PathLike[str]) -> FileHeader:
     except OSError as e:
         raise FormatError(path, f"cannot read: {e.strerror or e}") from None
     finally:
-        os.close(fd)
+        if own:
+            os.close(fd)
     header = parse_json(raw, path, "header")
     if not isinstance(header, dict):
         raise FormatError(path, "header is not a JSON object")
-    return _validate_header(path, header, 8 + n, file_size)
+    result = _validate_header(path, header, 8 + n, file_size)
+    check_seal(head, raw, HEADER_SEAL_PREFIX, result.metadata.get(META_HEADER_CRC), path, "header")
+    return result
+
+
+def _sealed_crc(head: bytes, body: bytes | memoryview, at: int) -> int:
+    """crc32 of ``head + body`` with the 8 digits at ``body[at:at + 8]`` taken as ``"00000000"``."""
+    view = memoryview(body)
+    crc = zlib.crc32(head)
+    crc = zlib.crc32(view[:at], crc)
+    crc = zlib.crc32(b"0" * _SEAL_DIGITS, crc)
+    return zlib.crc32(view[at + _SEAL_DIGITS:], crc)
+
+
+def seal(head: bytes, body: bytes, prefix: bytes) -> bytes:
+    """``body`` (a header's JSON text starting with ``prefix`` and 8 placeholder digits) with the digits set
+    to its crc32, computed over ``head + body`` with the digits as ``"00000000"`` (FORMAT.md). ``head`` is
+    the 8-byte length of a safetensors header, or ``b""`` for an index file."""
+    assert body.startswith(prefix), "a sealed header starts with its crc32 field"
+    at = len(prefix)
+    digits = f"{_sealed_crc(head, body, at):08x}".encode()
+    return body[:at] + digits + body[at + _SEAL_DIGITS:]
+
+
+def check_seal(head: bytes, body: bytes, prefix: bytes, recorded: str | None, path: object, what: str) -> None:
+    """Refuse a header (or index) whose crc32 field does not match its bytes: it was edited (or damaged)
+    after it was written. A header without the field (a version-1 file, another tool's file) passes."""
+    if recorded is None and not body.startswith(prefix):
+        return
+    fix = (f"it can change values (a learning rate, a step, a shape) without touching any tensor, so it is not"
+           f" used; convert the source again (fsdp-restore convert SRC {path} --force)")
+    if not body.startswith(prefix):
+        raise FormatError(path, f"{what} was modified after it was written (it was rewritten: its"
+                          f" '{META_HEADER_CRC}' field is no longer where the writer put it); {fix}")
+    at = len(prefix)
+    stored = bytes(body[at:at + _SEAL_DIGITS]).decode("ascii", "replace")
+    actual = f"{_sealed_crc(head, body, at):08x}"
+    if stored != actual or recorded != stored:
+        raise FormatError(path, f"{what} was modified after it was written, or is corrupt (its crc32 is {actual},"
+                          f" the recorded one {recorded if recorded is not None else stored}); {fix}")
 
 
 def parse_json(raw: bytes | str, path: object, what: str) -> Any:
@@ -224,14 +282,19 @@ def _validate_header(path: Path, header: dict[str, Any], data_start: int, file_s
 
 
 def build_header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str]) -> tuple[bytes, dict[str, int]]:
+                 metadata: dict[str, str], *, sealed: bool = True) -> tuple[bytes, dict[str, int]]:
     """Lay out tensors and serialise the header (8-byte length + JSON padded to 8 bytes).
 
     Tensors are placed in order of decreasing itemsize (stable within a size) so that every
     tensor's offset is a multiple of its itemsize, as safetensors' own writer does; the format
-    forbids padding holes. Returns the header bytes and each key's offset inside the data section.
+    forbids padding holes. With ``sealed`` (the default) the header's own crc32 goes first in its
+    metadata (`seal`); its length does not depend on any value's digits, so a writer can build the header
+    with placeholder checksums, then again with the real ones, and patch it in place. Returns the header
+    bytes and each key's offset inside the data section.
     """
     order = sorted(range(len(entries)), key=lambda i: -entries[i][1].itemsize)
+    if sealed:
+        metadata = {META_HEADER_CRC: "0" * _SEAL_DIGITS, **{k: v for k, v in metadata.items() if k != META_HEADER_CRC}}
     body: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offsets: dict[str, int] = {}
     cursor = 0
@@ -243,25 +306,38 @@ def build_header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
         cursor += nbytes
     text = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text, offsets
+    head = struct.pack("<Q", len(text))
+    return head + (seal(head, text, HEADER_SEAL_PREFIX) if sealed else text), offsets
 
 
-def read_index(path: Path) -> tuple[dict[str, Any], dict[str, Path]]:
-    """Read a Hugging Face style index json; returns (metadata, key -> shard path).
+def build_index(metadata: dict[str, str | int], weight_map: dict[str, str]) -> bytes:
+    """The bytes of a sharded checkpoint's index json (Hugging Face's layout, indented as it writes it),
+    sealed with its own crc32 first in its metadata (`seal`)."""
+    body = {"metadata": {META_HEADER_CRC: "0" * _SEAL_DIGITS,
+                         **{k: v for k, v in metadata.items() if k != META_HEADER_CRC}},
+            "weight_map": weight_map}
+    return seal(b"", json.dumps(body, indent=2).encode("utf-8"), INDEX_SEAL_PREFIX)
 
-    Shard names must stay inside the index's directory (no absolute paths, no ``..``).
+
+def read_index(path: Path, raw: bytes | None = None) -> tuple[dict[str, Any], dict[str, Path]]:
+    """Read a Hugging Face style index json (its bytes ``raw`` when the caller read them already, through
+    the descriptor it reads the shards' directory with); returns (metadata, key -> shard path).
+
+    Shard names must stay inside the index's directory (no absolute paths, no ``..``). An index we wrote
+    carries its own crc32, checked last (so that a broken index is reported for what is broken in it).
     """
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise FormatError(path, f"cannot read index: {e.strerror or e}") from None
+    if raw is None:
+        try:
+            raw = path.read_bytes()
+        except OSError as e:
+            raise FormatError(path, f"cannot read index: {e.strerror or e}") from None
     index = parse_json(raw, path, "index")
     if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
         raise FormatError(path, "index has no 'weight_map' object")
     metadata = index.get("metadata", {})
     if not isinstance(metadata, dict):
         raise FormatError(path, "index 'metadata' is not an object")
-    for key in (META_STRUCTURE, META_VERSION, META_SOURCE):
+    for key in (META_STRUCTURE, META_VERSION, META_SOURCE, META_HEADER_CRC, META_SET_ID):
         if key in metadata and not isinstance(metadata[key], str):
             raise FormatError(path, f"index metadata '{key}' is not a string")
     root = path.parent.resolve()
@@ -273,4 +349,47 @@ def read_index(path: Path) -> tuple[dict[str, Any], dict[str, Path]]:
         if shard.parent != root and root not in shard.parents:
             raise FormatError(path, f"key '{key}': shard {name!r} points outside the index's directory")
         weight_map[key] = shard
+    check_seal(b"", raw, INDEX_SEAL_PREFIX, metadata.get(META_HEADER_CRC), path, "index (the header of a sharded"
+               " checkpoint)")
     return metadata, weight_map
+
+
+# ---- what a path holds, by content (never by its name) ---------------------------------------------------------
+
+SAFETENSORS = "safetensors"
+TORCH_ZIP = "torch.save zip"
+TORCH_LEGACY = "torch.save legacy pickle"
+JSON_TEXT = "json"
+DIRECTORY = "directory"
+MISSING = "missing"
+UNKNOWN = "unknown"
+
+
+def sniff(head: bytes, file_size: int) -> str:
+    """What a file is from its first 9 bytes (and its size): a safetensors file (8-byte little-endian header
+    length that fits in the file, then ``{``), a ``torch.save`` file (a zip since torch 1.6; a pickle before),
+    JSON text (an index), or `UNKNOWN`."""
+    if len(head) >= 9 and head[8:9] == b"{" and 2 <= int.from_bytes(head[:8], "little") <= file_size - 8:
+        return SAFETENSORS
+    if head[:4] in (b"PK\x03\x04", b"PK\x05\x06"):
+        return TORCH_ZIP
+    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
+        return TORCH_LEGACY
+    if head.lstrip()[:1] == b"{":
+        return JSON_TEXT
+    return UNKNOWN
+
+
+def detect(path: str | os.PathLike[str]) -> str:
+    """What ``path`` holds, by content: `DIRECTORY`, `MISSING`, or what `sniff` says of a file. The one
+    detection every entry point uses (load, open_checkpoint and so inspect, verify and restore)."""
+    path = Path(path)
+    if path.is_dir():
+        return DIRECTORY
+    try:
+        with open(path, "rb") as f:
+            return sniff(f.read(9), os.fstat(f.fileno()).st_size)
+    except FileNotFoundError:
+        return MISSING
+    except OSError:
+        return UNKNOWN  # unreadable: the reader that opens it says why

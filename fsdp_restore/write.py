@@ -6,11 +6,19 @@ first). We know every shape and dtype before reading any data, so we write the h
 stream each tensor in bounded chunks (cast on the fly when asked) with ``os.pwrite`` at its final
 offset. Anonymous memory stays at ``threads x chunk`` whatever the model size. Checksums are not
 known until the data is written, so the header holds fixed-width placeholders that are patched in
-place at the end (crc32 hex is always 8 characters, so the header length never changes).
+place at the end (crc32 hex is always 8 characters, so the header length never changes); the header's
+own crc32 (`format.seal`) is patched with them.
+
+Replacing a checkpoint is atomic for readers and for a kill: the new version is written under a temporary
+name and put in place with one rename (a file over a file) or one exchange of the two names
+(``renameat2(RENAME_EXCHANGE)``, when a directory is involved); the old version then lies under the temporary
+name and is removed, by this run or, if it is killed first, by the next one (`remove_stale_temporaries`).
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import glob
 import json
 import os
@@ -27,8 +35,8 @@ from pathlib import Path
 import torch
 
 from .checksum import combine_segments, plan_segments
-from .format import (DEFAULT_INDEX_NAME, FORMAT_VERSION, META_CAST, META_CHECKSUMS, META_FORMAT, META_STRUCTURE,
-                     META_VERSION, build_header, torch_dtype_name)
+from .format import (DEFAULT_INDEX_NAME, FORMAT_VERSION, META_CAST, META_CHECKSUMS, META_FORMAT, META_SET_ID,
+                     META_STRUCTURE, META_VERSION, build_header, build_index, torch_dtype_name)
 
 CHUNK_BYTES = 16 * 1024 * 1024  # per-thread working set when casting or copying non-contiguous data
 _PLACEHOLDER = "0" * 8
@@ -213,9 +221,14 @@ class OutputFile:
 def file_layout(jobs: Sequence[TensorJob], *, structure_json: str | None, max_shard_size: int | None = None,
                 metadata: dict[str, str] | None = None) -> list[OutputFile]:
     """Which tensors go in which output file, with each file's metadata: one file (holding the structure),
-    or with ``max_shard_size`` the shards of a set (the structure then lives in the index, `index_bytes`)."""
+    or with ``max_shard_size`` the shards of a set (the structure then lives in the index, `index_bytes`).
+
+    A set id in ``metadata`` (``fsdp_restore.set_id``) goes into every shard (and `index_bytes` copies it into
+    the index), so that a reader can tell one write's set from a mix of two; `write_safetensors` draws a new
+    one per write (writers on several ranks must agree on one: broadcast it and pass it here)."""
     meta = {META_FORMAT: "pt", META_VERSION: FORMAT_VERSION, **(metadata or {})}
     if max_shard_size is None:
+        meta.pop(META_SET_ID, None)  # one file is one version by itself
         return [OutputFile("", list(jobs),
                            dict(meta, **({META_STRUCTURE: structure_json} if structure_json is not None else {})))]
     groups = split_into_shards(jobs, max_shard_size)
@@ -226,12 +239,14 @@ def file_layout(jobs: Sequence[TensorJob], *, structure_json: str | None, max_sh
 
 def index_bytes(files: Sequence[OutputFile], *, structure_json: str | None,
                 metadata: dict[str, str] | None = None) -> bytes:
-    """The ``model.safetensors.index.json`` of a sharded set laid out by `file_layout`."""
+    """The ``model.safetensors.index.json`` of a sharded set laid out by `file_layout`: its set id, and its
+    own crc32 first in its metadata (`format.build_index`)."""
     meta = {META_FORMAT: "pt", META_VERSION: FORMAT_VERSION, **(metadata or {})}
-    index = {"metadata": dict(meta, total_size=sum(j.nbytes for f in files for j in f.jobs),
-                              **({META_STRUCTURE: structure_json} if structure_json is not None else {})),
-             "weight_map": {j.key: f.name for f in files for j in f.jobs}}
-    return json.dumps(index, indent=2).encode()
+    if files and META_SET_ID in files[0].metadata:
+        meta[META_SET_ID] = files[0].metadata[META_SET_ID]
+    return build_index(dict(meta, total_size=sum(j.nbytes for f in files for j in f.jobs),
+                            **({META_STRUCTURE: structure_json} if structure_json is not None else {})),
+                       {j.key: f.name for f in files for j in f.jobs})
 
 
 def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *, structure_json: str | None,
@@ -240,9 +255,10 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
     """Write ``jobs`` to ``dst`` atomically: one file, or (with ``max_shard_size``) a directory of
     ``model-0000k-of-0000n.safetensors`` shards plus ``model.safetensors.index.json``.
 
-    Everything is written under a temporary name next to ``dst``, fsynced, then renamed; on any
-    error the temporaries are removed and ``dst`` is untouched. An existing ``dst`` is replaced only
-    with ``force=True``. ``metadata`` goes into every file's header (and the index).
+    Everything is written under a temporary name next to ``dst``, fsynced, then put in place in one step
+    (`_replace`); on any error the temporaries are removed and ``dst`` is untouched. An existing ``dst`` is
+    replaced only with ``force=True``. ``metadata`` goes into every file's header (and the index); the
+    shards of a set and its index also share a set id (`file_layout`).
     """
     dst = Path(dst)
     if dst.exists() and not force:
@@ -251,6 +267,8 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
     remove_stale_temporaries(dst)
     tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     sharded = max_shard_size is not None
+    if sharded:  # a new id per write, in every shard and the index (`file_layout`)
+        metadata = {**(metadata or {}), META_SET_ID: uuid.uuid4().hex}
     files = file_layout(jobs, structure_json=structure_json, max_shard_size=max_shard_size, metadata=metadata)
     groups, file_meta = [f.jobs for f in files], [f.metadata for f in files]
     names = [f.name for f in files] if sharded else [tmp.name]
@@ -294,13 +312,25 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
 
 
 def remove_stale_temporaries(dst: Path) -> list[Path]:
-    """Delete temporaries of ``dst`` left by writers that died (killed, power loss): their pid is gone."""
+    """Delete temporaries of ``dst`` left by writers that died (killed, power loss): their pid is gone.
+
+    They are a half-written new version, or an old version that a replacement moved aside and had not
+    removed yet. Should ``dst`` itself be missing (a writer died between the two renames of the fallback
+    in `_replace`), the old version it moved aside is put back instead of removed. Names of writers that
+    predate this scheme (``.NAME.old-*``) are handled the same way.
+    """
     removed = []
-    for tmp in dst.parent.glob(f".{glob.escape(dst.name)}.tmp-*"):
-        pid = tmp.name.rsplit(".tmp-", 1)[1].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
-            shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+    candidates = [(tmp, tmp.name.rsplit(".tmp-", 1)[1].split("-", 1)[0])
+                  for tmp in dst.parent.glob(f".{glob.escape(dst.name)}.tmp-*")]
+    candidates += [(old, "") for old in dst.parent.glob(f".{glob.escape(dst.name)}.old-*")]  # no pid: always stale
+    for tmp, pid in sorted(candidates, key=lambda c: "-old-" not in c[0].name):  # moved-aside old versions first
+        if pid.isdigit() and (int(pid) == os.getpid() or _pid_alive(int(pid))):
+            continue
+        if pid and "-old-" not in tmp.name or dst.exists() or dst.is_symlink():
+            shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() and not tmp.is_symlink() else tmp.unlink(missing_ok=True)
             removed.append(tmp)
+        else:  # the only copy of the old version: back under its name
+            os.rename(tmp, dst)
     return removed
 
 
@@ -321,16 +351,49 @@ def _write_small_file(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+_renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+
+
+def _exchange(a: Path, b: Path) -> None:
+    """Swap the names ``a`` and ``b`` in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``); an `OSError`
+    with ENOSYS, EINVAL or EOPNOTSUPP where the system or file system cannot."""
+    if _renameat2 is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not available")
+    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), str(a), None, str(b))
+
+
 def _replace(tmp: Path, dst: Path) -> None:
-    """Move the finished temporary into place; an old destination is removed only after."""
-    old = None
-    if dst.exists() or dst.is_symlink():
-        old = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}"
+    """Put the finished temporary ``tmp`` in place of ``dst`` in one step, then remove the old version.
+
+    A reader looking up ``dst`` finds the old version or the new one, never none, and a kill at any point
+    leaves one of them under ``dst``: a file replaces a file with one ``rename``; where a directory is
+    involved (``rename`` cannot replace a non-empty one) the two names are exchanged, and the old version,
+    now under the temporary name, is removed after (by the next run if this one is killed first). A
+    reader that opened the old version keeps reading it until it closes it (read.py opens each file once
+    and a set's shards through one directory descriptor). Where the exchange is not supported (not
+    Linux, some network file systems) the old version is first moved aside under a temporary name: for a
+    moment ``dst`` is missing (readers get "no such file"), and a kill then leaves it for the next run to
+    put back."""
+    directory = tmp.is_dir() or (dst.is_dir() and not dst.is_symlink())
+    if not (dst.exists() or dst.is_symlink()) or not directory:
+        os.replace(tmp, dst)  # atomic; over nothing, a file or a symlink
+        _fsync_dir(dst.parent)
+        return
+    try:
+        _exchange(tmp, dst)
+        old = tmp
+    except OSError as e:
+        if e.errno not in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+        old = dst.parent / f".{dst.name}.tmp-{os.getpid()}-old-{uuid.uuid4().hex[:8]}"
         os.rename(dst, old)
-    os.rename(tmp, dst)
+        os.rename(tmp, dst)
     _fsync_dir(dst.parent)
-    if old is not None:
-        shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+    shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
 
 
 def _fsync_dir(path: Path) -> None:

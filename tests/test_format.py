@@ -70,3 +70,67 @@ def test_crafted_header_is_a_format_error(tmp_path, name, text, message):
     with pytest.raises(FormatError, match=message) as info:
         read_header(path)
     assert str(path) in str(info.value)
+
+
+# ---- the header's own checksum (issue 20, item 2) ------------------------------------------------------------
+
+
+def _convert(tmp_path, sharded=False):
+    """A small training checkpoint converted by convert: lr 0.001 and step 12345 live only in the header."""
+    import torch
+
+    import fsdp_restore
+
+    src = tmp_path / "run.pt"
+    torch.save({"model": {"w": torch.arange(6.0).view(2, 3)},
+                "optim": {"param_groups": [{"lr": 0.001, "params": [0]}]}, "step": 12345}, src)
+    dst = tmp_path / ("run_dir" if sharded else "run.safetensors")
+    fsdp_restore.convert(src, dst, max_shard_size=8 if sharded else None)
+    return src, dst
+
+
+def _edit(path, old: bytes, new: bytes) -> None:
+    """Overwrite bytes in place (same length, so every offset stays valid), as a hex editor would."""
+    data = path.read_bytes()
+    assert old in data and len(old) == len(new)
+    path.write_bytes(data.replace(old, new, 1))
+
+
+@pytest.mark.parametrize("old, new", [(b"0.001", b"0.000"), (b"12345", b"12344"),
+                                      (b'"shape":[2,3]', b'"shape":[3,2]')], ids=["lr", "step", "shape"])
+def test_a_modified_header_is_refused_by_verify_and_readers(tmp_path, old, new):
+    import torch
+
+    import fsdp_restore
+
+    src, dst = _convert(tmp_path)
+    assert fsdp_restore.load(dst)["optim"]["param_groups"][0]["lr"] == torch.load(src)["optim"]["param_groups"][0]["lr"]
+    _edit(dst, old, new)
+    report = fsdp_restore.verify(dst)
+    assert not report.ok and report.exit_code != 0
+    assert any("header" in what and "modified" in what for _, what in report.problems), report.problems
+    for reader in (fsdp_restore.load, fsdp_restore.inspect_checkpoint, fsdp_restore.open_checkpoint):
+        with pytest.raises(FormatError, match=r"run\.safetensors.*header.*modified.*convert"):
+            reader(dst)
+
+
+def test_a_modified_index_is_refused(tmp_path):
+    import fsdp_restore
+
+    _, dst = _convert(tmp_path, sharded=True)
+    _edit(dst / "model.safetensors.index.json", b"0.001", b"0.000")
+    with pytest.raises(FormatError, match=r"index\.json.*header.*modified.*convert"):
+        fsdp_restore.load(dst)
+    assert not fsdp_restore.verify(dst).ok
+
+
+def test_files_without_a_header_checksum_still_open(tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    import fsdp_restore
+
+    path = tmp_path / "hf.safetensors"
+    save_file({"a": torch.ones(3), "b": torch.arange(4)}, path, metadata={"format": "pt"})
+    got, expected = fsdp_restore.load(path), load_file(path)
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
