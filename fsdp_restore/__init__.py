@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import os
 import warnings
+from pathlib import Path
 from typing import Any
 
 from .convert import ConvertReport, convert, load_pt, save
 from .errors import (FormatError, FsdpRestoreError, RestoreError, SaveError, UnsafePickleError,
                      UnsupportedObjectError, VerifyError)
 from .flatten import flatten, unflatten
-from .read import Checkpoint, find_safetensors_for, open_checkpoint, stale_sibling
+from .provenance import mismatch
+from .read import Checkpoint, find_safetensors_for, open_checkpoint, stale_sibling  # noqa: F401
 from .buffers import init_non_persistent_buffers
 from .key_map import KeyMap
 from .plan import RestoreReport
@@ -27,25 +29,26 @@ __version__ = "0.1.0"
 def load(path: str | os.PathLike[str], *, mmap: bool = True, trust_pickle: bool = False) -> Any:
     """Load a checkpoint as the nested object it was saved as.
 
-    Our safetensors files (or sharded directories) come back with memory-mapped tensors: nothing
-    is read until used; ``mmap=False`` reads every tensor eagerly with large positional reads
-    (for network filesystems). Given ``x.pt``, a sibling ``x.safetensors`` (file or directory) is
-    used when one exists and was converted from ``x.pt`` as it is now, as OLMo does; otherwise the
-    ``.pt`` is loaded safely (see `load_pt`), with a warning when a sibling exists but is stale.
+    What ``path`` is, is decided by its content, whatever its name (`find_safetensors_for`). Our
+    safetensors files (or sharded directories) come back with memory-mapped tensors: nothing is read until
+    used; ``mmap=False`` reads every tensor eagerly with large positional reads (for network filesystems).
+    Structure and tensors come from one opening of each file, so a checkpoint replaced meanwhile is read
+    whole as one version. Given a ``torch.save`` file ``x.pt``, a sibling ``x.safetensors`` (file or
+    directory) is used when one exists and was converted from ``x.pt`` as it is now, as OLMo does;
+    otherwise the ``.pt`` is loaded safely (see `load_pt`), with a warning when a sibling exists but is stale.
     """
-    stale = stale_sibling(path)
-    if stale is not None:
-        warnings.warn(f"{stale[0]} was not converted from {path} as it is now ({stale[1]}): loading {path} instead;"
-                      f" convert it again to use the fast path: fsdp-restore convert {path} {stale[0]} --force",
-                      stacklevel=2)
+    found = find_safetensors_for(path)
+    if found is None:
         return load_pt(path, trust_pickle=trust_pickle)
-    sibling = find_safetensors_for(path)
-    if sibling is not None:  # checked above: open it directly, not through x.pt again
-        if mmap:
-            return Checkpoint(sibling).load()
-        with Checkpoint(sibling) as ckpt:
-            return ckpt.load(mmap=False)
-    return load_pt(path, trust_pickle=trust_pickle)
+    with Checkpoint(found) as ckpt:  # opened directly (not through x.pt): a stale sibling is a warning here
+        if found != Path(path) and Path(path).is_file():
+            why = mismatch(ckpt.source, path, found)  # the source recorded in the header just opened
+            if why:
+                warnings.warn(f"{found} was not converted from {path} as it is now ({why}): loading {path} instead;"
+                              f" convert it again to use the fast path: fsdp-restore convert {path} {found} --force",
+                              stacklevel=2)
+                return load_pt(path, trust_pickle=trust_pickle)
+        return ckpt.load(mmap=mmap)  # mapped tensors outlive the descriptors closed on return
 
 
 __all__ = [

@@ -1,8 +1,14 @@
 """Open checkpoints for reading: lazily (memory-mapped, for `load`) or by exact byte ranges (for restore).
 
-`open_checkpoint` accepts a ``.safetensors`` file, a sharded directory or its index json, and a
-``.pt`` path that has a ``.safetensors`` sibling (file or directory), as OLMo does. Files we did not
-write (a Hugging Face ``model.safetensors`` or sharded directory) open too, as a flat dict.
+`open_checkpoint` accepts a safetensors file (recognised by its content, whatever its name), a sharded
+directory or its index json, and a ``torch.save`` file that has a ``.safetensors`` sibling (file or
+directory), as OLMo does. Files we did not write (a Hugging Face ``model.safetensors`` or sharded
+directory) open too, as a flat dict.
+
+A `Checkpoint` opens each file once and reads its header and its data through that one descriptor (the
+memory-mapped `load` path included), and a sharded set's index and shards through one descriptor of their
+directory: a checkpoint replaced while it is read (write.py replaces by rename) is seen whole, as the
+version that was opened, never as one version's header with another's tensors.
 
 The restore path reads with ``os.preadv`` straight into the destination buffer, at offsets computed
 from the header. We measured `safe_open(...).get_slice(name)[rows]` over-reading ~15x on a cold
@@ -23,12 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-
 from .errors import FormatError
 from .flatten import flat_structure, unflatten, validate_structure
-from .format import (DEFAULT_INDEX_NAME, INDEX_SUFFIX, META_CAST, META_CHECKSUMS, META_SOURCE, META_STRUCTURE,
-                     FileHeader, TensorEntry, parse_json, read_header, read_index)
+from .format import (DEFAULT_INDEX_NAME, INDEX_SUFFIX, META_CAST, META_CHECKSUMS, META_SET_ID, META_SOURCE,
+                     META_STRUCTURE, SAFETENSORS, TORCH_LEGACY, TORCH_ZIP, FileHeader, TensorEntry, detect,
+                     parse_json, read_header, read_index)
 from .provenance import mismatch
 
 PT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
@@ -40,28 +45,30 @@ IOV_MAX = 1024  # buffers one preadv takes (Linux)
 
 
 def find_safetensors_for(path: str | os.PathLike[str]) -> Path | None:
-    """The checkpoint that ``path`` names in our format, or None when it is only a ``.pt`` file.
+    """The checkpoint that ``path`` names in our format, or None when it is only a ``torch.save`` file.
 
-    ``x.safetensors`` / a directory / an index json name themselves; ``x.pt`` names a sibling
-    ``x.safetensors`` (file or sharded directory) when one exists.
+    Decided by content (`format.detect`), never by the name: a safetensors file names itself whatever
+    its suffix (``out``, ``pytorch_model.bin``); a directory or an index json names itself; a ``torch.save``
+    file (zip or legacy pickle) names its sibling ``x.safetensors`` (file or sharded directory) when one
+    exists. A missing path with a ``.pt``-like suffix names its sibling too; any other path names itself,
+    so that the reader says precisely what is wrong with it.
     """
     path = Path(path)
-    if path.suffix in PT_SUFFIXES or (path.is_file() and not path.name.endswith((".safetensors", ".json"))):
+    if path.name.endswith(".json"):
+        return path
+    kind = detect(path)
+    if kind == SAFETENSORS or path.is_dir():
+        return path
+    if kind in (TORCH_ZIP, TORCH_LEGACY) or path.suffix in PT_SUFFIXES:
         sibling = path.with_suffix(".safetensors")
-        return sibling if sibling.exists() else None
+        return sibling if sibling != path and sibling.exists() else None
     return path
 
 
 def recorded_source(checkpoint: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The source identity a conversion recorded (metadata ``fsdp_restore.source``), or None."""
-    index, files = _resolve_files(Path(checkpoint))
-    raw = read_index(index)[0].get(META_SOURCE) if index is not None else read_header(files[0]).metadata.get(META_SOURCE)
-    if raw is None:
-        return None
-    value = parse_json(raw, index or files[0], f"metadata '{META_SOURCE}'")
-    if not isinstance(value, dict):
-        raise FormatError(index or files[0], f"metadata '{META_SOURCE}' is not a JSON object")
-    return value
+    with Checkpoint(checkpoint) as ckpt:
+        return ckpt.source
 
 
 def stale_sibling(path: str | os.PathLike[str]) -> tuple[Path, str] | None:
@@ -109,34 +116,113 @@ class Checkpoint:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         resolved = find_safetensors_for(path)
         if resolved is None:
-            raise FormatError(path, "not a safetensors checkpoint and no .safetensors sibling exists;"
-                              " convert it first: fsdp-restore convert SRC DST")
+            kind = detect(path)
+            what = f"is a {kind} file, not" if kind in (TORCH_ZIP, TORCH_LEGACY) else "is not"
+            raise FormatError(path, f"{what} a safetensors checkpoint, and no {Path(path).with_suffix('.safetensors').name}"
+                              f" sibling exists; convert it first: fsdp-restore convert {path} DST")
         self.path = resolved
-        self.index_path, files = _resolve_files(resolved)
+        self.bytes_read = 0
+        self._lock = threading.Lock()
+        self._fds: dict[Path, int] = {}  # one descriptor per file, opened here, used for header and data
+        self._inodes: dict[Path, tuple[int, int]] = {}  # (st_dev, st_ino) of each file as opened
+        self._maps: dict[Path, mmap.mmap] = {}
         self.headers: dict[Path, FileHeader] = {}
+        for attempt in range(_OPEN_ATTEMPTS):
+            try:
+                structure_json, metadata, weight_map = self._open_files(resolved)
+                break
+            except _Replaced:
+                self.close()
+                if attempt == _OPEN_ATTEMPTS - 1:
+                    raise FormatError(resolved, f"was replaced while it was being opened, {_OPEN_ATTEMPTS} times in a"
+                                      " row (another process writing it again and again?); open it again once"
+                                      " the writer is done") from None
+            except BaseException:
+                self.close()
+                raise
+        try:
+            self._index(resolved, path, structure_json, metadata, weight_map)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_files(self, resolved: Path) -> tuple[str | None, dict[str, Any], dict[str, Path]]:
+        """Open every file of the checkpoint once and read its header through that descriptor: a single
+        file by its path; a sharded set's index and shards through one descriptor of their directory, so
+        that all come from one version of the directory even if it is replaced meanwhile (write.py
+        exchanges the names). Raises `_Replaced` when that old version is deleted before every file is
+        open (the caller opens the new one)."""
+        self.headers = {}
+        index_path, files = _resolve_files(resolved)
+        self.index_path = index_path
+        metadata: dict[str, Any] = {}
+        weight_map: dict[str, Path] = {}
+        if index_path is None:
+            _raise_fd_limit(len(files))
+            for file in files:
+                fd = _open_file(file)
+                self._keep(file, fd)
+                self.headers[file] = read_header(file, fd)
+            return (self.headers[files[0]].metadata.get(META_STRUCTURE) if files else None), metadata, weight_map
+        directory = index_path.parent
+        try:
+            dir_fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except OSError as e:
+            raise FormatError(directory, f"cannot read: {e.strerror or e}") from None
+        try:
+            try:
+                index_fd = os.open(index_path.name, os.O_RDONLY, dir_fd=dir_fd)
+            except FileNotFoundError:
+                _gone(directory, dir_fd, index_path, "the index")
+            try:
+                raw = _read_all(index_fd)
+            finally:
+                os.close(index_fd)
+            metadata, weight_map = read_index(index_path, raw)
+            root = directory.resolve()
+            files = sorted(set(weight_map.values()))
+            _raise_fd_limit(len(files))
+            for shard in files:
+                try:
+                    fd = os.open(shard.relative_to(root), os.O_RDONLY, dir_fd=dir_fd)
+                except FileNotFoundError:
+                    _gone(directory, dir_fd, index_path, f"shard {shard.name} named in the weight_map is missing")
+                except OSError as e:
+                    raise FormatError(shard, f"cannot read: {e.strerror or e}") from None
+                self._keep(shard, fd)
+                self.headers[shard] = read_header(shard, fd)
+        finally:
+            os.close(dir_fd)
+        set_id = metadata.get(META_SET_ID)
+        for shard, header in self.headers.items():
+            if set_id is not None and header.metadata.get(META_SET_ID) != set_id:
+                raise FormatError(shard, f"belongs to another write than {index_path.name} (set id"
+                                  f" {header.metadata.get(META_SET_ID)}, the index's {set_id}): the directory mixes"
+                                  " files of two versions of the checkpoint (copied or replaced file by file?); write"
+                                  " it again as a whole: fsdp-restore convert SRC DIR --force")
+        return metadata.get(META_STRUCTURE), metadata, weight_map
+
+    def _keep(self, file: Path, fd: int) -> None:
+        """Hold ``fd`` as the one descriptor of ``file`` (header and data reads) for this checkpoint's life."""
+        if hasattr(os, "posix_fadvise"):
+            # No readahead past what we ask for: each rank wants only its own slice.
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        st = os.fstat(fd)
+        self._fds[file] = fd
+        self._inodes[file] = (st.st_dev, st.st_ino)
+
+    def _index(self, resolved: Path, path: str | os.PathLike[str], structure_json: str | None,
+               metadata: dict[str, Any], weight_map: dict[str, Path]) -> None:
+        """Index the opened files' tensors, checksums and casts, and decode the structure."""
         self.entries: dict[str, TensorEntry] = {}
         self.checksums: dict[str, str] = {}
         self.cast: dict[str, str] = {}
         self.source: dict[str, Any] | None = None  # the converted .pt's identity (provenance.py), if recorded
-        structure_json: str | None = None
-        metadata: dict[str, Any] = {}
-        if self.index_path is not None:
-            metadata, weight_map = read_index(self.index_path)
-            structure_json = metadata.get(META_STRUCTURE)
-            files = sorted(set(weight_map.values()))
-            for shard in files:
-                if not shard.exists():
-                    raise FormatError(self.index_path, f"shard {shard.name} named in the weight_map is missing")
-        else:
-            weight_map = {}
+        files = list(self.headers)
         source_json = metadata.get(META_SOURCE) if self.index_path is not None else None
-        for file in files:
-            header = read_header(file)
-            self.headers[file] = header
+        for file, header in self.headers.items():
             if source_json is None and self.index_path is None:
                 source_json = header.metadata.get(META_SOURCE)
-            if structure_json is None and self.index_path is None:
-                structure_json = header.metadata.get(META_STRUCTURE)
             self.checksums.update(_json_meta(header, META_CHECKSUMS))
             self.cast.update(_json_meta(header, META_CAST))
             for key, entry in header.entries.items():
@@ -164,10 +250,6 @@ class Checkpoint:
             where = self.index_path or files[0]
             self.structure = parse_json(structure_json, where, "structure metadata")
             validate_structure(self.structure, where, self.entries)
-        self.bytes_read = 0
-        self._lock = threading.Lock()
-        self._fds: dict[Path, int] = {}
-        self._lazy: dict[Path, Any] = {}
 
     # -- lazy, memory-mapped access (the `load` API) -------------------------------------------
 
@@ -175,12 +257,25 @@ class Checkpoint:
         return list(self.entries)
 
     def get_tensor(self, key: str) -> torch.Tensor:
-        """The whole tensor, memory-mapped through ``safe_open`` (pages are read when touched)."""
+        """The whole tensor, memory-mapped (pages are read when touched) from the descriptor the header was
+        read through: one mapping per file, no system call per tensor. The mapping is private (copy on
+        write, as ``torch.load(mmap=True)`` and ``safe_open`` map): changing the tensor never changes the
+        file. A tensor whose offset is not a multiple of its itemsize (other writers) is read instead."""
         entry = self._entry(key)
-        handle = self._lazy.get(entry.file)
-        if handle is None:
-            handle = self._lazy[entry.file] = safe_open(str(entry.file), framework="pt")
-        return handle.get_tensor(key)
+        if entry.nbytes == 0 or entry.offset % entry.itemsize:
+            return self.read_tensor(key)
+        mapped = self._maps.get(entry.file)
+        if mapped is None:
+            fd = self._fd(entry.file)  # outside the lock: it may take it
+            with self._lock:
+                mapped = self._maps.get(entry.file)
+                if mapped is None:
+                    # private and writable: torch.frombuffer warns on read-only memory; copy on write keeps
+                    # the file unchanged whatever the caller does with the tensor
+                    mapped = self._maps[entry.file] = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE,
+                                                                prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        flat = torch.frombuffer(mapped, dtype=entry.dtype, count=entry.numel, offset=entry.offset)
+        return flat.view(entry.shape)
 
     def tensors(self, *, exact: bool = False) -> Mapping[str, torch.Tensor]:
         """A ``{key: tensor}`` mapping over every tensor: memory-mapped (lazy), or with ``exact`` read on
@@ -209,16 +304,20 @@ class Checkpoint:
     # -- exact byte-range reads (the restore path) ---------------------------------------------
 
     def _fd(self, file: Path) -> int:
+        """The descriptor the header of ``file`` was read through. After `close`, the file is opened again,
+        and refused if it is not the file that was opened first (replaced since)."""
         fd = self._fds.get(file)
         if fd is None:
             with self._lock:
                 fd = self._fds.get(file)
                 if fd is None:
-                    fd = os.open(file, os.O_RDONLY)
-                    if hasattr(os, "posix_fadvise"):
-                        # No readahead past what we ask for: each rank wants only its own slice.
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-                    self._fds[file] = fd
+                    fd = _open_file(file)
+                    st = os.fstat(fd)
+                    if (st.st_dev, st.st_ino) != self._inodes.get(file):
+                        os.close(fd)
+                        raise FormatError(file, "was replaced since this checkpoint was opened (and closed); open"
+                                          " the checkpoint again")
+                    self._keep(file, fd)
         return fd
 
     def read_range(self, key: str, elem_start: int, dest: torch.Tensor) -> None:
@@ -319,10 +418,15 @@ class Checkpoint:
         return aliases
 
     def close(self) -> None:
-        for fd in self._fds.values():
+        """Close the descriptors. Tensors already mapped stay valid (their mapping outlives them)."""
+        fds = getattr(self, "_fds", {})
+        for fd in fds.values():
             os.close(fd)
-        self._fds.clear()
-        self._lazy.clear()
+        fds.clear()
+        getattr(self, "_maps", {}).clear()  # not mmap.close(): tensors may still use the memory
+
+    def __del__(self) -> None:
+        self.close()
 
     def __enter__(self) -> Checkpoint:
         return self
@@ -332,6 +436,58 @@ class Checkpoint:
 
     def __repr__(self) -> str:
         return f"Checkpoint({str(self.path)!r}, {len(self.entries)} tensors, {len(self.headers)} file(s))"
+
+
+_OPEN_ATTEMPTS = 3
+
+
+class _Replaced(Exception):
+    """The version of a sharded set being opened was deleted before all of its files were open."""
+
+
+def _open_file(file: Path) -> int:
+    try:
+        return os.open(file, os.O_RDONLY)
+    except FileNotFoundError:
+        raise FormatError(file, "no such file or directory") from None
+    except OSError as e:
+        raise FormatError(file, f"cannot read: {e.strerror or e}") from None
+
+
+def _gone(directory: Path, dir_fd: int, index_path: Path, what: str) -> None:
+    """A file of a sharded set is missing: `_Replaced` when the directory we hold is no longer the one at
+    its path (replaced, and its old version being deleted: open the new one), else a `FormatError`."""
+    held = os.fstat(dir_fd)
+    try:
+        now = os.stat(directory)
+        replaced = (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino)
+    except FileNotFoundError:
+        replaced = True
+    if replaced or held.st_nlink == 0:
+        raise _Replaced(directory)
+    raise FormatError(index_path, what)
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 1 << 20):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _raise_fd_limit(files: int) -> None:
+    """A checkpoint keeps one descriptor per file open: raise the soft limit (up to the hard one) for a
+    set of many shards rather than fail with EMFILE halfway."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = files + 256
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        if new > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
 
 
 def _pread_into(fd: int, views: list[memoryview], offset: int, file: Path, keys: list[str]) -> None:

@@ -95,3 +95,52 @@ def test_a_file_that_ends_early_names_the_tensor(stored, tmp_path):
             ckpt.read_range("c", 0, torch.empty(40 * 9000))
         with pytest.raises(FormatError, match=r"tensor 'c': file ends"):  # a scattering read, two parts
             ckpt.read_contiguous([("c", 0, torch.empty(10)), ("c", 10, torch.empty(100))])
+
+
+# ---- files are recognised by their content, not their name (issue 20, item 4) ---------------------------------
+
+
+def _same(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert type(a[k]) is type(b[k]) and (torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k])
+
+
+def test_a_checkpoint_without_a_suffix_is_read_as_one(tmp_path):
+    import fsdp_restore
+
+    src = tmp_path / "run.pt"
+    torch.save({"w": torch.randn(4, 5), "step": 7}, src)
+    out = tmp_path / "out"  # what `fsdp-restore convert ds_dir out` writes
+    fsdp_restore.convert(src, out)
+    _same(fsdp_restore.load(out), torch.load(src))
+    _same(fsdp_restore.load(out, mmap=False), torch.load(src))
+    assert fsdp_restore.inspect_checkpoint(out)["tensors"] == 1
+    assert fsdp_restore.verify(out).ok
+    with fsdp_restore.open_checkpoint(out) as ckpt:
+        assert ckpt.path == out
+
+
+def test_a_safetensors_file_named_bin_is_read_as_safetensors(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    import fsdp_restore
+
+    path = tmp_path / "pytorch_model.bin"
+    save_file({"a": torch.randn(3, 2), "b": torch.arange(5)}, path)
+    _same(fsdp_restore.load(path), load_file(path))
+    assert fsdp_restore.inspect_checkpoint(path)["tensors"] == 2
+    with fsdp_restore.open_checkpoint(path) as ckpt:
+        assert torch.equal(ckpt.read_tensor("a"), load_file(path)["a"])
+
+
+def test_a_torch_file_named_safetensors_is_named_for_what_it_is(tmp_path):
+    import fsdp_restore
+    from fsdp_restore import FormatError
+
+    path = tmp_path / "model.safetensors"
+    torch.save({"a": torch.ones(2)}, path)
+    with pytest.raises(FormatError, match=r"model\.safetensors.*torch\.save.*fsdp-restore convert"):
+        fsdp_restore.open_checkpoint(path)
+    with pytest.raises(FormatError, match=r"model\.safetensors.*torch\.save.*fsdp-restore convert"):
+        fsdp_restore.inspect_checkpoint(path)

@@ -1,0 +1,175 @@
+"""Replacing a checkpoint is atomic for its readers (issue 20, item 3): a reader sees one version whole
+(header and data through one open, a sharded set through one directory), never a mix; a writer killed
+while replacing leaves the old or the new checkpoint under the final name, and nothing the next run keeps."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import fsdp_restore
+from fsdp_restore.convert import save
+from fsdp_restore import FormatError
+from fsdp_restore.read import Checkpoint
+
+
+def _version(i: int) -> dict:
+    """Version ``i``: its number in the structure (the header) and in every tensor (the data)."""
+    return {"step": i, "a": torch.full((64, 256), float(i)), "b": torch.full((300,), i, dtype=torch.int64),
+            "c": torch.full((50, 50), float(i), dtype=torch.bfloat16)}
+
+
+def _consistent(obj: dict) -> bool:
+    return all(bool((obj[k] == obj["step"]).all()) for k in ("a", "b", "c"))
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["file", "sharded"])
+def test_readers_never_see_a_mix_while_a_writer_replaces(tmp_path, sharded):
+    dst = tmp_path / ("ck" if sharded else "ck.safetensors")
+    shard = 60_000 if sharded else None  # one tensor per shard
+    save(_version(0), dst, max_shard_size=shard)
+    stop, failures, errors = threading.Event(), [], []
+
+    def write() -> None:
+        i = 0
+        while not stop.is_set():
+            i += 1
+            try:
+                save(_version(i % 2), dst, max_shard_size=shard, threads=1)
+            except BaseException as e:  # noqa: BLE001 - reported by the test
+                errors.append(f"writer: {e!r}")
+                return
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    loads = 0
+    deadline = time.monotonic() + 3
+    try:
+        while time.monotonic() < deadline and not errors:
+            try:
+                obj = fsdp_restore.load(dst, mmap=loads % 2 == 0)
+                if not _consistent(obj):
+                    failures.append({k: (v if k == "step" else float(v.float().mean())) for k, v in obj.items()})
+                if loads % 5 == 0:
+                    report = fsdp_restore.verify(dst, threads=1)
+                    if not report.ok:
+                        failures.append(report.problems)
+            except FormatError as e:
+                # a sharded set may be removed under a reader that had not opened every shard yet: that
+                # is a clear error, never a mix; a single file is replaced in one rename: no error at all
+                if not (sharded and "replaced" in str(e)):
+                    failures.append(str(e))
+            loads += 1
+    finally:
+        stop.set()
+        writer.join()
+    assert not errors, errors
+    assert not failures, failures[:3]
+    assert loads > 10
+
+
+def _model(value: float) -> nn.Module:
+    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(value)
+    return model
+
+
+def test_sharded_set_replaced_mid_restore_is_one_version_or_an_error(tmp_path):
+    dst = tmp_path / "ck"
+    save({"model": _model(1.0).state_dict()}, dst, max_shard_size=4500)  # a shard per weight
+    ckpt = Checkpoint(dst)
+    assert len(ckpt.headers) > 3
+    replaced = []
+    read_contiguous = ckpt.read_contiguous
+
+    def read_then_replace(parts):
+        read_contiguous(parts)
+        if not replaced:  # the first read done: a writer replaces the whole directory now
+            save({"model": _model(2.0).state_dict()}, dst, max_shard_size=4500)
+            replaced.append(True)
+
+    ckpt.read_contiguous = read_then_replace
+    model = _model(0.0)
+    try:
+        fsdp_restore.restore_model(model, ckpt, threads=1)  # reads in order: some before, some after
+    except fsdp_restore.FsdpRestoreError as e:
+        assert "replaced" in str(e)
+    else:
+        values = {float(v) for p in model.parameters() for v in p.detach().unique()}
+        assert values in ({1.0}, {2.0}), values
+    finally:
+        ckpt.close()
+    assert replaced
+
+
+# A writer paused right after its n-th rename (or at the end of writing, n = 0), then killed with SIGKILL.
+_PAUSING_WRITER = """
+import os, sys, time
+import fsdp_restore, fsdp_restore.write as w
+import torch
+n, calls = int(sys.argv[3]), [0]
+def pause():
+    print("paused", flush=True)
+    time.sleep(120)
+def pausing(orig):
+    def call(*a, **k):
+        out = orig(*a, **k)
+        calls[0] += 1
+        if calls[0] == n:
+            pause()
+        return out
+    return call
+os.rename, os.replace = pausing(os.rename), pausing(os.replace)
+if hasattr(w, "_exchange"):
+    w._exchange = pausing(w._exchange)
+if n == 0:
+    finish = w._FileWriter.finish
+    w._FileWriter.finish = lambda self: (pause(), finish(self))
+fsdp_restore.convert(sys.argv[1], sys.argv[2], force=True, threads=1,
+                     max_shard_size=int(sys.argv[4]) if sys.argv[4] != "0" else None)
+print("done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["file", "sharded"])
+@pytest.mark.parametrize("when", [0, 1, 2], ids=["writing", "after-rename-1", "after-rename-2"])
+def test_a_writer_killed_while_replacing_leaves_old_or_new(tmp_path, sharded, when):
+    old, new = tmp_path / "old.pt", tmp_path / "new.pt"
+    torch.save(_version(1), old)
+    torch.save(_version(2), new)
+    dst = tmp_path / ("ck" if sharded else "ck.safetensors")
+    shard = "60000" if sharded else "0"
+    fsdp_restore.convert(old, dst, max_shard_size=int(shard) if sharded else None)
+    proc = subprocess.Popen([sys.executable, "-c", _PAUSING_WRITER, str(new), str(dst), str(when), shard],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    proc.kill()
+    _, err = proc.communicate()
+    assert line in ("paused\n", "done\n"), err
+    obj = fsdp_restore.load(dst)  # under the final name: one version whole
+    assert _consistent(obj) and obj["step"] in (1, 2)
+    assert fsdp_restore.verify(dst, against=old if obj["step"] == 1 else new).ok
+    fsdp_restore.convert(new, dst, force=True, max_shard_size=int(shard) if sharded else None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["old.pt", "new.pt", dst.name])  # no orphan
+    assert fsdp_restore.load(dst)["step"] == 2
+
+
+def test_a_shard_of_another_write_is_refused(tmp_path):
+    """Shards copied over file by file (not by our writer): the set id tells the mix apart, even where every
+    layout and checksum agrees."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    save(_version(1), one, max_shard_size=60_000)
+    save(_version(2), two, max_shard_size=60_000)
+    shard = "model-00002-of-00002.safetensors"
+    (one / shard).write_bytes((two / shard).read_bytes())
+    with pytest.raises(FormatError, match=rf"{shard}.*another write.*convert"):
+        fsdp_restore.load(one)
+    assert not fsdp_restore.verify(one).ok
