@@ -395,16 +395,21 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
             problems = new_problems()
             payload: bytes | None = None
             size: int | None = None
+            schema: dict[str, list[tuple]] | None = None
+            remote_state = None
             with problems.guard():
                 size = _check_arguments(model, path, optimizer, extra, process_group, max_shard_size, thread_count)
                 if rank == 0:
                     dst0 = Path(path)
                     payload = pickle.dumps((extra, f".{dst0.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"))
-            if world > 1:
-                box = [payload]
-                src = dist.get_global_rank(group, 0) if group is not None else 0
-                dist.broadcast_object_list(box, src=src, group=group, device=_device(group))
-                payload = box[0]
+                if optimizer is not None and world > 1 and save_plan.needs_state_schema(model):
+                    schema = save_plan.state_schema(model, optimizer)
+            if world > 1:  # one exchange, whatever happened above: rank 0's payload, and state schemas if any
+                sent: list[Any] = [None] * world
+                dist.all_gather_object(sent, (payload, schema), group=group)
+                payload = sent[0][0]
+                if any(s is not None for _, s in sent):
+                    remote_state = save_plan.merge_schemas([s for _, s in sent])
             # -- phase 1: plan, agree on the header and on the coverage --------------------------------------------
             coverage: dict[str, tuple[int, int]] = {}
             with problems.guard():
@@ -420,7 +425,7 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
                 plan = save_plan.build_write_plan(model, optimizer=optimizer,
                                                   extra=extra if rank == 0 else sent_extra,
                                                   weights_only=weights_only, rank=rank, world=world,
-                                                  max_shard_size=size)
+                                                  max_shard_size=size, remote_state=remote_state)
                 coverage = plan.coverage(rank)
                 coverage.update(_header_terms(plan, rank, world))
                 if rank == 0:

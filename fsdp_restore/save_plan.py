@@ -246,9 +246,10 @@ class _Shaped:
 
 @dataclass
 class _Whole:
-    """A stored tensor written whole by rank 0 from its own memory."""
+    """A stored tensor written whole by one rank (``owner``) from its own memory."""
 
-    value: torch.Tensor
+    value: torch.Tensor | None  # None on ranks that are not its owner and do not hold it
+    owner: int = 0
 
 
 def _never(first: int, count: int) -> torch.Tensor:  # stand-ins are never read: each rank writes its pieces
@@ -256,9 +257,12 @@ def _never(first: int, count: int) -> torch.Tensor:  # stand-ins are never read:
 
 
 def build_write_plan(model: nn.Module, *, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any] | None,
-                     weights_only: bool, rank: int, world: int, max_shard_size: int | None) -> WritePlan:
-    """This rank's write plan (see the module docstring). Raises `FsdpRestoreError` for a layout or state
-    that cannot be saved this way; the caller turns it into the verdict."""
+                     weights_only: bool, rank: int, world: int, max_shard_size: int | None,
+                     remote_state: dict[str, tuple[int, list[tuple]]] | None = None) -> WritePlan:
+    """This rank's write plan (see the module docstring). ``remote_state``: `merge_schemas` of every rank's
+    `state_schema`, for optimizers whose ranks hold state only for parameters they hold elements of (FSDP1
+    with ``use_orig_params``). Raises `FsdpRestoreError` for a layout or state that cannot be saved this way;
+    the caller turns it into the verdict."""
     import json
 
     targets, aliases = local_targets(model)
@@ -279,11 +283,14 @@ def build_write_plan(model: nn.Module, *, optimizer: torch.optim.Optimizer | Non
         sources[t.data_ptr()] = _Shaped(pieces, rep)
         return t
 
-    def whole(value: torch.Tensor, where: str) -> torch.Tensor:
-        if _is_dtensor(value):
+    def whole(value: torch.Tensor | None, where: str, owner: int = 0, shape: tuple[int, ...] = (),
+              dtype: torch.dtype | None = None) -> torch.Tensor:
+        if value is not None and _is_dtensor(value):
             raise FsdpRestoreError(f"{where}: a DTensor not laid out like its parameter cannot be saved")
-        t = stand_in(held, tuple(value.shape), value.dtype, _never)
-        sources[t.data_ptr()] = _Whole(value)
+        if value is not None:
+            shape, dtype = tuple(value.shape), value.dtype
+        t = stand_in(held, shape, dtype, _never)
+        sources[t.data_ptr()] = _Whole(value, owner)
         return t
 
     # the model: state-dict order, one stand-in per tensor (a tied name refers to its tensor's stand-in)
@@ -307,7 +314,8 @@ def build_write_plan(model: nn.Module, *, optimizer: torch.optim.Optimizer | Non
     else:
         obj = {"model": state}
         if optimizer is not None:
-            obj["optim"] = _optimizer_object(model, optimizer, targets, aliases, replicas, shaped, whole)
+            obj["optim"] = _optimizer_object(model, optimizer, targets, aliases, replicas, shaped, whole,
+                                             remote_state)
         for k, v in (extra or {}).items():
             if k in obj:
                 raise FsdpRestoreError(f"extra has the key '{k}', which the checkpoint uses for the"
@@ -338,7 +346,9 @@ def build_write_plan(model: nn.Module, *, optimizer: torch.optim.Optimizer | Non
     for job in jobs:
         kind, numel = kinds[job.key], prod(job.source.shape)
         if isinstance(kind, _Whole):
-            if rank == 0 and numel:
+            if rank == kind.owner and numel:
+                if kind.value is None:
+                    raise FsdpRestoreError(f"{job.key}: this rank was to write it but does not hold it (a bug)")
                 value = kind.value.detach()
                 if value.device.type != "cpu" or not value.is_contiguous():
                     value = value.to("cpu").contiguous()  # small values: step counters, extra
@@ -353,7 +363,7 @@ def build_write_plan(model: nn.Module, *, optimizer: torch.optim.Optimizer | Non
 
 def _optimizer_object(model: nn.Module, optimizer: torch.optim.Optimizer, targets: Sequence[Target],
                       aliases: dict[str, str], replicas: dict[str, tuple[int, int]], shaped: Any,
-                      whole: Any) -> dict[str, Any]:
+                      whole: Any, remote_state: dict[str, tuple[int, list[tuple]]] | None = None) -> dict[str, Any]:
     """``Optimizer.state_dict()`` of the unsharded model, with stand-ins: integer ids numbered group by group
     in the order an unsharded optimizer over the same parameters holds them (an FSDP1 flat parameter expands
     to its original parameters, in the model's order, as the restore maps them), state in id order, every
@@ -380,25 +390,42 @@ def _optimizer_object(model: nn.Module, optimizer: torch.optim.Optimizer, target
         packed["params"] = [id_of[n] for n in names]
         packed_groups.append(packed)
     slot_of = {id(s.param): s for slots in groups for s in slots}
+    if any(id(p) not in slot_of for p in optimizer.state):
+        raise FsdpRestoreError("the optimizer holds state for a parameter that is in none of its groups")
     entries: list[tuple[int, dict[str, Any]]] = []
-    for param, param_state in optimizer.state.items():
-        slot = slot_of.get(id(param))
-        if slot is None:
-            raise FsdpRestoreError("the optimizer holds state for a parameter that is in none of its groups")
+    for slot in (s for slots in groups for s in slots):
+        param_state = optimizer.state.get(slot.param)
         for name in slot.names:
             pid = id_of[name]
             fields: dict[str, Any] = {}
-            for fld, value in param_state.items():
-                where = f"optim.state.{pid}.{fld} ({name})"
-                if isinstance(value, torch.Tensor) and _like_param(value, slot):
-                    flat = local_tensor(value).reshape(-1)
-                    pieces = [(flat[off:off + piece.dest.numel()], piece)
-                              for target, off, piece in slot.pieces if target.name == name]
-                    fields[fld] = shaped(tuple(slot.global_shapes[name]), value.dtype, pieces, replicas[name])
-                elif isinstance(value, torch.Tensor):
-                    fields[fld] = whole(value, where)
-                else:
-                    fields[fld] = _group_value(value, where, whole)
+            owner = remote_state[name][0] if remote_state and name in remote_state else 0
+            if param_state:
+                for fld, value in param_state.items():
+                    where = f"optim.state.{pid}.{fld} ({name})"
+                    if isinstance(value, torch.Tensor) and _like_param(value, slot):
+                        flat = local_tensor(value).reshape(-1)
+                        pieces = [(flat[off:off + piece.dest.numel()], piece)
+                                  for target, off, piece in slot.pieces if target.name == name]
+                        fields[fld] = shaped(tuple(slot.global_shapes[name]), value.dtype, pieces, replicas[name])
+                    elif isinstance(value, torch.Tensor):
+                        fields[fld] = whole(value, where, owner)
+                    else:
+                        fields[fld] = _group_value(value, where, whole)
+            elif remote_state and name in remote_state:
+                # another rank holds this parameter's state: this rank holds none of its elements (FSDP1 with
+                # use_orig_params keeps no state for an empty local view), so it only needs the layout
+                if any(piece.dest.numel() for target, _, piece in slot.pieces if target.name == name):
+                    raise FsdpRestoreError(f"{name}: this rank holds elements of it but no optimizer state, another"
+                                           " rank holds state: the optimizer's state differs between ranks")
+                for fld, kind, *info in remote_state[name][1]:
+                    if kind == "shaped":
+                        fields[fld] = shaped(tuple(slot.global_shapes[name]), _dtype(info[0]), [], replicas[name])
+                    elif kind == "whole":
+                        fields[fld] = whole(None, name, owner, tuple(info[0]), _dtype(info[1]))
+                    else:
+                        fields[fld] = info[0]
+            else:
+                continue
             entries.append((pid, fields))
     state = dict(sorted(entries, key=lambda e: e[0]))  # as an unsharded optimizer holds it: in id order
     return {"state": state, "param_groups": packed_groups}
@@ -419,3 +446,49 @@ def _group_value(value: Any, where: str, whole: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return whole(value, where)
     return value
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def needs_state_schema(model: nn.Module) -> bool:
+    """Whether ranks may hold optimizer state for different parameters: FSDP1 with ``use_orig_params`` keeps
+    none for a parameter of which a rank holds no element."""
+    return any(getattr(handle, "_use_orig_params", False) for _, handle in _fsdp1_units(model))
+
+
+def state_schema(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[tuple]]:
+    """``{name: [(field, "shaped", dtype) | (field, "whole", shape, dtype) | (field, "value", value)]}`` of the
+    optimizer state this rank holds, for ranks that hold none of some parameter's (`merge_schemas`)."""
+    from .format import torch_dtype_name
+
+    targets, aliases = local_targets(model)
+    found = live_groups(model, optimizer, targets, aliases)
+    groups = found[0] if isinstance(found, tuple) else found
+    out: dict[str, list[tuple]] = {}
+    for slot in (s for slots in groups for s in slots):
+        param_state = optimizer.state.get(slot.param)
+        if not param_state:
+            continue
+        fields: list[tuple] = []
+        for fld, value in param_state.items():
+            if isinstance(value, torch.Tensor) and _like_param(value, slot):
+                fields.append((fld, "shaped", torch_dtype_name(value.dtype)))
+            elif isinstance(value, torch.Tensor):
+                fields.append((fld, "whole", tuple(value.shape), torch_dtype_name(value.dtype)))
+            else:
+                fields.append((fld, "value", value))
+        for name in slot.names:
+            out[name] = fields
+    return out
+
+
+def merge_schemas(schemas: Sequence[dict[str, list[tuple]] | None]) -> dict[str, tuple[int, list[tuple]]]:
+    """Every rank's `state_schema` (in rank order) -> ``{name: (lowest rank holding its state, fields)}``: that
+    rank writes its whole values (step)."""
+    merged: dict[str, tuple[int, list[tuple]]] = {}
+    for rank, schema in enumerate(schemas):
+        for name, fields in (schema or {}).items():
+            merged.setdefault(name, (rank, fields))
+    return merged

@@ -44,8 +44,11 @@ def _optimizer(model: torch.nn.Module, one_group: bool = False) -> torch.optim.O
     """AdamW with a decay and a no-decay group (one group for FSDP1 flat parameters, which are all 1-D)."""
     if one_group:
         return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    def plain(name: str) -> bool:  # by name: FSDP1's use_orig_params views are 1-D
+        return name.endswith("bias") or "norm" in name
+
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and not plain(n)]
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and plain(n)]
     return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                              lr=1e-2)
 
