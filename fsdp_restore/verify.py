@@ -1,16 +1,21 @@
 """Prove a converted checkpoint right: `verify` (checksums, optionally bit for bit against the
-source ``.pt``) and `inspect` (what is inside, as a tree with sizes)."""
+source ``.pt`` as torch.load returns it) and `inspect` (what is inside, as a tree with sizes)."""
 
 from __future__ import annotations
 
+import argparse
+import math
 import os
+import re
+import zipfile
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -25,6 +30,7 @@ from .checksum import combine_segments, plan_segments
 from .write import default_threads, tensor_bytes
 
 CHUNK_BYTES = 16 * 1024 * 1024
+COMPARE_BYTES = 4 * 1024 * 1024  # a piece compared with the source: up to two copies of it per thread
 
 
 IDENTICAL = "identical"
@@ -160,9 +166,16 @@ def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | No
            select: str | None = None, threads: int | None = None, trust_pickle: bool = False,
            progress: Callable[[int, int], None] | None = None) -> VerifyReport:
     """Check a checkpoint without its source: header sanity (offsets in range, no overlaps or
-    holes, sizes), index consistency, the structure metadata, and every checksum. With
-    ``against``, also compare the structure and every tensor bit for bit with the source ``.pt``
-    (its subtree ``select`` when the checkpoint was converted with ``select``).
+    holes, sizes), index consistency, the structure metadata, and every checksum.
+
+    With ``against`` a ``.pt``, also prove that `fsdp_restore.load` of the checkpoint returns what
+    ``torch.load`` returns for the source (weights-only unless ``trust_pickle``; its subtree ``select``
+    when the checkpoint was converted with ``select``), sharing no code with convert: node by node, types,
+    keys and their order, lengths, shapes, dtypes (or the declared cast), conj/neg bits, requires_grad,
+    storage sharing (both ways, where the file records it: not in a plain safetensors file) and every
+    value bit for bit, in pieces of at most `COMPARE_BYTES`. A name the source holds and ``load`` does not
+    return is missing, even when the file's metadata names it a tied alias (safetensors' ``save_model``).
+    With ``against`` a ZeRO or DCP directory, the structure and every tensor are compared by name.
     Never raises for a bad checkpoint: the problems are in the report.
     """
     report = VerifyReport(path=str(path), against=str(against) if against else None)
@@ -204,22 +217,27 @@ class _Piecewise:
         return self._reader(0, max(1, int(torch.Size(self.shape).numel()))).to(dtype).reshape(self.shape)
 
 
-def _source(against: Any, select: str | None, trust_pickle: bool) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The source's flat tensors and structure: a ``.pt`` (loaded safely), or a ZeRO / DCP directory, whose
-    sharded tensors are compared piece by piece, never assembled whole."""
-    from .convert import load_pt, select_subtree
+def _sharded_source(against: Any, select: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The flat tensors and structure of a ZeRO / DCP directory, whose sharded tensors are compared piece by
+    piece, never assembled whole."""
+    from .convert import select_subtree
     from .dcp_in import is_dcp_checkpoint, read_dcp
-    from .zero import is_zero_checkpoint, read_zero
+    from .zero import read_zero
 
-    if Path(against).is_dir() and (is_zero_checkpoint(against) or is_dcp_checkpoint(against)):
-        obj, pieces = read_dcp(against) if is_dcp_checkpoint(against) else read_zero(against)[:2]
-        tensors, structure = flatten(select_subtree(obj, select))
-        for key, t in list(tensors.items()):
-            held = pieces.get(t.data_ptr())
-            if held is not None:
-                tensors[key] = _Piecewise(*held)
-        return tensors, structure
-    return flatten(select_subtree(load_pt(against, trust_pickle=trust_pickle), select))
+    obj, pieces = read_dcp(against) if is_dcp_checkpoint(against) else read_zero(against)[:2]
+    tensors, structure = flatten(select_subtree(obj, select))
+    for key, t in list(tensors.items()):
+        held = pieces.get(t.data_ptr())
+        if held is not None:
+            tensors[key] = _Piecewise(*held)
+    return tensors, structure
+
+
+def _is_sharded_source(against: Any) -> bool:
+    from .dcp_in import is_dcp_checkpoint
+    from .zero import is_zero_checkpoint
+
+    return Path(against).is_dir() and (is_zero_checkpoint(against) or is_dcp_checkpoint(against))
 
 
 def _stored_names(structure: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any] | None]]:
@@ -256,27 +274,345 @@ def _match_by_name(ckpt: Checkpoint, src_tensors: dict[str, torch.Tensor], src_s
     return source
 
 
+# ---------------------------------------------------------------------------------------------
+# the oracle for a .pt source: torch.load's object against fsdp_restore.load's, node by node. It shares no code
+# with convert (no load_pt, no flatten), so a bug there cannot make both sides agree.
+
+
+def _load_pt_as_torch_does(path: str | os.PathLike[str], trust_pickle: bool) -> Any:
+    """The source exactly as ``torch.load`` returns it: weights-only unless trusted, memory-mapped when torch
+    can map it. Its mmap path takes a compressed zip member's bytes as tensor data (garbage), so a file with
+    any member not ZIP_STORED is read with torch's plain reader, which inflates them (in memory)."""
+    from .convert import _allowlist  # which globals may be *imported*: decides what loads, never what it holds
+
+    mmap = zipfile.is_zipfile(path)
+    if mmap:
+        with zipfile.ZipFile(path) as z:
+            mmap = all(info.compress_type == zipfile.ZIP_STORED for info in z.infolist())
+    kwargs: dict[str, Any] = {"map_location": "cpu", "mmap": mmap, "weights_only": not trust_pickle}
+    if trust_pickle:
+        return torch.load(path, **kwargs)
+    with torch.serialization.safe_globals(_allowlist()):
+        return torch.load(path, **kwargs)
+
+
+def _load_failure(e: Exception, path: Any, trust_pickle: bool) -> str:
+    """One line for torch.load's refusal of the source, and what to do."""
+    from .convert import weights_only_refusal_hint
+
+    text = str(e)
+    first = next((line.strip() for line in text.splitlines() if line.strip()), type(e).__name__)
+    if trust_pickle or "Weights only load failed" not in text:
+        return f"torch.load cannot read it ({type(e).__name__}: {first[:200]})"
+    why = re.search(r"WeightsUnpickler error:\s*([^\n]+)", text)
+    return (f"torch.load's weights-only unpickler refuses it ({(why.group(1) if why else first)[:200]})"
+            f"{weights_only_refusal_hint(path)}; if you trust the file, pass --trust-pickle (trust_pickle=True)")
+
+
+def _select(obj: Any, select: str | None) -> Any:
+    """The subtree at dotted path ``select``: dict keys (matched by their text), list indices, attributes."""
+    for i, part in enumerate(select.split(".") if select else []):
+        here = ".".join(select.split(".")[:i]) or "<root>"  # type: ignore[union-attr]
+        if isinstance(obj, dict):
+            keys = [k for k in obj if str(k) == part]
+            if not keys:
+                raise KeyError(f"select='{select}': no key '{part}' at '{here}'")
+            obj = obj[keys[0]]
+        elif isinstance(obj, (list, tuple)) and part.isdigit() and int(part) < len(obj):
+            obj = obj[int(part)]
+        elif isinstance(obj, argparse.Namespace) and hasattr(obj, part):
+            obj = getattr(obj, part)
+        else:
+            raise KeyError(f"select='{select}': cannot descend into {type(obj).__name__} at '{here}' with '{part}'")
+    return obj
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _same_float(a: float, b: float) -> bool:
+    """Equal as stored: NaN equals NaN, -0.0 differs from 0.0."""
+    return (a != a and b != b) or (a == b and math.copysign(1.0, a) == math.copysign(1.0, b))
+
+
+@dataclass
+class _Pair:
+    """A source tensor (or ndarray) and the checkpoint's at the same path, to compare bit for bit;
+    ``cast_key`` is the checkpoint's stored key when the pair's dtypes differ by a declared cast."""
+
+    path: str
+    src: Any
+    out: Any
+    cast_key: str | None = None
+
+    @property
+    def itemsize(self) -> int:
+        return self.out.itemsize if isinstance(self.out, np.ndarray) else self.out.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(np.shape(self.out)) * self.itemsize
+
+
+class _Comparer:
+    """One walk over both objects, side by side. Records every difference in types, keys and their order,
+    lengths, shapes, dtypes, conj/neg bits, requires_grad, storage sharing and non-tensor values as
+    ``(path, message)``; the tensors whose values need comparing go to ``pairs`` (`_compare_values`)."""
+
+    def __init__(self, ckpt: Checkpoint, select: str | None) -> None:
+        # Only our structure records a container's type, its key order and shared storage; a plain
+        # safetensors file (no structure) is a dict of names whatever was saved, and cannot share storage.
+        self.structured = ckpt.has_structure
+        self.select = select
+        self.keys = {path: node["key"] for path, node in iter_nodes_with_keys(ckpt.structure["root"])}
+        self.cast = ckpt.cast
+        self.aliases = ckpt.tied_aliases()
+        self.problems: list[tuple[str, str]] = []
+        self.pairs: list[_Pair] = []
+        self._groups: tuple[dict[int, tuple[str, int]], dict[int, tuple[str, int]]] = ({}, {})
+        self._seen: set[tuple[Any, ...]] = set()
+
+    def walk(self, src: Any, out: Any, path: str = "") -> None:
+        t = type(src)
+        if t is not type(out) and not (path == "" and not self.structured and isinstance(src, dict)
+                                       and isinstance(out, dict)):
+            self.problems.append((path or "<root>", f"{type(out).__qualname__} but the source has {t.__qualname__}"))
+        elif isinstance(src, torch.Tensor):
+            self._tensor(path, src, out)
+        elif t is np.ndarray:
+            self._ndarray(path, src, out)
+        elif isinstance(src, dict):
+            self._mapping(path, list(src.items()), list(out.items()))
+        elif t is argparse.Namespace:
+            self._mapping(path, list(vars(src).items()), list(vars(out).items()))
+        elif t is list or t is tuple:
+            if len(src) != len(out):
+                self.problems.append((path or "<root>", f"{len(out)} items but the source has {len(src)}"))
+            for i, (a, b) in enumerate(zip(src, out)):
+                self.walk(a, b, _join(path, i))
+        elif not self._same_value(src, out):
+            self.problems.append((path or "<root>", f"value {out!r:.60} but the source has {src!r:.60}"))
+
+    @staticmethod
+    def _same_value(a: Any, b: Any) -> bool:
+        if type(a) is float:
+            return _same_float(a, b)
+        if type(a) is complex:
+            return _same_float(a.real, b.real) and _same_float(a.imag, b.imag)
+        if isinstance(a, np.generic):
+            return a.dtype.str == b.dtype.str and a.tobytes() == b.tobytes()
+        try:
+            return bool(a == b)
+        except Exception:  # an object (only with trust_pickle) whose == does not give one bool
+            return False
+
+    def _mapping(self, path: str, src: list[tuple[Any, Any]], out: list[tuple[Any, Any]]) -> None:
+        """Keys as (type, value) pairs, so that 1, 1.0 and True stay apart; values walked by key."""
+        out_by_key = {(type(k), k): v for k, v in out}
+        src_keys = [(type(k), k) for k, _ in src]
+        if path == "" and not self.select and src and out and not out_by_key.keys() & set(src_keys):
+            self.problems.append(("<structure>", "no name in common with the source; if the checkpoint was"
+                                  " converted with --select, pass the same --select to verify"))
+        for (kt, k), (_, v) in zip(src_keys, src):
+            if (kt, k) in out_by_key:
+                self.walk(v, out_by_key[(kt, k)], _join(path, k))
+            else:
+                alias = self.aliases.get(_join(path, k))
+                hint = (f" (the file's metadata records it as an alias of '{alias}', as safetensors' save_model"
+                        " writes: restore honours that, but load() does not return it)") if alias else ""
+                self.problems.append((_join(path, k), "in the source but missing from the checkpoint" + hint))
+        for kt, k in out_by_key.keys() - set(src_keys):
+            self.problems.append((_join(path, k), "in the checkpoint but not in the source"))
+        common = set(src_keys) & out_by_key.keys()
+        if self.structured and [k for k in src_keys if k in common] != [(type(k), k) for k, _ in out
+                                                                         if (type(k), k) in common]:
+            self.problems.append((path or "<root>", "keys are in another order than in the source"))
+
+    def _tensor(self, path: str, src: torch.Tensor, out: torch.Tensor) -> None:
+        where = path or "<root>"
+        for what, a, b in (("conj bit", src.is_conj(), out.is_conj()), ("neg bit", src.is_neg(), out.is_neg()),
+                           ("requires_grad", src.requires_grad, out.requires_grad)):
+            if a != b:
+                self.problems.append((where, f"{what} {b} but the source has {a}"))
+        if src.shape != out.shape:
+            self.problems.append((where, f"shape {list(out.shape)} but the source has {list(src.shape)}"))
+            return
+        key = self.keys.get(path, path)
+        cast = src.dtype != out.dtype
+        if cast and self.cast.get(key) != torch_dtype_name(src.dtype):
+            self.problems.append((where, f"dtype {out.dtype} but the source has {src.dtype} (and no cast was recorded)"))
+            return
+        self._shared_alike(where, src, out)
+        self._add(_Pair(path, src.detach(), out.detach(), key if cast else None))
+
+    def _ndarray(self, path: str, src: np.ndarray, out: np.ndarray) -> None:
+        if src.dtype.str != out.dtype.str or src.shape != out.shape:
+            self.problems.append((path or "<root>", f"ndarray of dtype {out.dtype.str} and shape {list(out.shape)} but"
+                                  f" the source has dtype {src.dtype.str} and shape {list(src.shape)}"))
+            return
+        self._add(_Pair(path, src, out))
+
+    def _shared_alike(self, where: str, src: torch.Tensor, out: torch.Tensor) -> None:
+        """Tensors that share storage in the source share it in the checkpoint, at the same element offset from
+        the first tensor seen on that storage, and no others do (where the file can record sharing)."""
+        if not self.structured or src.numel() == 0:
+            return
+        places = []
+        for groups, t in zip(self._groups, (src, out)):
+            first = groups.setdefault(t.untyped_storage().data_ptr(), (where, t.storage_offset()))
+            places.append((first[0], t.storage_offset() - first[1]))
+        if places[0] != places[1]:
+            def say(p: tuple[str, int]) -> str:
+                return "its own storage" if p[0] == where else f"storage of '{p[0]}' at element offset {p[1]:+d}"
+            self.problems.append((where, f"{say(places[1])} but in the source {say(places[0])}"))
+
+    def _add(self, pair: _Pair) -> None:
+        """Queue a value comparison, once for each (source view, checkpoint view): an alias seen again is
+        already compared."""
+        def view(x: Any) -> tuple[Any, ...]:
+            if isinstance(x, np.ndarray):
+                return (id(x),)
+            return (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype,
+                    x.is_conj(), x.is_neg())
+        seen = (view(pair.src), view(pair.out))
+        if seen not in self._seen:
+            self._seen.add(seen)
+            self.pairs.append(pair)
+
+
+def _chunks(shape: tuple[int, ...], itemsize: int) -> Iterator[tuple[Any, ...]]:
+    """Indices that cut an array of ``shape`` into pieces of at most `COMPARE_BYTES` (runs of whole rows, or
+    pieces of one row when a row is bigger), so that no comparison holds a big tensor whole."""
+    if not shape or math.prod(shape) * itemsize <= COMPARE_BYTES:
+        yield ()
+        return
+    step = COMPARE_BYTES // (math.prod(shape[1:]) * itemsize)
+    if step:
+        for i in range(0, shape[0], step):
+            yield (slice(i, i + step),)
+    else:
+        for i in range(shape[0]):
+            for rest in _chunks(shape[1:], itemsize):
+                yield (i, *rest)
+
+
+def _raw(x: Any, dtype: torch.dtype | None = None) -> torch.Tensor | np.ndarray:
+    """The bytes of one piece, as uint8: a tensor's with its conj/neg bits applied (they are compared apart),
+    after the declared cast ``dtype``; NaN payloads and -0.0 differ from other NaNs and 0.0 as stored."""
+    if isinstance(x, torch.Tensor):
+        x = x.resolve_conj().resolve_neg()
+        if dtype is not None:
+            x = x.to(dtype)
+        return x.contiguous().reshape(-1).view(torch.uint8)
+    return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+
+
+def _equal(a: torch.Tensor | np.ndarray, b: torch.Tensor | np.ndarray) -> bool:
+    # torch.equal compares in place; np.array_equal would first allocate a bool per byte
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else bool(np.array_equal(a, b))
+
+
+@dataclass
+class _Piece:
+    """What comparing one piece found: elements that differ (the first one's index), bytes read, and for a
+    cast what it changed; ``error`` when the piece could not be compared at all."""
+
+    nbytes: int
+    differ: int = 0
+    first: list[int] | None = None
+    cast: _CastStats | None = None
+    error: str | None = None
+
+
+def _compare_piece(pair: _Pair, idx: tuple[Any, ...]) -> _Piece:
+    """Compare ``pair`` at ``idx`` (one of `_chunks`): a copy of at most `COMPARE_BYTES` per side."""
+    src, out = pair.src[idx], pair.out[idx]
+    a, b = _raw(src, out.dtype if pair.cast_key else None), _raw(out)
+    shape = tuple(np.shape(out))
+    n = math.prod(shape)
+    if _equal(a, b):
+        stats = None
+        if pair.cast_key is not None and n:
+            stats = _CastStats()
+            stats.update(src, out)
+        return _Piece(math.prod(b.shape), cast=stats)
+    a, b = np.asarray(a), np.asarray(b)  # a uint8 tensor's bytes, not copied
+    differ = (a.reshape(n, -1) != b.reshape(n, -1)).any(axis=1)
+    local = [int(i) for i in np.unravel_index(int(np.argmax(differ)), shape)] if shape else []
+    if idx and isinstance(idx[-1], slice):  # a run of rows: its first row's index
+        local[0] += idx[-1].start
+    return _Piece(int(b.size), int(differ.sum()), [i for i in idx if isinstance(i, int)] + local)
+
+
+def _compare_values(comparer: _Comparer, ckpt: Checkpoint, report: VerifyReport, pool: ThreadPoolExecutor,
+                    tick: Callable[[int], None]) -> None:
+    """Compare every queued pair bit for bit, piece by piece on the pool; judge declared casts per stored key."""
+    tasks = [(pair, idx) for pair in comparer.pairs for idx in _chunks(tuple(np.shape(pair.out)), pair.itemsize)]
+
+    def run(task: tuple[_Pair, tuple[Any, ...]]) -> _Piece:
+        try:
+            piece = _compare_piece(*task)
+        except (RuntimeError, TypeError, ValueError) as e:  # a layout torch cannot slice or view as bytes
+            piece = _Piece(0, error=(str(e).strip().splitlines() or [type(e).__name__])[0][:160])
+        tick(piece.nbytes)
+        return piece
+
+    found: dict[str, _Piece] = {}  # per path: the first problem, differing elements summed
+    casts: dict[str, tuple[torch.Tensor, _CastStats]] = {}
+    for (pair, _), piece in zip(tasks, pool.map(run, tasks)):
+        if piece.error or piece.differ:
+            seen = found.setdefault(pair.path, _Piece(0, first=piece.first, error=piece.error))
+            seen.differ += piece.differ
+        elif piece.cast is not None:
+            casts.setdefault(pair.cast_key, (pair.src, _CastStats()))[1].merge(piece.cast)  # type: ignore[index]
+    for path, p in found.items():
+        report.problems.append((path or "<root>", f"cannot compare with the source: {p.error}" if p.error else
+                                f"bytes differ from the source ({p.differ} elements, first at index {p.first})"))
+    failed = {comparer.keys.get(path, path) for path in found}
+    for key, (src, stats) in casts.items():
+        if key not in failed:
+            _judge_cast(report, key, ckpt, src, stats)
+    report.compared = len(comparer.pairs)
+
+
 def _verify_open(ckpt: Checkpoint, report: VerifyReport, against: Any, select: str | None, threads: int | None,
                  trust_pickle: bool, progress: Callable[[int, int], None] | None) -> None:
     report.tensors = len(ckpt.entries)
+    loaded: Any = None
     try:
-        ckpt.load()  # decodes the whole structure against the real (memory-mapped) tensors
+        loaded = ckpt.load()  # what fsdp_restore.load returns: the structure decoded over memory-mapped tensors
     except FsdpRestoreError as e:
         report.problems.append(("<structure>", str(e)))
-    source: dict[str, torch.Tensor] = {}
+    source: dict[str, torch.Tensor] = {}  # stored key -> source tensor, compared while checksumming (directories)
+    comparer: _Comparer | None = None  # a .pt source: compared node by node with what load returned
     if against is not None:
         try:
-            src_tensors, src_structure = _source(against, select, trust_pickle)
+            if _is_sharded_source(against):
+                src_tensors, src_structure = _sharded_source(against, select)
+            else:
+                src_obj = _select(_load_pt_as_torch_does(against, trust_pickle), select)
         except FsdpRestoreError as e:
             report.problems.append((str(against), str(e)))
             return
         except KeyError as e:
             report.problems.append((str(against), str(e).strip("'\"")))
             return
-        if ckpt.has_structure and src_structure != ckpt.structure:
-            report.problems.append(("<structure>", "nested structure differs from the source"
-                                    " (keys, types or non-tensor values)"))
-        source = _match_by_name(ckpt, src_tensors, src_structure, report, select)
+        except Exception as e:  # torch.load's own refusal: corrupt, or beyond the weights-only unpickler
+            report.problems.append((str(against), _load_failure(e, against, trust_pickle)))
+            return
+        if _is_sharded_source(against):
+            if ckpt.has_structure and src_structure != ckpt.structure:
+                report.problems.append(("<structure>", "nested structure differs from the source"
+                                        " (keys, types or non-tensor values)"))
+            source = _match_by_name(ckpt, src_tensors, src_structure, report, select)
+        elif loaded is not None:
+            comparer = _Comparer(ckpt, select)
+            try:
+                comparer.walk(src_obj, loaded)
+            except RecursionError:
+                comparer.problems.append(("<root>", "nested too deeply to compare"))
+            report.problems += comparer.problems
     for key in list(source):
         mismatch = _source_mismatch(ckpt, key, source[key])
         if mismatch:
@@ -284,6 +620,7 @@ def _verify_open(ckpt: Checkpoint, report: VerifyReport, against: Any, select: s
             del source[key]
     checked = [k for k in ckpt.entries if k in ckpt.checksums or k in source]
     total = sum(ckpt.entries[k].nbytes for k in checked)  # one read per byte: checksum and compare share it
+    total += sum(p.nbytes for p in comparer.pairs) if comparer else 0
     done = [0]
 
     def tick(n: int) -> None:
@@ -296,6 +633,8 @@ def _verify_open(ckpt: Checkpoint, report: VerifyReport, against: Any, select: s
     tasks = plan_segments(((k, ckpt.entries[k].numel, ckpt.entries[k].itemsize, True) for k in checked), threads)
     with ThreadPoolExecutor(max_workers=threads) as pool:
         results = list(pool.map(lambda t: _check_segment(ckpt, *t, source.get(t[0]), tick), tasks))
+        if comparer is not None:
+            _compare_values(comparer, ckpt, report, pool, tick)
     segments: dict[str, list[tuple[int, int, int, str | None]]] = {k: [] for k in checked}
     stats: dict[str, _CastStats] = {}
     for (key, start, stop), (crc, diff, cast) in zip(tasks, results):
@@ -317,7 +656,7 @@ def _verify_open(ckpt: Checkpoint, report: VerifyReport, against: Any, select: s
     for key in ckpt.checksums.keys() - ckpt.entries.keys():
         report.problems.append((key, "has a checksum but no tensor"))
     report.checksummed = sum(1 for k in ckpt.entries if k in ckpt.checksums)
-    report.compared = len(source)
+    report.compared += len(source)
     report.nbytes = done[0]
     report.problems.sort()
 
