@@ -31,9 +31,9 @@ from typing import Any
 import torch
 from .errors import FormatError
 from .flatten import flat_structure, unflatten, validate_structure
-from .format import (DEFAULT_INDEX_NAME, INDEX_SUFFIX, META_CAST, META_CHECKSUMS, META_SET_ID, META_SOURCE,
-                     META_STRUCTURE, SAFETENSORS, TORCH_LEGACY, TORCH_ZIP, FileHeader, TensorEntry, detect,
-                     parse_json, read_header, read_index)
+from .format import (DEFAULT_INDEX_NAME, INDEX_SUFFIX, META_CAST, META_CHECKSUMS, META_HEADER_CRC, META_SET_ID,
+                     META_SOURCE, META_STRUCTURE, SAFETENSORS, TORCH_LEGACY, TORCH_ZIP, FileHeader, TensorEntry,
+                     detect, parse_json, read_header, read_index)
 from .provenance import mismatch
 
 PT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
@@ -118,8 +118,9 @@ class Checkpoint:
         if resolved is None:
             kind = detect(path)
             what = f"is a {kind} file, not" if kind in (TORCH_ZIP, TORCH_LEGACY) else "is not"
-            raise FormatError(path, f"{what} a safetensors checkpoint, and no {Path(path).with_suffix('.safetensors').name}"
-                              f" sibling exists; convert it first: fsdp-restore convert {path} DST")
+            sibling = Path(path).with_suffix(".safetensors").name
+            raise FormatError(path, f"{what} a safetensors checkpoint, and no {sibling} sibling exists; convert it"
+                              f" first: fsdp-restore convert {path} DST")
         self.path = resolved
         self.bytes_read = 0
         self._lock = threading.Lock()
@@ -243,6 +244,7 @@ class Checkpoint:
                 raise FormatError(resolved, f"was not converted from {path} as it is now ({why}); convert it"
                                   f" again: fsdp-restore convert {path} {resolved} --force (or open {resolved}"
                                   " itself to use it as it is)")
+        self.index_metadata = metadata  # the index's metadata ({} for a single file)
         self.has_structure = structure_json is not None
         if structure_json is None:
             self.structure = flat_structure(list(self.entries))
@@ -250,6 +252,16 @@ class Checkpoint:
             where = self.index_path or files[0]
             self.structure = parse_json(structure_json, where, "structure metadata")
             validate_structure(self.structure, where, self.entries)
+
+    @property
+    def version(self) -> str | None:
+        """What identifies the version opened: a sharded set's id, or a single file's header crc32 (None for
+        files that record neither). Ranks that each open a checkpoint can compare it to know that they read
+        one version, not two on either side of a replacement."""
+        if self.index_path is not None:
+            return self.index_metadata.get(META_SET_ID) or self.index_metadata.get(META_HEADER_CRC)
+        header = next(iter(self.headers.values()), None)
+        return header.metadata.get(META_HEADER_CRC) if header is not None else None
 
     # -- lazy, memory-mapped access (the `load` API) -------------------------------------------
 

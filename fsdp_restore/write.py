@@ -327,7 +327,7 @@ def remove_stale_temporaries(dst: Path) -> list[Path]:
         if pid.isdigit() and (int(pid) == os.getpid() or _pid_alive(int(pid))):
             continue
         if pid and "-old-" not in tmp.name or dst.exists() or dst.is_symlink():
-            shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() and not tmp.is_symlink() else tmp.unlink(missing_ok=True)
+            _remove(tmp)
             removed.append(tmp)
         else:  # the only copy of the old version: back under its name
             os.rename(tmp, dst)
@@ -393,7 +393,15 @@ def _replace(tmp: Path, dst: Path) -> None:
         os.rename(dst, old)
         os.rename(tmp, dst)
     _fsync_dir(dst.parent)
-    shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+    _remove(old)
+
+
+def _remove(path: Path) -> None:
+    """Delete a file, a symlink or a directory tree (a checkpoint version or a temporary)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -103,7 +103,8 @@ def test_a_file_that_ends_early_names_the_tensor(stored, tmp_path):
 def _same(a, b):
     assert a.keys() == b.keys()
     for k in a:
-        assert type(a[k]) is type(b[k]) and (torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k])
+        assert type(a[k]) is type(b[k])
+        assert torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k]
 
 
 def test_a_checkpoint_without_a_suffix_is_read_as_one(tmp_path):

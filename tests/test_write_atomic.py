@@ -173,3 +173,40 @@ def test_a_shard_of_another_write_is_refused(tmp_path):
     with pytest.raises(FormatError, match=rf"{shard}.*another write.*convert"):
         fsdp_restore.load(one)
     assert not fsdp_restore.verify(one).ok
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["file", "sharded"])
+def test_version_tells_two_writes_apart(tmp_path, sharded):
+    dst = tmp_path / ("ck" if sharded else "ck.safetensors")
+    shard = 60_000 if sharded else None
+    save(_version(1), dst, max_shard_size=shard)
+    with Checkpoint(dst) as first, Checkpoint(dst) as again:
+        assert first.version is not None and first.version == again.version
+    save(_version(1), dst, max_shard_size=shard, force=True)  # the same content written again
+    with Checkpoint(dst) as second:
+        assert (second.version != first.version) if sharded else (second.version == first.version)
+    save(_version(2), dst, max_shard_size=shard, force=True)
+    with Checkpoint(dst) as third:
+        assert third.version not in (first.version, None)
+
+
+def test_without_exchange_a_killed_replacement_is_undone_by_the_next_run(tmp_path, monkeypatch):
+    """Where renameat2(RENAME_EXCHANGE) is unsupported, the old version is moved aside first; a writer killed
+    before the new one is in place leaves it there, and the next writer puts it back rather than delete it."""
+    import errno
+
+    from fsdp_restore import write
+
+    def unsupported(a, b):
+        raise OSError(errno.EINVAL, "not supported here")
+
+    monkeypatch.setattr(write, "_exchange", unsupported)
+    dst = tmp_path / "ck"
+    save(_version(1), dst, max_shard_size=60_000)
+    save(_version(2), dst, max_shard_size=60_000)  # the fallback replaces too
+    assert _consistent(fsdp_restore.load(dst)) and fsdp_restore.load(dst)["step"] == 2
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    parked = tmp_path / f".ck.tmp-{int(dead.stdout)}-old-0123abcd"
+    dst.rename(parked)  # as a writer killed between its two renames leaves it
+    assert write.remove_stale_temporaries(dst) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    assert fsdp_restore.load(dst)["step"] == 2
