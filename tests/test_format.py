@@ -134,3 +134,18 @@ def test_files_without_a_header_checksum_still_open(tmp_path):
     save_file({"a": torch.ones(3), "b": torch.arange(4)}, path, metadata={"format": "pt"})
     got, expected = fsdp_restore.load(path), load_file(path)
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+
+
+def test_restore_refuses_a_modified_header(tmp_path):
+    import torch
+    from torch import nn
+
+    import fsdp_restore
+
+    _, dst = _convert(tmp_path)
+    _edit(dst, b"12345", b"12344")
+    model = nn.Module()
+    model.w = nn.Parameter(torch.zeros(2, 3))
+    with pytest.raises(fsdp_restore.FsdpRestoreError, match=r"run\.safetensors.*header.*modified"):
+        fsdp_restore.restore_model(model, dst)
+    assert torch.equal(model.w.detach(), torch.zeros(2, 3))
