@@ -400,3 +400,47 @@ def test_arguments_are_checked_at_the_door(tmp_path):
     results = run_ranks(_bad_arguments, 2, str(tmp_path / "x.safetensors"))
     assert results[0] == results[1]
     assert "thread_count" in results[0][0] and "extra must be a dict" in results[0][1] and "size" in results[0][2]
+
+
+def _split_replicas(rank, world_size, root, name, how):
+    import fsdp_restore.save_plan as save_plan
+
+    save_plan.SPLIT_MIN_BYTES = 0  # every replicated piece cut into one part per replica (rows for column blocks)
+    return _save_and_check(rank, world_size, root, name, how, "full")
+
+
+SPLIT = [("mlp", "ddp", 3), ("mlp", "hsdp", 4), ("llama", "fsdp2+tp", 4)]
+
+
+@pytest.mark.parametrize("name,how,world_size", SPLIT, ids=[f"{n}-{h}-{w}" for n, h, w in SPLIT])
+def test_replicas_share_the_writes_of_replicated_pieces(tmp_path, name, how, world_size):
+    results = run_ranks(_split_replicas, world_size, str(tmp_path), name, how)
+    written = [w for w, _ in results]
+    assert sum(written) == results[0][1]
+    assert min(written) > 0, written  # every replica writes its part (rank 0 also the RNG states, step...)
+
+
+def _killed(rank, world_size, path):
+    model, opt, extra = _old_checkpoint(rank, world_size, path, "fsdp2")
+    if rank == 1:
+        real = os.pwrite
+
+        def dies(fd, data, offset):
+            os._exit(3)  # killed mid-write: no exception, no goodbye
+
+        os.pwrite = dies
+    save_sharded(model, path, optimizer=opt, extra=extra)
+
+
+def test_killed_rank_leaves_the_old_checkpoint(tmp_path):
+    path = str(tmp_path / "ckpt.safetensors")
+    import time
+
+    t0 = time.perf_counter()
+    with pytest.raises(AssertionError) as info:
+        run_ranks(_killed, 2, path, pg_timeout=10, timeout=90)
+    assert "rank 1" in str(info.value)
+    assert time.perf_counter() - t0 < 80
+    assert not _leftovers(path), _leftovers(path)  # rank 0 removed the temporary when its collective failed
+    fsdp_restore.verify(path)
+    assert fsdp_restore.load(path)["step"] == 2
