@@ -20,8 +20,7 @@ from .buffers import init_non_persistent_buffers
 from .key_map import KeyMap
 from .plan import RestoreReport
 from .restore import RestoreResult, restore, restore_model, restore_optimizer
-from .save import SaveReport, save_sharded
-from .convert import save  # noqa: E402,F811 (importing the submodule .save bound its name over the function)
+from .sharded_save import SaveReport, save_sharded
 from .verify import VerifyReport, inspect_checkpoint, verify
 
 __version__ = "0.1.0"
