@@ -435,7 +435,8 @@ def _like_param(value: torch.Tensor, slot: Any) -> bool:
     """State laid out like its parameter's local shard (exp_avg, ...); 0-dim values (step) never are."""
     if value.dim() == 0 or _is_dtensor(value) != _is_dtensor(slot.param):
         return False
-    if _is_dtensor(value) and (value.device_mesh != slot.param.device_mesh or value.placements != slot.param.placements):
+    if _is_dtensor(value) and (value.device_mesh != slot.param.device_mesh
+                               or value.placements != slot.param.placements):
         return False
     local = local_tensor(value)
     return tuple(local.shape) == tuple(slot.local.shape) and local.is_contiguous()

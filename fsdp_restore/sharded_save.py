@@ -4,7 +4,9 @@ The mirror of restore.py; this module only orchestrates, in phases with one verd
 that a failure anywhere becomes the same `SaveError` on every rank and nobody waits in a collective for a
 rank that has given up:
 
-0. rank 0 sends ``extra`` and the temporary's name to every rank (one broadcast).
+0. rank 0 sends ``extra`` and the temporary's name to every rank (one ``all_gather_object``, which also
+   carries the layout of each rank's optimizer state where ranks may hold state for different parameters:
+   FSDP1 with ``use_orig_params`` keeps none for a parameter of which a rank holds no element).
 1. plan (save_plan.py): the header from the model on every rank, this rank's write items. Rank 0 creates
    the temporary next to the destination and preallocates it. Agree: no rank failed, every rank computed
    the same header (a digest), and the items of all ranks write every element of every tensor once

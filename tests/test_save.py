@@ -423,8 +423,6 @@ def test_replicas_share_the_writes_of_replicated_pieces(tmp_path, name, how, wor
 def _killed(rank, world_size, path):
     model, opt, extra = _old_checkpoint(rank, world_size, path, "fsdp2")
     if rank == 1:
-        real = os.pwrite
-
         def dies(fd, data, offset):
             os._exit(3)  # killed mid-write: no exception, no goodbye
 
