@@ -31,6 +31,7 @@ from torch import nn
 from .check import coverage_terms, name_weight
 from .errors import FsdpRestoreError
 from .flatten import flatten, iter_tensor_nodes
+from .format import META_SET_ID
 from .jobs import plan_jobs
 from .shards import Piece, Target, _fsdp1_units, _is_dtensor, _join, clean_name, local_targets, local_tensor
 from .write import HeldInPieces, OutputFile, TensorJob, file_header, file_layout, stand_in
@@ -258,11 +259,12 @@ def _never(first: int, count: int) -> torch.Tensor:  # stand-ins are never read:
 
 def build_write_plan(model: nn.Module, *, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any] | None,
                      weights_only: bool, rank: int, world: int, max_shard_size: int | None,
-                     remote_state: dict[str, tuple[int, list[tuple]]] | None = None) -> WritePlan:
+                     remote_state: dict[str, tuple[int, list[tuple]]] | None = None,
+                     set_id: str | None = None) -> WritePlan:
     """This rank's write plan (see the module docstring). ``remote_state``: `merge_schemas` of every rank's
     `state_schema`, for optimizers whose ranks hold state only for parameters they hold elements of (FSDP1
     with ``use_orig_params``). Raises `FsdpRestoreError` for a layout or state that cannot be saved this way;
-    the caller turns it into the verdict."""
+    the caller turns it into the verdict. ``set_id``: the id every shard of a sharded set carries (rank 0's)."""
     import json
 
     targets, aliases = local_targets(model)
@@ -336,6 +338,8 @@ def build_write_plan(model: nn.Module, *, optimizer: torch.optim.Optimizer | Non
     if weights_only:  # {dropped name: kept name} of tied tensors, as safetensors.torch.save_model records them
         metadata = {path: node["key"] for path, node in iter_tensor_nodes(structure["root"])
                     if path != node["key"] and "view" not in node}
+    if max_shard_size is not None and set_id is not None:
+        metadata[META_SET_ID] = set_id
     plan = WritePlan(structure_json, [], metadata=metadata)
     for f in file_layout(jobs, structure_json=structure_json, max_shard_size=max_shard_size, metadata=metadata):
         header, offsets = file_header(f.jobs, f.metadata)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
-import shutil
 import threading
 import time
 import uuid
@@ -52,7 +51,7 @@ from .jobs import parse_size
 from .restore import _no_cyclic_gc, _refuse_unsharded_fsdp1, _reshard_fsdp2
 from .save_plan import WriteItem, WritePlan
 from .verdict import _LABELS, _device, _rank, agree, new_problems
-from .write import (CHUNK_BYTES, _fsync_dir, _replace, _write_small_file, file_header, index_bytes,
+from .write import (CHUNK_BYTES, _fsync_dir, _remove, _replace, _write_small_file, file_header, index_bytes,
                     remove_stale_temporaries, start_writeback, tensor_bytes)
 
 __all__ = ["SaveReport", "save_sharded"]
@@ -274,21 +273,7 @@ def _commit(dst: Path, tmp: Path, plan: WritePlan, sharded: bool, checksums: dic
         _write_small_file(tmp / DEFAULT_INDEX_NAME, index_bytes(plan.output_files(), structure_json=plan.structure_json,
                                                                     metadata=plan.metadata))
         _fsync_dir(tmp)
-        _replace(tmp, dst)
-    elif dst.is_dir() and not dst.is_symlink():
-        _replace(tmp, dst)
-    else:
-        os.replace(tmp, dst)  # atomic: a reader opens the old file or the new one
-        _fsync_dir(dst.parent)
-
-
-def _remove(tmp: Path | None) -> None:
-    if tmp is None:
-        return
-    if tmp.is_dir() and not tmp.is_symlink():
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        tmp.unlink(missing_ok=True)
+    _replace(tmp, dst)  # the writer's: one step, a reader finds the old version or the new one
 
 
 # ---- the verdicts ----------------------------------------------------------------------------------------------
@@ -403,7 +388,8 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
                 size = _check_arguments(model, path, optimizer, extra, process_group, max_shard_size, thread_count)
                 if rank == 0:
                     dst0 = Path(path)
-                    payload = pickle.dumps((extra, f".{dst0.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"))
+                    payload = pickle.dumps((extra, f".{dst0.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+                                            uuid.uuid4().hex))  # the temporary's name, a sharded set's id
                 if optimizer is not None and world > 1 and save_plan.needs_state_schema(model):
                     schema = save_plan.state_schema(model, optimizer)
             if world > 1:  # one exchange, whatever happened above: rank 0's payload, and state schemas if any
@@ -418,7 +404,7 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
                 if payload is None:
                     raise FsdpRestoreError("rank 0 could not send extra (see its error)" if rank else
                                            "extra could not be pickled")
-                sent_extra, tmp_name = pickle.loads(payload)
+                sent_extra, tmp_name, set_id = pickle.loads(payload)
                 dst = Path(path)
                 tmp = _temp_path(dst, tmp_name)
                 weights_only = optimizer is None and extra is None
@@ -427,7 +413,7 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
                 plan = save_plan.build_write_plan(model, optimizer=optimizer,
                                                   extra=extra if rank == 0 else sent_extra,
                                                   weights_only=weights_only, rank=rank, world=world,
-                                                  max_shard_size=size, remote_state=remote_state)
+                                                  max_shard_size=size, remote_state=remote_state, set_id=set_id)
                 coverage = plan.coverage(rank)
                 coverage.update(_header_terms(plan, rank, world))
                 if rank == 0:
@@ -469,7 +455,7 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
             _agree(problems, "save_sharded (commit)", group)
             timings["commit"] = time.perf_counter() - t3
         except BaseException:
-            if rank == 0 and created:
+            if rank == 0 and created and tmp is not None:
                 _remove(tmp)
             raise
         finally:

@@ -243,6 +243,13 @@ def _weights_only(rank, world_size, root, name, how, max_shard_size):
         assert_same_files(path, ref, ignore=aliases)
         first = path if not max_shard_size else os.path.join(path, sorted(os.listdir(path))[0])
         assert _split(first)[0]["__metadata__"]["lm_head.weight"] == "model.embed_tokens.weight"
+        if max_shard_size:  # one set id in every shard and the index, whichever rank wrote their bytes
+            shards = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+            assert len(shards) > 1
+            ids = {json.loads(open(os.path.join(path, f), "rb").read()[8:8 + struct.unpack("<Q", open(
+                os.path.join(path, f), "rb").read(8))[0]])["__metadata__"]["fsdp_restore.set_id"] for f in shards}
+            index = json.load(open(os.path.join(path, "model.safetensors.index.json")))
+            assert ids == {index["metadata"]["fsdp_restore.set_id"]}, (ids, index["metadata"])
         fsdp_restore.verify(path)
         if not max_shard_size:
             flat = load_file(path)
