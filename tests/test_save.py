@@ -449,3 +449,29 @@ def test_killed_rank_leaves_the_old_checkpoint(tmp_path):
     assert not _leftovers(path), _leftovers(path)  # rank 0 removed the temporary when its collective failed
     fsdp_restore.verify(path)
     assert fsdp_restore.load(path)["step"] == 2
+
+
+def _memory(rank, world_size, path):
+    from fsdp_restore.measure import PeakAnonMemory
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(24)])  # ~100 MB of fp32
+    model = wrap(model, "ddp", world_size)
+    with PeakAnonMemory(interval=0.005) as mem:
+        report = save_sharded(model, path)
+    return mem.peak - mem.start, report.bytes_written, report.nbytes
+
+
+def test_memory_stays_flat_and_replicas_split_large_tensors(tmp_path):
+    """DDP: every 4 MB weight is cut between the two replicas; no rank copies its shard or a tensor."""
+    path = str(tmp_path / "big.safetensors")
+    results = run_ranks(_memory, 2, path)
+    total = results[0][2]
+    assert sum(w for _, w, _ in results) == total
+    assert all(abs(w - total / 2) < 0.01 * total for _, w, _ in results), results  # each writes half
+    assert max(m for m, _, _ in results) < 24 * 2**20, results  # vs 100 MB of tensors
+    torch.manual_seed(0)
+    expected = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(24)])
+    loaded = fsdp_restore.load(path)
+    for k, v in expected.state_dict().items():
+        assert torch.equal(loaded[k], v), k
