@@ -327,6 +327,8 @@ def _fault(rank, world_size, path, how, fault):
             return real_open(p, flags, *args)
 
         os.open = local_disk
+    if fault == "different header" and rank == 1:
+        opt.param_groups[0]["lr"] = 0.5  # this rank's checkpoint would say another learning rate
     t0 = time.perf_counter()
     with pytest.raises(SaveError) as info:
         save_sharded(model, path, optimizer=opt, extra=extra)
@@ -339,8 +341,10 @@ def _fault(rank, world_size, path, how, fault):
 
 
 FAULTS = [("raise mid-write", "fsdp2", 3, "OSError: [Errno 28] No space left on device [rank 1]"),
-          ("wrong offset", "fsdp2", 2, "model.inp.weight"),
-          ("not shared", "ddp", 2, "do not share one filesystem")]
+          ("wrong offset", "fsdp2", 2, "do not cover these tensors exactly (a piece shifted, lost or doubled) (1):"
+           " model.inp.weight"),
+          ("not shared", "ddp", 2, "do not share one filesystem"),
+          ("different header", "fsdp2", 3, "the ranks computed different checkpoint headers")]
 
 
 @pytest.mark.parametrize("fault,how,world_size,expected", FAULTS, ids=[f[0].replace(" ", "-") for f in FAULTS])
@@ -351,8 +355,8 @@ def test_fault_every_rank_raises_the_same_error_and_the_old_file_stays(tmp_path,
     assert len(texts) == 1, texts  # the same error on every rank
     text = texts.pop()
     assert expected in text, text
-    if fault == "wrong offset":
-        assert "do not cover these tensors exactly" in text and "(write)" not in text, text  # before writing
+    if fault in ("wrong offset", "different header"):
+        assert "(plan)" in text, text  # found before anything was written
     assert max(s for _, s in results) < 30, results
 
 
