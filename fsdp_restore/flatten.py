@@ -431,6 +431,15 @@ def _is_json_int(x: Any) -> bool:
 # navigating a structure without rebuilding it
 
 
+def holds_model_subtree(structure: Structure) -> bool:
+    """Whether the top level is a dict with a ``"model"`` subtree (a training checkpoint saved as
+    ``{"model": ..., "optim": ...}``). Only that exact key counts: Hugging Face state dicts have flat keys
+    that themselves start with ``model.`` (``LlamaForCausalLM``)."""
+    root = structure.get("root")
+    return (isinstance(root, dict) and root.get("type") in ("dict", "OrderedDict")
+            and any(k == "model" and isinstance(v, dict) and v.get("type") != "tensor" for k, v in root["items"]))
+
+
 def subtree(structure: Structure, prefix: str) -> Any:
     """The node at dotted ``prefix`` ("" = root); raises KeyError naming the missing part."""
     node = structure["root"]

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .flatten import iter_nodes_with_keys
+from .flatten import holds_model_subtree, iter_nodes_with_keys
 from .format import torch_dtype_from_string, torch_dtype_name
 from .write import Reader, TensorJob, write_safetensors
 
@@ -42,11 +42,7 @@ def default_cast_scope(structure: dict[str, Any]) -> list[str]:
     """What a ``--dtype`` cast applies to by default: the model's weights. That is the ``model`` subtree of a
     training checkpoint (``{"model": ..., "optim": ...}``), and everything in a plain weights file.
     Optimizer state keeps its precision: Adam's moments and step counter in bf16 change the run."""
-    root = structure.get("root")
-    if isinstance(root, dict) and root.get("type") in ("dict", "OrderedDict") and any(
-            k == "model" and isinstance(v, dict) and v.get("type") != "tensor" for k, v in root["items"]):
-        return ["model.*"]
-    return ["*"]
+    return ["model.*"] if holds_model_subtree(structure) else ["*"]
 
 
 def parse_size(text: str | int | None) -> int | None:

@@ -29,10 +29,10 @@ from torch import nn
 from . import check as checks
 from .buffers import buffer_problems
 from .execute import DEFAULT_READ_THREADS, execute_reads
-from .flatten import unflatten
 from .key_map import KeyMap
 from .plan import ReadPlan, RestoreReport, build_plan, default_prefix
 from .read import Checkpoint, open_checkpoint
+from .stored import extras
 from .verdict import agree, new_problems
 
 __all__ = ["RestoreReport", "RestoreResult", "default_prefix", "restore", "restore_model", "restore_optimizer"]
@@ -180,7 +180,7 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
                 problems.add("unrestored", result.unrestored)
                 timings["check"] = (t1 - t1_fill) + (time.perf_counter() - t2)  # fill pass + verdict
             if extra_keys is not None:
-                extra = _read_extra(ckpt, extra_keys)
+                extra = extras(ckpt, extra_keys)
         t3 = time.perf_counter()
         agree(problems, f"{what} check", group)
         timings["agree"] = time.perf_counter() - t3
@@ -215,15 +215,6 @@ def _fill_reports(plan: ReadPlan, ckpt: Checkpoint, result: checks.CheckResult, 
         report.method = "optimizer" if optim else method
         report.seconds = seconds
         report.timings = dict(timings)
-
-
-def _read_extra(ckpt: Checkpoint, skip: tuple[str, ...]) -> dict[str, Any]:
-    """Every top-level entry but ``skip``, as ordinary objects; tensors read with exact positional reads."""
-    root = ckpt.structure["root"]
-    if not (isinstance(root, dict) and root.get("type") in ("dict", "OrderedDict")):
-        return {}
-    rest = {"type": "dict", "items": [[k, v] for k, v in root["items"] if k not in skip]}
-    return unflatten(ckpt.tensors(exact=True), {"version": 1, "root": rest})
 
 
 def restore_model(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint, *, prefix: str | None = None,

@@ -22,7 +22,7 @@ from types import MappingProxyType
 from typing import Any
 
 from .errors import FsdpRestoreError
-from .flatten import iter_tensor_nodes, subtree, unflatten
+from .flatten import holds_model_subtree, iter_tensor_nodes, subtree, unflatten
 from .read import Checkpoint
 from .shards import clean_name
 
@@ -48,7 +48,10 @@ class Source:
 
 
 def node_source(ckpt: Checkpoint, node: Mapping[str, Any]) -> Source | None:
-    """The `Source` of a tensor node, or None for a strided view (its elements are not one range)."""
+    """The `Source` of a tensor node, or None when its values are not one range of stored elements: a
+    strided view, or a conj / neg view (its stored memory is not its values; see `unreadable`)."""
+    if node.get("conj") or node.get("neg"):
+        return None
     entry = ckpt.entries[node["key"]]
     view = node.get("view")
     if view is None:
@@ -60,6 +63,13 @@ def node_source(ckpt: Checkpoint, node: Mapping[str, Any]) -> Source | None:
     if all(s == c for s, c, n in zip(view["stride"], contiguous, shape) if n > 1):
         return Source(node["key"], view["offset"], shape)
     return None
+
+
+def unreadable(node: Mapping[str, Any]) -> str:
+    """Why a tensor node has no `Source`."""
+    if node.get("conj") or node.get("neg"):
+        return f"a {'conj' if node.get('conj') else 'neg'} view of '{node['key']}': its stored memory is not its values"
+    return f"a strided view of '{node['key']}'"
 
 
 def is_tensor_node(node: Any) -> bool:
@@ -82,15 +92,10 @@ def normalize_names(names: Iterable[str], model_names: Iterable[str] = ()) -> di
 
 
 def default_prefix(ckpt: Checkpoint) -> str:
-    """``"model"`` when the top level holds a ``"model"`` subtree (a training checkpoint saved as
-    ``{"model": ..., "optim": ...}``); ``""`` for plain weight files (Hugging Face files, ``--select``
-    outputs, a converted ``torch.save(model.state_dict())``). Only the exact top-level key counts:
-    Hugging Face state dicts have flat keys that themselves start with ``model.`` (``LlamaForCausalLM``)."""
-    root = ckpt.structure["root"] if ckpt.has_structure else None
-    if not (isinstance(root, dict) and root.get("type") in ("dict", "OrderedDict")):
-        return ""
-    return "model" if any(k == "model" and isinstance(v, dict) and v.get("type") != "tensor"
-                          for k, v in root["items"]) else ""
+    """``"model"`` when the top level holds a ``"model"`` subtree (`flatten.holds_model_subtree`); ``""``
+    for plain weight files (Hugging Face files, ``--select`` outputs, a converted
+    ``torch.save(model.state_dict())``)."""
+    return "model" if ckpt.has_structure and holds_model_subtree(ckpt.structure) else ""
 
 
 def tensor_sources(ckpt: Checkpoint, prefix: str, model_names: Iterable[str] = ()
@@ -107,7 +112,7 @@ def tensor_sources(ckpt: Checkpoint, prefix: str, model_names: Iterable[str] = (
             continue
         src = node_source(ckpt, node)
         if src is None:
-            unsupported.append(f"{path[len(lead):]} (a strided view of '{node['key']}')")
+            unsupported.append(f"{path[len(lead):]} ({unreadable(node)})")
         else:
             found[path[len(lead):]] = src
     if not ckpt.has_structure:
@@ -191,3 +196,14 @@ def stored_optimizer(ckpt: Checkpoint, prefix: str, model_names: Iterable[str] =
         out.append(StoredGroup(ids, names, hyper))
     state = {key_text(k): MappingProxyType({str(f): v for f, v in _items(s)}) for k, s in _items(state_node)}
     return StoredOptimizer(tuple(out), MappingProxyType(state))
+
+
+def extras(ckpt: Checkpoint, skip: Iterable[str]) -> dict[str, Any]:
+    """Every top-level entry but ``skip`` (the model and optimizer subtrees) as ordinary objects: the step,
+    scheduler, RNG states and config a restore hands back; tensors read with exact positional reads."""
+    root = ckpt.structure["root"]
+    if not (isinstance(root, dict) and root.get("type") in ("dict", "OrderedDict")):
+        return {}
+    skip = set(skip)
+    rest = {"type": "dict", "items": [[k, v] for k, v in root["items"] if k not in skip]}
+    return unflatten(ckpt.tensors(exact=True), {"version": 1, "root": rest})

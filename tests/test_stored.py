@@ -1,0 +1,63 @@
+"""The typed view of a stored checkpoint: names normalized as torch normalizes them, the model subtree rule,
+optimizer state dicts in every save style, and tensors whose stored memory is not their values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fsdp_restore
+from fsdp_restore import RestoreError
+from fsdp_restore.convert import save
+from fsdp_restore.stored import default_prefix, normalize_names, stored_optimizer, tensor_sources
+
+
+def test_wrapper_names_are_normalized():
+    names = ["module._orig_mod.a.weight", "module.b._checkpoint_wrapped_module.w", "module.c._fsdp_wrapped_module.x"]
+    assert list(normalize_names(names).values()) == ["a.weight", "b.w", "c.x"]
+    # DDP's prefix only when every stored name has it, and the model's own names do not
+    assert normalize_names(["module.a", "b"]) == {"module.a": "module.a", "b": "b"}
+    assert normalize_names(["module.a"], model_names=["module.a"]) == {"module.a": "module.a"}
+
+
+def test_model_subtree_only_for_the_exact_top_level_key(tmp_path):
+    save({"model": {"w": torch.ones(2)}, "optim": {"state": {}, "param_groups": []}}, tmp_path / "t.safetensors")
+    save({"model.w": torch.ones(2)}, tmp_path / "hf.safetensors")
+    with fsdp_restore.open_checkpoint(tmp_path / "t.safetensors") as ckpt:
+        assert default_prefix(ckpt) == "model"
+    with fsdp_restore.open_checkpoint(tmp_path / "hf.safetensors") as ckpt:
+        assert default_prefix(ckpt) == ""
+        assert set(tensor_sources(ckpt, "")[0]) == {"model.w"}
+
+
+@pytest.mark.parametrize("style", ["ids", "param_names", "names"])
+def test_optimizer_groups_in_every_save_style(tmp_path, style):
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    named = list(model.named_parameters())
+    groups = [{"params": named[:2] if style == "param_names" else [p for _, p in named[:2]], "weight_decay": 0.1},
+              {"params": named[2:] if style == "param_names" else [p for _, p in named[2:]], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=0.5)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    sd = opt.state_dict()
+    if style == "names":  # keyed by names, as get_optimizer_state_dict writes it
+        sd = {"state": {named[i][0]: s for i, s in sd["state"].items()},
+              "param_groups": [{**g, "params": [named[i][0] for i in g["params"]]} for g in sd["param_groups"]]}
+    save({"optim": sd}, tmp_path / "o.safetensors")
+    with fsdp_restore.open_checkpoint(tmp_path / "o.safetensors") as ckpt:
+        view = stored_optimizer(ckpt, "optim")
+    assert [g.hyper["weight_decay"] for g in view.groups] == [0.1, 0.0]
+    assert all("params" not in g.hyper and "param_names" not in g.hyper for g in view.groups)
+    if style == "ids":
+        assert [g.ids for g in view.groups] == [("0", "1"), ("2", "3")] and view.groups[0].names is None
+    else:
+        assert [g.names for g in view.groups] == [("0.weight", "0.bias"), ("1.weight", "1.bias")]
+    assert set(view.state[view.groups[1].ids[0]]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_a_conj_view_is_refused_not_read_as_its_memory(tmp_path):
+    state = torch.nn.Linear(2, 2).to(torch.complex64).state_dict()
+    state["weight"] = state["weight"].conj()
+    save(state, tmp_path / "c.safetensors")
+    with pytest.raises(RestoreError, match="a conj view of 'weight': its stored memory is not its values"):
+        fsdp_restore.restore_model(torch.nn.Linear(2, 2).to(torch.complex64), tmp_path / "c.safetensors")
