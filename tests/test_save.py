@@ -479,3 +479,34 @@ def test_memory_stays_flat_and_replicas_split_large_tensors(tmp_path):
     loaded = fsdp_restore.load(path)
     for k, v in expected.state_dict().items():
         assert torch.equal(loaded[k], v), k
+
+
+def test_crc_of_pieces_folded_in_any_order_is_zlibs():
+    """A tensor's crc32 from the ranks' pieces (ranges and rows at a stride, folded in any order), as zlib's."""
+    import zlib
+
+    from fsdp_restore.sharded_save import _Crc, crc32_zeros
+
+    rng = random.Random(0)
+    for n in (1, 7, 1000, 70_000):
+        buf = bytes(rng.randrange(256) for _ in range(n))
+        pieces = []  # (offset, row bytes, rows, stride) tiling buf
+        at = 0
+        while at < n:
+            if n - at > 200 and rng.random() < 0.5:  # a column block: 4 rows of 20 bytes, 50 apart, plus the gaps
+                pieces.append((at, 20, 4, 50))
+                pieces += [(at + 20 + 50 * i, 30, 1, 0) for i in range(3)] + [(at + 170, 30, 1, 0)]
+                at += 200
+            else:
+                step = min(n - at, rng.randrange(1, 5000))
+                pieces.append((at, step, 1, 0))
+                at += step
+        rng.shuffle(pieces)
+        folds = [_Crc() for _ in range(3)]  # three "ranks"
+        for i, (o, run, rows, stride) in enumerate(pieces):
+            crcs = [zlib.crc32(buf[o + r * stride:o + r * stride + run]) for r in range(rows)]
+            folds[i % 3].add("t", crcs, run, stride, n - (o + (rows - 1) * stride + run))
+        joined = 0
+        for f in folds:
+            joined ^= f.folds.get("t", 0)
+        assert joined ^ crc32_zeros(n) == zlib.crc32(buf), n
