@@ -25,6 +25,7 @@ sees the old file or the new one: a single file is replaced with one ``rename``)
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import pickle
@@ -232,6 +233,25 @@ def _create_temp(dst: Path, tmp: Path, plan: WritePlan, sharded: bool) -> None:
             os.close(fd)
 
 
+VISIBLE_WITHIN_S = 5.0  # how long a rank waits for rank 0's new file to appear (network filesystems' caches)
+
+
+def _open_when_seen(path: Path) -> int:
+    """``open(path, O_WRONLY)``, retried for `VISIBLE_WITHIN_S` seconds: a network filesystem client may cache
+    the directory's old listing for a moment (NFS attribute caching); listing the directory refreshes it."""
+    deadline, pause = time.monotonic() + VISIBLE_WITHIN_S, 0.05
+    while True:
+        try:
+            return os.open(path, os.O_WRONLY)
+        except FileNotFoundError:
+            if time.monotonic() >= deadline:
+                raise
+            with contextlib.suppress(OSError):
+                os.listdir(path.parent)
+            time.sleep(pause)
+            pause = min(1.0, pause * 2)
+
+
 def _open_temp(tmp: Path, plan: WritePlan, sharded: bool, rank: int) -> list[int]:
     """Every rank: open each file of the temporary rank 0 created; a rank that does not see it does not
     share rank 0's filesystem."""
@@ -240,7 +260,7 @@ def _open_temp(tmp: Path, plan: WritePlan, sharded: bool, rank: int) -> list[int
         for f in plan.files:
             path = tmp / f.name if sharded else tmp
             try:
-                fd = os.open(path, os.O_WRONLY)
+                fd = _open_when_seen(path)
             except FileNotFoundError:
                 raise FsdpRestoreError(
                     f"rank {rank} does not see {path}, which rank 0 has just created: the ranks do not share one"
