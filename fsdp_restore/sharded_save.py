@@ -427,7 +427,7 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
                 sent_extra, tmp_name, set_id = pickle.loads(payload)
                 dst = Path(path)
                 tmp = _temp_path(dst, tmp_name)
-                weights_only = optimizer is None and extra is None
+                weights_only = optimizer is None and (extra if rank == 0 else sent_extra) is None  # rank 0's
                 _reshard_fsdp2(model)
                 _refuse_unsharded_fsdp1(model)
                 plan = save_plan.build_write_plan(model, optimizer=optimizer,

@@ -162,8 +162,9 @@ def _save_and_check(rank, world_size, root, name, how, mode, max_shard_size=None
     model, opt, extra = _trained(name, how, world_size)
     with_optim = mode == "full"
     path = os.path.join(root, "ours" + (".safetensors" if max_shard_size is None else ""))
-    report = save_sharded(model, path, optimizer=opt if with_optim else None, extra=extra if with_optim else None,
-                          max_shard_size=max_shard_size)
+    # extra is rank 0's: the other ranks may pass anything (here nothing)
+    report = save_sharded(model, path, optimizer=opt if with_optim else None,
+                          extra=extra if with_optim and rank == 0 else None, max_shard_size=max_shard_size)
     msd, osd = _gathered(model, opt, name, how, with_optim)
     if rank == 0:
         obj = {"model": msd, "optim": osd, **extra} if with_optim else msd
