@@ -328,6 +328,11 @@ def _fault(rank, world_size, path, how, fault):
             return real_open(p, flags, *args)
 
         os.open = local_disk
+    if fault == "disk full" and rank == 0:
+        def no_space(fd, offset, length):
+            raise OSError(28, "No space left on device")
+
+        os.posix_fallocate = no_space  # the preallocation finds the disk full: before any rank writes
     if fault == "different header" and rank == 1:
         opt.param_groups[0]["lr"] = 0.5  # this rank's checkpoint would say another learning rate
     t0 = time.perf_counter()
@@ -345,7 +350,8 @@ FAULTS = [("raise mid-write", "fsdp2", 3, "OSError: [Errno 28] No space left on 
           ("wrong offset", "fsdp2", 2, "do not cover these tensors exactly (a piece shifted, lost or doubled) (1):"
            " model.inp.weight"),
           ("not shared", "ddp", 2, "do not share one filesystem"),
-          ("different header", "fsdp2", 3, "the ranks computed different checkpoint headers")]
+          ("different header", "fsdp2", 3, "the ranks computed different checkpoint headers"),
+          ("disk full", "fsdp2", 2, "No space left on device [rank 0]")]
 
 
 @pytest.mark.parametrize("fault,how,world_size,expected", FAULTS, ids=[f[0].replace(" ", "-") for f in FAULTS])
@@ -356,7 +362,7 @@ def test_fault_every_rank_raises_the_same_error_and_the_old_file_stays(tmp_path,
     assert len(texts) == 1, texts  # the same error on every rank
     text = texts.pop()
     assert expected in text, text
-    if fault in ("wrong offset", "different header"):
+    if fault in ("wrong offset", "different header", "disk full"):
         assert "(plan)" in text, text  # found before anything was written
     assert max(s for _, s in results) < 30, results
 
