@@ -517,3 +517,13 @@ def test_crc_of_pieces_folded_in_any_order_is_zlibs():
         for f in folds:
             joined ^= f.folds.get("t", 0)
         assert joined ^ crc32_zeros(n) == zlib.crc32(buf), n
+
+
+def test_the_package_exports():
+    import inspect
+
+    assert inspect.isfunction(fsdp_restore.save) and inspect.isfunction(fsdp_restore.save_sharded)
+    assert fsdp_restore.SaveReport is not None and issubclass(SaveError, fsdp_restore.FsdpRestoreError)
+    params = inspect.signature(save_sharded).parameters
+    assert [p for p in params if params[p].kind is inspect.Parameter.KEYWORD_ONLY] == [
+        "optimizer", "extra", "process_group", "max_shard_size", "thread_count"]
