@@ -329,10 +329,12 @@ def _fault(rank, world_size, path, how, fault):
 
         os.open = local_disk
     if fault == "disk full" and rank == 0:
-        def no_space(fd, offset, length):
+        import fsdp_restore.sharded_save as sharded_save
+
+        def no_space(fd, size):
             raise OSError(28, "No space left on device")
 
-        os.posix_fallocate = no_space  # the preallocation finds the disk full: before any rank writes
+        sharded_save.preallocate = no_space  # the preallocation finds the disk full: before any rank writes
     if fault == "different header" and rank == 1:
         opt.param_groups[0]["lr"] = 0.5  # this rank's checkpoint would say another learning rate
     t0 = time.perf_counter()
@@ -527,3 +529,15 @@ def test_the_package_exports():
     params = inspect.signature(save_sharded).parameters
     assert [p for p in params if params[p].kind is inspect.Parameter.KEYWORD_ONLY] == [
         "optimizer", "extra", "process_group", "max_shard_size", "thread_count"]
+
+
+def test_preallocate_reserves_the_size(tmp_path):
+    from fsdp_restore.sharded_save import preallocate
+
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    try:
+        preallocate(fd, 3 << 20)
+        st = os.fstat(fd)
+        assert st.st_size == 3 << 20 and st.st_blocks * 512 >= 3 << 20  # allocated, not sparse
+    finally:
+        os.close(fd)
