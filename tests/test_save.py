@@ -215,7 +215,8 @@ def test_full_checkpoint_matches_the_converted_gather(tmp_path, name, how, world
 
 WIDE = [("mlp", "fsdp2", 4), ("mlp", "hsdp", 4), ("mlp", "fsdp1-FULL_SHARD-flat", 2),
         ("mlp", "fsdp1-FULL_SHARD-orig", 3), ("mlp", "fsdp1-HYBRID_SHARD-flat", 4), ("llama", "tp", 2),
-        ("llama", "fsdp2+tp", 4), ("llama", "ddp", 3), ("llama-tied", "fsdp2", 2), ("llama-tied", "plain", 1)]
+        ("llama", "fsdp2+tp", 4), ("llama", "ddp", 3), ("llama-tied", "fsdp2", 2), ("llama-tied", "plain", 1),
+        ("mlp", "fsdp1-NO_SHARD-flat", 2), ("mlp", "fsdp1-SHARD_GRAD_OP-orig", 2)]
 
 
 @pytest.mark.slow
