@@ -12,7 +12,8 @@ piece), a ``Shard(1)`` column block one item of rows at a stride. A piece that s
 (DDP, plain modules, ``Replicate`` mesh dims, HSDP and FSDP1 hybrid replicas) is written by exactly one
 of them: a large piece is cut into one part per replica, a small one goes whole to one replica chosen by
 its name (so the work spreads). Optimizer state laid out like its parameter follows the parameter's
-pieces; every other value (step counters, param-group tensors, ``extra``) is written by rank 0.
+pieces; every other value (step counters, param-group tensors, ``extra``) is written by rank 0 (a step
+counter by the lowest rank holding its parameter's state, where ranks hold state for different parameters).
 
 Coverage is proven like the restore's (`check.coverage_terms`, summed over ranks in the verdict's one
 all-reduce): plus a count term per tensor, so that the ranks together write every element exactly once.
@@ -331,7 +332,7 @@ def build_write_plan(model: nn.Module, *, optimizer: torch.optim.Optimizer | Non
         if t.numel() == 1 and ptr in held:
             tensors[key] = held[ptr][0]
             kinds[key] = sources[ptr]
-        else:  # a tensor of extra itself (broadcast from rank 0): rank 0 writes it
+        else:  # a tensor of extra itself (rank 0's, sent to every rank): rank 0 writes it
             kinds[key] = _Whole(t)
     jobs = plan_jobs(tensors, structure, None)
     metadata: dict[str, str] = {}
