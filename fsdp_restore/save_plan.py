@@ -373,6 +373,7 @@ def _optimizer_object(model: nn.Module, optimizer: torch.optim.Optimizer, target
     in the order an unsharded optimizer over the same parameters holds them (an FSDP1 flat parameter expands
     to its original parameters, in the model's order, as the restore maps them), state in id order, every
     group with ``param_names`` (where the group has it, else just before ``params``, which comes last)."""
+    by_name = {t.name: t for t in targets}
     found = live_groups(model, optimizer, targets, aliases)
     # newer restores also return each group's names in the order an unsharded optimizer numbers them
     groups, ordered = found if isinstance(found, tuple) else (found, [[n for s in g for n in s.names] for g in found])
@@ -413,6 +414,12 @@ def _optimizer_object(model: nn.Module, optimizer: torch.optim.Optimizer, target
                                   for target, off, piece in slot.pieces if target.name == name]
                         fields[fld] = shaped(tuple(slot.global_shapes[name]), value.dtype, pieces, replicas[name])
                     elif isinstance(value, torch.Tensor):
+                        if value.dim() > 0 and any(by_name[t].layout != "full" for t in slot.global_shapes):
+                            # rank 0's copy would be its own shard's (Adafactor's row/column factors)
+                            raise FsdpRestoreError(
+                                f"{where}: state of shape {list(value.shape)}, not laid out like its sharded"
+                                " parameter, is each rank's own: it cannot be saved as the unsharded model's"
+                                " (save this optimizer with torch.distributed.checkpoint)")
                         fields[fld] = whole(value, where, owner)
                     else:
                         fields[fld] = _group_value(value, where, whole)

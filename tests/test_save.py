@@ -542,3 +542,18 @@ def test_preallocate_reserves_the_size(tmp_path):
         assert st.st_size == 3 << 20 and st.st_blocks * 512 >= 3 << 20  # allocated, not sparse
     finally:
         os.close(fd)
+
+
+def _unshaped_state(rank, world_size, path):
+    model, opt, _ = _trained("mlp", "fsdp1-FULL_SHARD-flat", world_size)
+    for state in opt.state.values():
+        state["row_factor"] = torch.ones(3)  # Adafactor-like: each rank's own, not laid out like the parameter
+    with pytest.raises(SaveError) as info:
+        save_sharded(model, path, optimizer=opt)
+    assert not os.path.exists(path) and not _leftovers(path)
+    return str(info.value)
+
+
+def test_state_not_laid_out_like_a_sharded_parameter_is_refused(tmp_path):
+    texts = run_ranks(_unshaped_state, 2, str(tmp_path / "x.safetensors"))
+    assert texts[0] == texts[1] and "row_factor" in texts[0] and "not laid out like its sharded" in texts[0]
