@@ -26,7 +26,7 @@ import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from .errors import FormatError
@@ -174,7 +174,7 @@ class Checkpoint:
             try:
                 index_fd = os.open(index_path.name, os.O_RDONLY, dir_fd=dir_fd)
             except FileNotFoundError:
-                _gone(directory, dir_fd, index_path, "the index")
+                _gone(directory, dir_fd, index_path, "the index disappeared while it was being opened; open it again")
             try:
                 raw = _read_all(index_fd)
             finally:
@@ -466,7 +466,7 @@ def _open_file(file: Path) -> int:
         raise FormatError(file, f"cannot read: {e.strerror or e}") from None
 
 
-def _gone(directory: Path, dir_fd: int, index_path: Path, what: str) -> None:
+def _gone(directory: Path, dir_fd: int, index_path: Path, what: str) -> NoReturn:
     """A file of a sharded set is missing: `_Replaced` when the directory we hold is no longer the one at
     its path (replaced, and its old version being deleted: open the new one), else a `FormatError`."""
     held = os.fstat(dir_fd)
