@@ -142,7 +142,10 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
             if check and check_buffers:
                 buffer_issues, prints = buffer_problems(model)
                 problems.add("buffers", buffer_issues)
-        agree(problems, what, group, coverage=coverage, buffer_prints=prints)
+        # ranks that open a checkpoint while it is replaced may each see a whole version, but not the same one
+        version = (str(ckpt.version), "the ranks opened different versions of the checkpoint (it was replaced"
+                   " while they opened it): restore again") if ckpt is not None else None
+        agree(problems, what, group, coverage=coverage, buffer_prints=prints, same=version)
         assert ckpt is not None
         timings = {"plan": time.perf_counter() - t0}
 

@@ -17,6 +17,7 @@ so that a caller handles one error type, and says what happened and what to do.
 from __future__ import annotations
 
 import contextlib
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -125,24 +126,29 @@ COVERAGE_BUCKETS = 4096  # hash buckets of the coverage terms exchanged when the
 
 def agree(problems: Problems, what: str, group: dist.ProcessGroup | None = None, *,
           coverage: dict[str, tuple[int, int]] | None = None,
-          buffer_prints: list[tuple[str, int]] | None = None) -> None:
+          buffer_prints: list[tuple[str, int]] | None = None, same: tuple[str, str] | None = None) -> None:
     """Raise the same `RestoreError` on every rank if any rank has a problem, the ranks' plans do not
-    cover every tensor exactly (``coverage``: `check.coverage_terms`), or a non-persistent buffer
-    differs between ranks (``buffer_prints``). Every rank calls it at the same point of the protocol.
+    cover every tensor exactly (``coverage``: `check.coverage_terms`), a non-persistent buffer differs
+    between ranks (``buffer_prints``), or ``same = (value, what it means if it differs)`` is not the same
+    text on every rank (the checkpoint version each rank opened). Every rank calls it at the same point
+    of the protocol.
 
-    Success costs one all-reduce of 7 integers. Failure costs a bounded number of small collectives,
+    Success costs one all-reduce of 9 integers. Failure costs a bounded number of small collectives,
     whatever the world size: no rank gathers anything per rank (see `_reports`)."""
     rank, world = _rank(group)
     d1, d2 = coverage_digest(coverage or {})
     fp = sum(_print_weight(i) * v for i, (_, v) in enumerate(sorted(buffer_prints or []))) % FINGERPRINT_MODULUS
     n = len(buffer_prints or [])
-    values = [int(bool(problems)), d1, d2, fp, fp * fp, n, n * n]
+    v = zlib.crc32(same[0].encode()) % FINGERPRINT_MODULUS if same else 0
+    values = [int(bool(problems)), d1, d2, fp, fp * fp, n, n * n, v, v * v]
     with _collective(what, "agreeing on the verdict"):
-        failing, s1, s2, f1, f2, n1, n2 = _all_reduce(values, group) if world > 1 else values
+        failing, s1, s2, f1, f2, n1, n2, v1, v2 = _all_reduce(values, group) if world > 1 else values
     if failing:
         with _collective(what, "collecting the failing ranks' problems"):
             reports = _reports(problems.items, bool(problems), failing, group, rank, world)
         _raise(reports, what)
+    if same and not _same_everywhere(v1, v2, world):
+        _raise({"error": [same[1]]}, what)
     if s1 % DIGEST_PRIME or s2 % DIGEST_PRIME:
         with _collective(what, "finding the tensors the plans do not cover"):
             uncovered = _uncovered_names(coverage or {}, group, rank, world)

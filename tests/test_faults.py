@@ -292,3 +292,27 @@ def test_rank_killed_mid_restore_fails_survivors_with_restore_error(tmp_path, di
         assert float(m.group(1)) < 10 and phase in errors[r], errors[r]
         assert "a rank died or lost its connection" in errors[r] and "init_process_group" in errors[r], errors[r]
     assert time.monotonic() - t0 < 60
+
+
+def _restore_own_file(rank: int, world_size: int, paths: list) -> str:
+    from models import build, wrap
+
+    model = wrap(build("mlp", seed=1), "fsdp2", world_size)
+    with pytest.raises(RestoreError) as info:
+        fsdp_restore.restore_model(model, paths[rank])
+    return str(info.value)
+
+
+def test_ranks_that_opened_different_versions_fail_together(tmp_path):
+    """A checkpoint replaced while the ranks open it: each rank reads a whole version, but two ranks on either
+    side of the replacement would restore a mix. The verdict compares the version every rank opened."""
+    from models import build
+
+    paths = []
+    for seed in (0, 1):  # the same names and shapes, other values: two versions of one checkpoint
+        path = tmp_path / f"v{seed}" / "ck.safetensors"
+        path.parent.mkdir()
+        fsdp_restore.save(build("mlp", seed=seed).state_dict(), path)
+        paths.append(path)
+    messages = run_ranks(_restore_own_file, 2, paths)
+    assert len(set(messages)) == 1 and "opened different versions of the checkpoint" in messages[0]
