@@ -37,10 +37,7 @@ from .jobs import plan_jobs
 from .shards import Piece, Target, _fsdp1_units, _is_dtensor, _join, clean_name, local_targets, local_tensor
 from .write import HeldInPieces, OutputFile, TensorJob, file_header, file_layout, stand_in
 
-try:  # the restore's optimizer planning lives in optim_plan.py (newer) or plan.py
-    from .optim_plan import live_groups
-except ImportError:  # pragma: no cover - depends on the tree's state
-    from .plan import _param_slots as live_groups
+from .optim_plan import live_groups
 
 SPLIT_MIN_BYTES = 4 * 1024 * 1024  # a replicated piece below this is written whole by one replica
 
@@ -374,16 +371,13 @@ def _optimizer_object(model: nn.Module, optimizer: torch.optim.Optimizer, target
     to its original parameters, in the model's order, as the restore maps them), state in id order, every
     group with ``param_names`` (where the group has it, else just before ``params``, which comes last)."""
     by_name = {t.name: t for t in targets}
-    found = live_groups(model, optimizer, targets, aliases)
-    # newer restores also return each group's names in the order an unsharded optimizer numbers them
-    groups, ordered = found if isinstance(found, tuple) else (found, [[n for s in g for n in s.names] for g in found])
+    groups, ordered = live_groups(model, optimizer, targets, aliases)  # names in the order torch numbers them
     id_of: dict[str, int] = {}
     packed_groups = []
     for g, (group, slots, names) in enumerate(zip(optimizer.param_groups, groups, ordered)):
         for slot in slots:
-            bad = getattr(slot, "unsupported", None)
-            if bad:
-                raise FsdpRestoreError("optimizer state of " + "; ".join(bad[:3]))
+            if slot.unsupported:
+                raise FsdpRestoreError("optimizer state of " + "; ".join(slot.unsupported[:3]))
         for name in names:
             id_of[name] = len(id_of)
         packed: dict[str, Any] = {}
@@ -477,8 +471,7 @@ def state_schema(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str
     from .format import torch_dtype_name
 
     targets, aliases = local_targets(model)
-    found = live_groups(model, optimizer, targets, aliases)
-    groups = found[0] if isinstance(found, tuple) else found
+    groups, _ = live_groups(model, optimizer, targets, aliases)
     out: dict[str, list[tuple]] = {}
     for slot in (s for slots in groups for s in slots):
         param_state = optimizer.state.get(slot.param)

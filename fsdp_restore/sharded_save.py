@@ -314,15 +314,17 @@ def _commit(dst: Path, tmp: Path, plan: WritePlan, sharded: bool, checksums: dic
 # ---- the verdicts ----------------------------------------------------------------------------------------------
 
 
-def _header_terms(plan: WritePlan, rank: int, world: int) -> dict[str, tuple[int, int]]:
-    """Coverage-style terms that sum to zero over the ranks exactly when every rank computed rank 0's
-    header: each rank counts one for its header's digest, rank 0 takes ``world`` away from its own."""
+_DIFFERENT_HEADERS = ("the ranks computed different checkpoint headers (their models' shapes, dtypes, optimizer"
+                      " state or param groups differ); nothing was written")
+
+
+def _header_digest(plan: WritePlan) -> str:
+    """What every rank must have computed alike: the structure and every file's name and header."""
     h = hashlib.blake2b(digest_size=8)
     h.update(plan.structure_json.encode())
     for f in plan.files:
         h.update(f.name.encode() + b"\0" + f.header)
-    name = f"header {h.hexdigest()}"
-    return {name: (1 - (world if rank == 0 else 0), 0)}
+    return h.hexdigest()
 
 
 def _save_error(e: RestoreError, what: str) -> SaveError:
@@ -330,12 +332,8 @@ def _save_error(e: RestoreError, what: str) -> SaveError:
     lines = [f"{what} failed:"]
     for kind, items in e.problems.items():
         if kind == "coverage":
-            headers = [n for n in items if n.startswith("header ")]
             counts = [n.removesuffix(" (elements written)") for n in items if n.endswith(" (elements written)")]
-            moments = [n for n in items if n not in headers and not n.endswith(" (elements written)")]
-            if headers:
-                lines.append("  the ranks computed different checkpoint headers (their models' shapes, dtypes,"
-                             " optimizer state or param groups differ); nothing was written")
+            moments = [n for n in items if not n.endswith(" (elements written)")]
             if counts:
                 lines.append(f"  the ranks together do not write every element of these tensors exactly once"
                              f" ({len(counts)}): {', '.join(counts[:20])}")
@@ -348,9 +346,10 @@ def _save_error(e: RestoreError, what: str) -> SaveError:
 
 
 def _agree(problems: Any, what: str, group: dist.ProcessGroup | None,
-           coverage: dict[str, tuple[int, int]] | None = None) -> None:
+           coverage: dict[str, tuple[int, int]] | None = None, header: str | None = None) -> None:
     try:
-        agree(problems, what, group, coverage=coverage)
+        agree(problems, what, group, coverage=coverage,
+              same=(header, _DIFFERENT_HEADERS) if header is not None else None)
     except RestoreError as e:
         raise _save_error(e, what) from None
 
@@ -435,6 +434,7 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
                     remote_state = save_plan.merge_schemas([s for _, s in sent])
             # -- phase 1: plan, agree on the header and on the coverage --------------------------------------------
             coverage: dict[str, tuple[int, int]] = {}
+            header: str | None = None
             with problems.guard():
                 if payload is None:
                     raise FsdpRestoreError("rank 0 could not send extra (see its error)" if rank else
@@ -450,11 +450,11 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
                                                   weights_only=weights_only, rank=rank, world=world,
                                                   max_shard_size=size, remote_state=remote_state, set_id=set_id)
                 coverage = plan.coverage(rank)
-                coverage.update(_header_terms(plan, rank, world))
+                header = _header_digest(plan)
                 if rank == 0:
                     created = True
                     _create_temp(dst, tmp, plan, size is not None)
-            _agree(problems, "save_sharded (plan)", group, coverage)
+            _agree(problems, "save_sharded (plan)", group, coverage, header)
             assert plan is not None and tmp is not None
             timings["plan"] = time.perf_counter() - t0
             sharded = size is not None
