@@ -74,12 +74,20 @@ def hf_training_ckpt(tmp_path_factory):
     return root / "hf.safetensors"
 
 
+def _in_saved_order(model, hf_names):
+    """The titan model's parameters in the order the saved (Hugging Face) run's optimizer listed its own:
+    torch numbers a saved optimizer's parameters in its groups' order, and a key map renames only."""
+    fn = as_function(parse_spec(str(TITAN_MAP)))
+    named = [(n.replace("_fsdp_wrapped_module.", ""), p) for n, p in model.named_parameters()]
+    return [p for n, p in sorted(named, key=lambda np_: hf_names.index(fn(np_[0])))]
+
+
 def _restore_titan(rank, world_size, path, how):
-    model = wrap(build("titan", seed=5), how, world_size)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    result = fsdp_restore.restore(model, path, optimizer=opt, key_map=parse_spec(str(TITAN_MAP)))
     saved = torch.load(str(path).replace(".safetensors", ".pt"), weights_only=False)  # written by this test
     hf_names = list(saved["model"])  # the saved optimizer's integer ids follow the HF parameter order
+    model = wrap(build("titan", seed=5), how, world_size)
+    opt = torch.optim.AdamW(_in_saved_order(model, hf_names), lr=1e-3)
+    result = fsdp_restore.restore(model, path, optimizer=opt, key_map=parse_spec(str(TITAN_MAP)))
     wrong = [n for n, t in full_state(model, how).items() if not torch.equal(t, saved["model"][titan_to_hf(n)])]
     for name, param in model.named_parameters():
         name = name.replace("_fsdp_wrapped_module.", "")
@@ -97,6 +105,22 @@ def test_hf_llama_into_torchtitan_names(hf_training_ckpt, how, world_size):
     results = run_ranks(_restore_titan, world_size, hf_training_ckpt, how)
     assert all(wrong == [] for wrong, _ in results), results
     assert results[0][1] == len(build("titan").state_dict())
+
+
+def _restore_titan_in_its_own_order(rank, world_size, path):
+    model = wrap(build("titan", seed=5), "fsdp2", world_size)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # w1, w2, w3: not the saved gate, up, down order
+    with pytest.raises(RestoreError) as info:
+        fsdp_restore.restore(model, path, optimizer=opt, key_map=parse_spec(str(TITAN_MAP)))
+    return str(info.value)
+
+
+def test_an_optimizer_in_another_order_than_the_saved_ids_is_refused(hf_training_ckpt):
+    """Integer ids carry no names: under a key map as anywhere, they map by the optimizer's order (as torch's
+    load_state_dict); torchtitan lists w2 (down) before w3 (up), so the saved moments do not fit: refused."""
+    messages = run_ranks(_restore_titan_in_its_own_order, 2, hf_training_ckpt)
+    assert len(set(messages)) == 1
+    assert "-> layers.0.feed_forward.w2.weight [30, 46]: saved 'exp_avg' has shape [46, 30]" in messages[0]
 
 
 def _restore_badly_mapped(rank, world_size, path):
