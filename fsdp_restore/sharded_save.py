@@ -35,7 +35,7 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,7 +53,7 @@ from .format import DEFAULT_INDEX_NAME
 from .jobs import parse_size
 from .restore import _no_cyclic_gc, _refuse_unsharded_fsdp1, _reshard_fsdp2
 from .save_plan import WriteItem, WritePlan
-from .verdict import _LABELS, _device, _rank, agree, new_problems
+from .verdict import _LABELS, _collective, _device, _rank, agree, new_problems
 from .write import (CHUNK_BYTES, _fsync_dir, _remove, _replace, _write_small_file, file_header, index_bytes,
                     remove_stale_temporaries, start_writeback, tensor_bytes)
 
@@ -342,7 +342,25 @@ def _save_error(e: RestoreError, what: str) -> SaveError:
                              f" doubled) ({len(moments)}): {', '.join(moments[:20])}")
         else:
             lines.append(f"  {_LABELS.get(kind, kind)} ({len(items)}): {', '.join(items[:20])}")
+    if any(text.startswith("a rank died") for text in e.problems.get("error", [])):
+        lines.append(f"  hint: {_DIED_HINT}")
     return SaveError("\n".join(lines), e.problems)
+
+
+_DIED_HINT = ("find the rank that died in its own log and exit status (killed, out of memory, a crash) or the broken"
+              " connection, fix that and save again; the checkpoint under the final name is untouched (a temporary"
+              " left by a rank 0 that died is removed by the next save or convert to that path)")
+
+
+@contextlib.contextmanager
+def _exchange(what: str, step: str) -> Iterator[None]:
+    """A collective outside the verdicts (rank 0's extra, the checksums): a peer that died makes it fail, and
+    that failure is the same `SaveError` as the verdicts raise."""
+    try:
+        with _collective(what, step):
+            yield
+    except RestoreError as e:
+        raise _save_error(e, what) from None
 
 
 def _agree(problems: Any, what: str, group: dist.ProcessGroup | None,
@@ -428,7 +446,8 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
                     schema = save_plan.state_schema(model, optimizer)
             if world > 1:  # one exchange, whatever happened above: rank 0's payload, and state schemas if any
                 sent: list[Any] = [None] * world
-                dist.all_gather_object(sent, (payload, schema), group=group)
+                with _exchange("save_sharded (start)", "sending rank 0's extra"):
+                    dist.all_gather_object(sent, (payload, schema), group=group)
                 payload = sent[0][0]
                 if any(s is not None for _, s in sent):
                     remote_state = save_plan.merge_schemas([s for _, s in sent])
@@ -482,7 +501,8 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
             # -- phase 4: checksums, rename --------------------------------------------------------------------------
             t3 = time.perf_counter()
             problems = new_problems()
-            checksums = _join_crcs(plan, crc, group, world)
+            with _exchange("save_sharded (commit)", "joining the ranks' checksums"):
+                checksums = _join_crcs(plan, crc, group, world)
             with problems.guard():
                 if rank == 0:
                     _commit(dst, tmp, plan, sharded, checksums, fds)
