@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job on the built-in example: make a training checkpoint (.pt), convert it to safetensors,
-# inspect and verify it against the source, then restore it on 2 ranks with FSDP2 and FSDP1
-# (model + optimizer, NaN-fill check) and keep training.
+# inspect and verify it against the source, then restore it on 2 ranks with FSDP2 (model + optimizer,
+# NaN-fill check), keep training and save from the shards (every rank writes its own bytes of one file);
+# verify that file, and restore it under FSDP1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -18,9 +19,12 @@ echo "== 3. inspect"
 $CLI inspect "$OUT/step3.safetensors" --depth 2
 echo "== 4. verify against the source, bit for bit"
 $CLI verify "$OUT/step3.safetensors" --against "$OUT/step3.pt"
-for fsdp in fsdp2 fsdp1; do
-  echo "== 5. restore on 2 ranks ($fsdp, gloo on CPU) and continue training"
-  $PY -m torch.distributed.run --standalone --nproc-per-node 2 scripts/train_resume.py \
-      --ckpt "$OUT/step3.safetensors" --fsdp "$fsdp" --steps 3 2>&1 | grep -v "^W\|OMP_NUM_THREADS\|^\*\*\*\*"
-done
-echo "== done: the restored runs above continue from step 3"
+RUN="$PY -m torch.distributed.run --standalone --nproc-per-node 2 scripts/train_resume.py"
+QUIET='^W\|OMP_NUM_THREADS\|^\*\*\*\*'
+echo "== 5. restore on 2 ranks (FSDP2, gloo on CPU), train 3 steps, save from the shards"
+$RUN --ckpt "$OUT/step3.safetensors" --fsdp fsdp2 --steps 3 --save "$OUT/step6.safetensors" 2>&1 | grep -v "$QUIET"
+echo "== 6. verify the saved checkpoint (every tensor's checksum and the header's)"
+$CLI verify "$OUT/step6.safetensors"
+echo "== 7. restore the saved step 6 under FSDP1 and continue"
+$RUN --ckpt "$OUT/step6.safetensors" --fsdp fsdp1 --steps 2 2>&1 | grep -v "$QUIET"
+echo "== done: step 3 restored and trained under FSDP2, saved from its shards, restored under FSDP1 at step 6"

@@ -24,6 +24,7 @@ def main() -> None:
     parser.add_argument("--ckpt", required=True)
     parser.add_argument("--fsdp", choices=["fsdp2", "fsdp1"], default="fsdp2")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--save", help="after training, save from the shards here (every rank writes its own bytes)")
     args = parser.parse_args()
 
     use_cuda = torch.cuda.is_available()
@@ -63,6 +64,11 @@ def main() -> None:
         step += 1
         if rank == 0:
             print(f"step {step} loss {loss.item():.6f}")
+    if args.save:  # the rest of the checkpoint (RNG, config...) comes along from rank 0, with the new step
+        report = fsdp_restore.save_sharded(model, args.save, optimizer=optimizer, extra={**extra, "step": step})
+        if rank == 0:
+            print(f"saved step {step} to {report.path}: {report.nbytes / 1e6:.1f} MB, each rank wrote its own"
+                  f" {report.bytes_written / 1e6:.1f} MB (rank 0), no gather")
     dist.destroy_process_group()
 
 
