@@ -5,23 +5,67 @@ Pipeline: format -> flatten -> write/convert -> read -> (key_map) plan -> execut
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
+import types
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .convert import ConvertReport, convert, load_pt, save
 from .errors import (FormatError, FsdpRestoreError, RestoreError, SaveError, UnsafePickleError,
                      UnsupportedObjectError, VerifyError)
-from .flatten import flatten, unflatten
-from .provenance import mismatch
-from .read import Checkpoint, find_safetensors_for, open_checkpoint, stale_sibling  # noqa: F401
-from .buffers import init_non_persistent_buffers
-from .key_map import KeyMap
-from .plan import RestoreReport
-from .restore import RestoreResult, restore, restore_model, restore_optimizer
-from .sharded_save import SaveReport, save_sharded
-from .verify import VerifyReport, inspect_checkpoint, verify
+
+# The public names, each from its module, imported on first use (PEP 562): `fsdp-restore --help` and
+# `--version` then answer without importing torch (seconds), and `import fsdp_restore` stays cheap.
+_LAZY = {
+    "ConvertReport": "convert", "convert": "convert", "load_pt": "convert", "save": "convert",
+    "flatten": "flatten", "unflatten": "flatten",
+    "Checkpoint": "read", "find_safetensors_for": "read", "open_checkpoint": "read", "stale_sibling": "read",
+    "init_non_persistent_buffers": "buffers", "KeyMap": "key_map", "RestoreReport": "plan",
+    "RestoreResult": "restore", "restore": "restore", "restore_model": "restore", "restore_optimizer": "restore",
+    "SaveReport": "sharded_save", "save_sharded": "sharded_save",
+    "VerifyReport": "verify", "inspect_checkpoint": "verify", "verify": "verify",
+}
+
+if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
+    from .buffers import init_non_persistent_buffers
+    from .convert import ConvertReport, convert, load_pt, save
+    from .flatten import flatten, unflatten
+    from .key_map import KeyMap
+    from .plan import RestoreReport
+    from .read import Checkpoint, find_safetensors_for, open_checkpoint, stale_sibling  # noqa: F401
+    from .restore import RestoreResult, restore, restore_model, restore_optimizer
+    from .sharded_save import SaveReport, save_sharded
+    from .verify import VerifyReport, inspect_checkpoint, verify
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fsdp_restore' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # once: later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+class _Package(types.ModuleType):
+    """Importing a submodule binds its name on the package (``import fsdp_restore.restore`` sets
+    ``fsdp_restore.restore``): where a public function shares its module's name (convert, flatten,
+    restore, verify), the function is bound instead, so the public name never becomes a module."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and _LAZY.get(name) == name:
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
 
 __version__ = "0.1.0"
 
@@ -37,6 +81,10 @@ def load(path: str | os.PathLike[str], *, mmap: bool = True, trust_pickle: bool 
     directory) is used when one exists and was converted from ``x.pt`` as it is now, as OLMo does;
     otherwise the ``.pt`` is loaded safely (see `load_pt`), with a warning when a sibling exists but is stale.
     """
+    from .convert import load_pt
+    from .provenance import mismatch
+    from .read import Checkpoint, find_safetensors_for
+
     found = find_safetensors_for(path)
     if found is None:
         return load_pt(path, trust_pickle=trust_pickle)
