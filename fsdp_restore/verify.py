@@ -310,7 +310,8 @@ def _load_failure(e: Exception, path: Any, trust_pickle: bool) -> str:
 
 
 def _select(obj: Any, select: str | None) -> Any:
-    """The subtree at dotted path ``select``: dict keys (matched by their text), list indices, attributes."""
+    """The subtree at dotted path ``select``: dict keys (matched by their text), list indices, attributes.
+    A walker of its own, not `convert.select_subtree`: the oracle shares no code with what it checks."""
     for i, part in enumerate(select.split(".") if select else []):
         here = ".".join(select.split(".")[:i]) or "<root>"  # type: ignore[union-attr]
         if isinstance(obj, dict):
