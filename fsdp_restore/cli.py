@@ -28,7 +28,7 @@ from rich.text import Text
 from .errors import FsdpRestoreError
 
 CONVERT_DEFAULTS: dict[str, Any] = {
-    "dtype": None,  # bf16 | fp16 | fp32: cast the model's floating weights
+    "dtype": None,  # bf16 | fp16 | fp32 | fp64: cast the model's floating weights
     "cast_include": None,  # key patterns (fnmatch) the cast applies to; default: the model's weights
     "cast_exclude": [],  # key patterns kept in their dtype
     "max_shard_size": None,  # e.g. 5GB: write a directory of shards plus an index json
@@ -351,7 +351,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("src", help="a torch.save file, a DeepSpeed checkpoint directory (ZeRO 1-3) or a DCP directory")
     p.add_argument("dst", help="a .safetensors file, or a directory with --max-shard-size")
     p.add_argument("--config", help="YAML options file (see configs/convert.yaml)")
-    p.add_argument("--dtype", help="cast the model's floating weights: bf16, fp16 or fp32 (optimizer state and"
+    p.add_argument("--dtype", help="cast the model's floating weights: bf16, fp16, fp32 or fp64 (optimizer state and"
                                    " scalars keep theirs unless cast_include names them)")
     p.add_argument("--max-shard-size", help="e.g. 5GB: write shards plus model.safetensors.index.json")
     p.add_argument("--select", help="only this subtree, e.g. model")

@@ -182,8 +182,10 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
                     result = checks.screen(storages, plan, ckpt, threads)
                 problems.add("unrestored", result.unrestored)
                 timings["check"] = (t1 - t1_fill) + (time.perf_counter() - t2)  # fill pass + verdict
-            if extra_keys is not None:
-                extra = extras(ckpt, extra_keys)
+            if extra_keys is not None and plan.model_report is not None:
+                # the rest of the checkpoint; a plain weights file (prefix "") has nothing but its weights
+                weights_at = plan.model_report.prefix
+                extra = extras(ckpt, (weights_at, *extra_keys)) if weights_at else {}
         t3 = time.perf_counter()
         agree(problems, f"{what} check", group)
         timings["agree"] = time.perf_counter() - t3
@@ -278,15 +280,17 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
 
 
 def restore(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint,
-            optimizer: torch.optim.Optimizer | None = None, *, model_key: str = "model", optim_key: str = "optim",
+            optimizer: torch.optim.Optimizer | None = None, *, model_key: str | None = None, optim_key: str = "optim",
             check: bool = True, check_buffers: bool = True, strict: bool = True, threads: int | None = None,
             key_map: KeyMap | None = None, process_group: dist.ProcessGroup | None = None) -> RestoreResult:
     """Restore model (and optimizer) state on every rank in one pass: one plan, one read phase, two
     verdicts. Returns a `RestoreResult`: a mapping over every other top-level entry of the checkpoint
     (step, scheduler, RNG states, config...) as ordinary Python objects, with ``.model`` and
-    ``.optimizer`` reports (``strict=False`` losses are in ``result.model.missing``). ``key_map``: as
-    `restore_model`."""
+    ``.optimizer`` reports (``strict=False`` losses are in ``result.model.missing``). ``model_key``: the
+    subtree holding the weights, by default (None) ``"model"`` when the top level holds a ``model`` subtree
+    (a training checkpoint), else ``""`` (a plain weights file, such as a Hugging Face file or a weights-only
+    `save_sharded`; nothing else is returned then). ``key_map``: as `restore_model`."""
     plan, extra = _run(model, checkpoint, weights=True, optimizer=optimizer, prefix=model_key, optim_prefix=optim_key,
                        strict=strict, check=check, check_buffers=check_buffers, method="read", threads=threads,
-                       dtype_policy="cast", group=process_group, extra_keys=(model_key, optim_key), key_map=key_map)
+                       dtype_policy="cast", group=process_group, extra_keys=(optim_key,), key_map=key_map)
     return RestoreResult(model=plan.model_report, optimizer=plan.optim_report, extra=extra)

@@ -456,23 +456,25 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
             header: str | None = None
             with problems.guard():
                 if payload is None:
-                    raise FsdpRestoreError("rank 0 could not send extra (see its error)" if rank else
-                                           "extra could not be pickled")
-                sent_extra, tmp_name, set_id = pickle.loads(payload)
-                dst = Path(path)
-                tmp = _temp_path(dst, tmp_name)
-                weights_only = optimizer is None and (extra if rank == 0 else sent_extra) is None  # rank 0's
-                _reshard_fsdp2(model)
-                _refuse_unsharded_fsdp1(model)
-                plan = save_plan.build_write_plan(model, optimizer=optimizer,
-                                                  extra=extra if rank == 0 else sent_extra,
-                                                  weights_only=weights_only, rank=rank, world=world,
-                                                  max_shard_size=size, remote_state=remote_state, set_id=set_id)
-                coverage = plan.coverage(rank)
-                header = _header_digest(plan)
-                if rank == 0:
-                    created = True
-                    _create_temp(dst, tmp, plan, size is not None)
+                    if not problems:  # rank 0's own problem (bad arguments) is reported already
+                        raise FsdpRestoreError("rank 0 could not send extra (see its error)" if rank else
+                                               "extra could not be pickled")
+                else:
+                    sent_extra, tmp_name, set_id = pickle.loads(payload)
+                    dst = Path(path)
+                    tmp = _temp_path(dst, tmp_name)
+                    weights_only = optimizer is None and (extra if rank == 0 else sent_extra) is None  # rank 0's
+                    _reshard_fsdp2(model)
+                    _refuse_unsharded_fsdp1(model)
+                    plan = save_plan.build_write_plan(model, optimizer=optimizer,
+                                                      extra=extra if rank == 0 else sent_extra,
+                                                      weights_only=weights_only, rank=rank, world=world,
+                                                      max_shard_size=size, remote_state=remote_state, set_id=set_id)
+                    coverage = plan.coverage(rank)
+                    header = _header_digest(plan)
+                    if rank == 0:
+                        created = True
+                        _create_temp(dst, tmp, plan, size is not None)
             _agree(problems, "save_sharded (plan)", group, coverage, header)
             assert plan is not None and tmp is not None
             timings["plan"] = time.perf_counter() - t0

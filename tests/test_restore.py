@@ -399,3 +399,16 @@ def _restore_inside_summon(rank, world_size, path):
 
 def test_fsdp1_restore_inside_summon_full_params_is_refused(ckpts):
     assert all(run_ranks(_restore_inside_summon, 2, ckpts["mlp"]))
+
+
+def test_restore_reads_a_plain_weights_file_by_default(tmp_path):
+    """restore(), like restore_model(), finds the weights of a plain weights file (Hugging Face layout, a
+    weights-only save_sharded) at the top level; there is nothing else to return then."""
+    from models import build
+
+    fsdp_restore.save(build("mlp", seed=4).state_dict(), tmp_path / "w.safetensors")
+    model = build("mlp", seed=1)
+    result = fsdp_restore.restore(model, tmp_path / "w.safetensors")
+    assert dict(result) == {} and result.model.tensors == len(model.state_dict())
+    for name, value in build("mlp", seed=4).state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name

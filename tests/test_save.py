@@ -421,6 +421,7 @@ def test_arguments_are_checked_at_the_door(tmp_path):
     results = run_ranks(_bad_arguments, 2, str(tmp_path / "x.safetensors"))
     assert results[0] == results[1]
     assert "thread_count" in results[0][0] and "extra must be a dict" in results[0][1] and "size" in results[0][2]
+    assert not any("could not be pickled" in text for text in results[0])  # one problem, not a false second one
 
 
 def _split_replicas(rank, world_size, root, name, how):
