@@ -9,7 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "benchmark.py"
+SAVE_METHODS = {"floor", "ours", "ours-model", "gather", "dcp", "dcp+hf"}
 RESTORE_METHODS = {"fsdp2": {"ours", "ours-nocheck", "dcp", "broadcast", "every-rank-loads", "ours+optim"},
                    "fsdp1": {"ours", "ours-nocheck", "broadcast", "apply", "ours+optim"}}
 
@@ -42,11 +45,23 @@ def test_every_method_runs_and_ours_requests_only_its_share(tmp_path):
                 assert 3 * model / 2 <= requested <= 3 * model / 2 * 1.02, r
     assert "| ours |" in results["markdown"]
 
+    # the save section: every method ran on both layouts; ours and the floor wrote files of one size, and the
+    # weights-only save a third of it (no optimizer state)
+    saves = {(r["fsdp"], r["method"]): r for r in results["save"]}
+    assert set(saves) == {(f, m) for f in ("fsdp2", "fsdp1") for m in SAVE_METHODS}
+    for fsdp in ("fsdp2", "fsdp1"):
+        ours = saves[fsdp, "ours"]
+        assert ours["output_bytes"] == saves[fsdp, "floor"]["output_bytes"]
+        assert 0.3 < saves[fsdp, "ours-model"]["output_bytes"] / ours["output_bytes"] < 0.35
+        assert sum(ours["written_per_rank"]) >= ours["output_bytes"]  # every byte written by some rank
 
+
+@pytest.mark.slow
 def test_llama_model_restores_by_every_method(tmp_path):
     """--model llama: a transformers Llama (embeddings, norms, an odd vocabulary) through every restore method."""
     out = tmp_path / "results.json"
-    res = subprocess.run([sys.executable, str(SCRIPT), "--skip", "convert", "--model", "llama", "--restore-mb", "70",
+    res = subprocess.run([sys.executable, str(SCRIPT), "--skip", "convert", "--skip", "save", "--model", "llama",
+                          "--restore-mb", "70",
                           "--world-sizes", "3", "--repeat", "1", "--cache", "warm", "--workdir", str(tmp_path / "w"),
                           "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -60,6 +75,7 @@ def test_llama_model_restores_by_every_method(tmp_path):
                 assert r["model_bytes"] / 3 * 0.98 <= requested <= r["model_bytes"] / 3 * 1.02, r
 
 
+@pytest.mark.slow
 def test_scale_simulation_runs_and_proves_coverage(tmp_path):
     """scripts/simulate_scale.py at one layer: each simulated rank reads exactly its share, and every
     rank's coverage sums to zero (the check the verdict makes, for all 64 ranks)."""
