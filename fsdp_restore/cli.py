@@ -293,7 +293,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     with _progress() as progress:
         task = progress.add_task("verify", total=None)
         report = verify(args.path, against=args.against, select=args.select, threads=args.threads,
-                        trust_pickle=args.trust_pickle, progress=lambda d, t: progress.update(task, completed=d, total=t))
+                        trust_pickle=args.trust_pickle, tag=args.tag,
+                        progress=lambda d, t: progress.update(task, completed=d, total=t))
     render_verify(report, out)
     return report.exit_code
 
@@ -377,6 +378,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.add_argument("--against", help="the source (.pt, DeepSpeed or DCP directory): compare every tensor")
     p.add_argument("--select", help="the subtree of the source that was converted (convert --select)")
+    p.add_argument("--tag", help="a DeepSpeed source's tag, as given to convert (default: the one 'latest' names)")
     p.add_argument("--threads", type=_int_at_least(1))
     p.add_argument("--trust-pickle", action="store_true")
     p.set_defaults(func=cmd_verify)

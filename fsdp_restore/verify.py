@@ -164,7 +164,7 @@ def _source_mismatch(ckpt: Checkpoint, key: str, source: torch.Tensor) -> str | 
 
 def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | None = None,
            select: str | None = None, threads: int | None = None, trust_pickle: bool = False,
-           progress: Callable[[int, int], None] | None = None) -> VerifyReport:
+           tag: str | None = None, progress: Callable[[int, int], None] | None = None) -> VerifyReport:
     """Check a checkpoint without its source: header sanity (offsets in range, no overlaps or
     holes, sizes), index consistency, the structure metadata, and every checksum.
 
@@ -175,7 +175,8 @@ def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | No
     storage sharing (both ways, where the file records it: not in a plain safetensors file) and every
     value bit for bit, in pieces of at most `COMPARE_BYTES`. A name the source holds and ``load`` does not
     return is missing, even when the file's metadata names it a tied alias (safetensors' ``save_model``).
-    With ``against`` a ZeRO or DCP directory, the structure and every tensor are compared by name.
+    With ``against`` a ZeRO or DCP directory, the structure and every tensor are compared by name (``tag``:
+    the DeepSpeed tag the checkpoint was converted from, as `convert`'s; default: the one ``latest`` names).
     Never raises for a bad checkpoint: the problems are in the report.
     """
     report = VerifyReport(path=str(path), against=str(against) if against else None)
@@ -186,7 +187,7 @@ def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | No
             report.problems.append((getattr(e, "path", str(path)), getattr(e, "problem", str(e))))
             return report
         with ckpt:
-            _verify_open(ckpt, report, against, select, threads, trust_pickle, progress)
+            _verify_open(ckpt, report, against, select, threads, trust_pickle, progress, tag)
     report.seconds = clock.seconds
     return report
 
@@ -217,14 +218,14 @@ class _Piecewise:
         return self._reader(0, max(1, int(torch.Size(self.shape).numel()))).to(dtype).reshape(self.shape)
 
 
-def _sharded_source(against: Any, select: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+def _sharded_source(against: Any, select: str | None, tag: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The flat tensors and structure of a ZeRO / DCP directory, whose sharded tensors are compared piece by
     piece, never assembled whole."""
     from .convert import select_subtree
     from .dcp_in import is_dcp_checkpoint, read_dcp
     from .zero import read_zero
 
-    obj, pieces = read_dcp(against) if is_dcp_checkpoint(against) else read_zero(against)[:2]
+    obj, pieces = read_dcp(against) if is_dcp_checkpoint(against) else read_zero(against, tag=tag)[:2]
     tensors, structure = flatten(select_subtree(obj, select))
     for key, t in list(tensors.items()):
         held = pieces.get(t.data_ptr())
@@ -578,7 +579,7 @@ def _compare_values(comparer: _Comparer, ckpt: Checkpoint, report: VerifyReport,
 
 
 def _verify_open(ckpt: Checkpoint, report: VerifyReport, against: Any, select: str | None, threads: int | None,
-                 trust_pickle: bool, progress: Callable[[int, int], None] | None) -> None:
+                 trust_pickle: bool, progress: Callable[[int, int], None] | None, tag: str | None = None) -> None:
     report.tensors = len(ckpt.entries)
     loaded: Any = None
     try:
@@ -590,7 +591,7 @@ def _verify_open(ckpt: Checkpoint, report: VerifyReport, against: Any, select: s
     if against is not None:
         try:
             if _is_sharded_source(against):
-                src_tensors, src_structure = _sharded_source(against, select)
+                src_tensors, src_structure = _sharded_source(against, select, tag)
             else:
                 src_obj = _select(_load_pt_as_torch_does(against, trust_pickle), select)
         except FsdpRestoreError as e:

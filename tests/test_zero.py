@@ -150,3 +150,14 @@ def test_verify_against_the_zero_directory(zero_root, tmp_path, stage):
     assert report.verdict == "identical", report.problems
     fsdp_restore.convert(src, tmp_path / "b.safetensors", dtype="bf16")
     assert fsdp_restore.verify(tmp_path / "b.safetensors", against=src).verdict == "identical up to the declared cast"
+
+
+def test_verify_against_the_tag_that_was_converted(zero_root, tmp_path):
+    """convert --tag X, then verify --against the directory --tag X: the same tag's tensors, not 'latest''s."""
+    from fsdp_restore.cli import main
+
+    src = _checkpoint(zero_root, 2, 2, "fp32")
+    fsdp_restore.convert(src, tmp_path / "t.safetensors", tag="global_step2")
+    assert main(["verify", str(tmp_path / "t.safetensors"), "--against", str(src), "--tag", "global_step2"]) == 0
+    report = fsdp_restore.verify(tmp_path / "t.safetensors", against=src, tag="global_step9")
+    assert not report.ok and "global_step9" in str(report.problems)
