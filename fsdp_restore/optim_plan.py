@@ -101,8 +101,8 @@ def live_groups(model: nn.Module, optimizer: torch.optim.Optimizer, targets: Seq
 
 
 def match_saved(saved: StoredOptimizer, live: list[list[str]], problems: list[str], unheld: Sequence[str] = ()
-                ) -> dict[str, tuple[int, str]]:
-    """``{live model name: (group, saved state key)}``, matched as ``Optimizer.load_state_dict`` matches
+                ) -> dict[str, str]:
+    """``{live model name: saved state key}``, matched as ``Optimizer.load_state_dict`` matches
     (by position within each group) or, where the saver recorded names, by name. Mismatches go to
     ``problems`` (``unheld``: the model's parameters no group holds, named when sizes differ); a group with
     a problem maps nothing."""
@@ -110,7 +110,7 @@ def match_saved(saved: StoredOptimizer, live: list[list[str]], problems: list[st
         problems.append(f"the checkpoint's optimizer has {len(saved.groups)} param groups, the optimizer"
                         f" {len(live)}: build the optimizer's groups as the saved run did")
         return {}
-    mapping: dict[str, tuple[int, str]] = {}
+    mapping: dict[str, str] = {}
     for g, (stored, names) in enumerate(zip(saved.groups, live)):
         if stored.names is None:  # torch's integer ids: by position in the group, exactly as load_state_dict
             if len(stored.ids) != len(names):
@@ -120,7 +120,7 @@ def match_saved(saved: StoredOptimizer, live: list[list[str]], problems: list[st
                     f" {len(names)} ({_few(names)}){outside}; torch.save(opt.state_dict()) numbers parameters in"
                     " the optimizer's order, group by group: build the optimizer's groups as the saved run did")
                 continue
-            mapping.update((name, (g, key)) for name, key in zip(names, stored.ids))
+            mapping.update(zip(names, stored.ids))
             continue
         if sorted(stored.names) != sorted(names):
             extra = sorted(set(stored.names) - set(names))
@@ -130,7 +130,7 @@ def match_saved(saved: StoredOptimizer, live: list[list[str]], problems: list[st
             problems.append(f"param group {g}: the optimizer's parameters differ from the checkpoint's"
                             f" ({detail or 'same names, different count'})")
             continue
-        mapping.update((name, (g, key)) for name, key in zip(stored.names, stored.ids))
+        mapping.update(zip(stored.names, stored.ids))
     return mapping
 
 
@@ -167,7 +167,7 @@ def plan_optimizer(plan: ReadPlan, model: nn.Module, targets: Sequence[Target], 
     misfits: list[str] = []
     for g, (group_slots, group) in enumerate(zip(slots, saved.groups)):
         for slot in group_slots:
-            keys = {n: mapping[n][1] if n in mapping else stored_as.get(n, n) for n in slot.names}
+            keys = {n: mapping.get(n, stored_as.get(n, n)) for n in slot.names}
             state = _plan_param_state(plan, slot, g, keys, saved, ckpt, lazy,
                                       optim.optimizer.state.get(slot.param, {}), group.hyper, misfits)
             if state:
