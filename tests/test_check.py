@@ -15,6 +15,7 @@ from dist import GPU, backends, cases, run_ranks
 from models import build, converted, wrap
 
 import fsdp_restore
+import fsdp_restore.execute  # the package imports its modules on first use: this one is used by name below
 from fsdp_restore import RestoreError
 from fsdp_restore.check import coverage_terms, model_storages, screen, validate_plan
 from fsdp_restore.plan import ReadItem, build_plan
