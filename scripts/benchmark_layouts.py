@@ -41,6 +41,7 @@ def _rank(rank: int, world_size: int, path: str, rows: int, cols: int, placement
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import fsdp_restore
+    import fsdp_restore.shards  # used by name below (the package imports its modules on first use)
 
     mesh = init_device_mesh("cpu", (world_size,))
     module = torch.nn.Embedding(rows, cols)
