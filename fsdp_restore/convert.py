@@ -25,9 +25,10 @@ from .errors import FormatError, UnsafePickleError
 from .flatten import flatten
 from .format import META_SOURCE
 from .jobs import ConvertReport, cast_groups, cast_target, parse_size, plan_jobs, write_converted
+from .mapped import MappedFile
 from .measure import PeakAnonMemory, Stopwatch
 from .provenance import source_identity
-from .write import ProgressFn, default_threads, write_safetensors
+from .write import ProgressFn, default_io_threads, write_safetensors
 
 def _allowlist() -> list[Any]:
     """Globals a weights_only unpickler may resolve in a checkpoint: data types, never callables
@@ -189,7 +190,7 @@ def _convert_directory(src: str | os.PathLike[str], dst: str | os.PathLike[str],
                           " tag with *_optim_states.pt files) nor a DCP checkpoint (.metadata + *.distcp)")
     if Path(dst).exists() and not force:
         raise FileExistsError(f"{dst} already exists; pass force=True (CLI: --force) to replace it")
-    threads = threads or default_threads()
+    threads = threads or default_io_threads()
     with PeakAnonMemory() as mem, Stopwatch() as clock:
         if is_dcp_checkpoint(src):
             obj, pieces = read_dcp(src)
@@ -256,14 +257,21 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
         raise FormatError(src, "no such file")
     if Path(dst).exists() and not force:
         raise FileExistsError(f"{dst} already exists; pass force=True (CLI: --force) to replace it")
-    threads = threads or default_threads()
+    threads = threads or default_io_threads()
     with PeakAnonMemory() as mem, Stopwatch() as clock:
         identity = source_identity(src)  # before reading: a source rewritten meanwhile will not match it
         obj = select_subtree(load_pt(src, trust_pickle=trust_pickle, allow_globals=allow_globals), select)
         tensors, structure = flatten(obj, on_unsupported=on_unsupported)  # type: ignore[arg-type]
-        result, casts = write_converted(tensors, structure, dst, dtype=dtype, cast_include=cast_include,
-                                        cast_exclude=cast_exclude, max_shard_size=max_shard_size, threads=threads,
-                                        force=force, progress=progress, metadata={META_SOURCE: json.dumps(identity)})
+        mapped, fd = MappedFile(src), os.open(src, os.O_RDONLY)
+        try:
+            locations = {key: (fd, offset) for key, t in tensors.items()
+                         if (offset := mapped.offset_of(t)) is not None}
+            result, casts = write_converted(tensors, structure, dst, dtype=dtype, cast_include=cast_include,
+                                            cast_exclude=cast_exclude, max_shard_size=max_shard_size,
+                                            threads=threads, force=force, progress=progress,
+                                            metadata={META_SOURCE: json.dumps(identity)}, locations=locations)
+        finally:
+            os.close(fd)
         del obj, tensors
     return ConvertReport(src=str(src), dst=str(dst), files=[str(p) for p in result.paths],
                          tensors=len(result.checksums), nbytes=result.nbytes,

@@ -118,13 +118,15 @@ def write_converted(tensors: dict[str, torch.Tensor], structure: dict[str, Any],
                     cast_include: Sequence[str] | None = None, cast_exclude: Sequence[str] = (),
                     max_shard_size: int | str | None = None, threads: int, force: bool = False,
                     progress: Callable[[int, int], None] | None = None,
-                    metadata: dict[str, str] | None = None) -> tuple[Any, dict[str, tuple[str, str]]]:
+                    metadata: dict[str, str] | None = None,
+                    locations: dict[str, tuple[int, int]] | None = None) -> tuple[Any, dict[str, tuple[str, str]]]:
     """Cast (policy above) and write ``tensors`` with ``structure``; ``readers[key]`` supplies the
     elements of a tensor held in pieces (its ``tensors`` entry then only gives shape and dtype).
     Returns the writer's result and ``{key: (dtype before, dtype after)}`` of every cast."""
     jobs = plan_jobs(tensors, structure, dtype, cast_include, cast_exclude)
     for job in jobs:
         job.reader = (readers or {}).get(job.key)
+        job.location = (locations or {}).get(job.key)
     total = sum(j.nbytes for j in jobs)
     casts = {j.key: (torch_dtype_name(j.source.dtype), torch_dtype_name(j.dtype)) for j in jobs
              if j.dtype != j.source.dtype}

@@ -55,7 +55,7 @@ from .restore import _no_cyclic_gc, _refuse_unsharded_fsdp1, _reshard_fsdp2
 from .save_plan import WriteItem, WritePlan
 from .verdict import _LABELS, _collective, _device, _rank, agree, new_problems
 from .write import (CHUNK_BYTES, _fsync_dir, _remove, _replace, _write_small_file, file_header, index_bytes,
-                    remove_stale_temporaries, start_writeback, tensor_bytes)
+                    remove_stale_temporaries, tensor_bytes)
 
 __all__ = ["SaveReport", "save_sharded"]
 
@@ -143,6 +143,14 @@ def _pwrite_all(fd: int, data: Any, offset: int) -> None:
     while view:  # pwrite may write less than asked
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Start writing a just-written range to disk now, asynchronously, and let its pages go once written
+    (Linux's POSIX_FADV_DONTNEED starts writeback of dirty pages, then drops the clean ones), so that the
+    writeback overlaps the copying instead of all waiting for the commit's fsync."""
+    if hasattr(os, "posix_fadvise") and nbytes:
+        os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
 
 
 class _Staging(threading.local):

@@ -21,6 +21,7 @@ import ctypes
 import errno
 import glob
 import json
+import mmap
 import os
 import shutil
 import threading
@@ -32,9 +33,10 @@ from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from .checksum import combine_segments, plan_segments
+from .checksum import combine_segments
 from .format import (DEFAULT_INDEX_NAME, FORMAT_VERSION, META_CAST, META_CHECKSUMS, META_FORMAT, META_SET_ID,
                      META_STRUCTURE, META_VERSION, build_header, build_index, torch_dtype_name)
 
@@ -67,6 +69,7 @@ class TensorJob:
     source: torch.Tensor
     dtype: torch.dtype
     reader: Reader | None = None
+    location: tuple[int, int] | None = None  # (open file, offset) holding ``source``'s bytes, when it is mapped
 
     @property
     def nbytes(self) -> int:
@@ -106,44 +109,6 @@ def tensor_bytes(t: torch.Tensor):
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Start writing a just-written range to disk now, asynchronously, and let its pages go once written.
-
-    Without it the kernel holds the dirty pages until the final fsync and only then writes them, so a
-    conversion takes read time + write time; with it, writeback overlaps the copying (Linux's
-    POSIX_FADV_DONTNEED starts writeback of dirty pages, then drops the clean ones). It also keeps a
-    100 GB conversion from filling the page cache with output pages. Measured: BENCHMARKS.md."""
-    if hasattr(os, "posix_fadvise") and nbytes:
-        os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
-
-
-def _stream_range(fd: int, offset: int, job: TensorJob, start: int, stop: int, progress: ProgressFn | None) -> int:
-    """Write elements ``[start, stop)`` of one tensor at ``offset`` chunk by chunk; returns their crc32."""
-    src = job.source
-    if job.reader is None and not src.is_contiguous():
-        src = src.contiguous()  # rare in checkpoints; costs one tensor of memory (such tensors are not split)
-    flat = src.reshape(-1)
-    step = max(1, CHUNK_BYTES // max(1, flat.element_size(), job.dtype.itemsize))
-    crc = 0
-    with torch.no_grad():
-        for first in range(start, stop, step):
-            count = min(first + step, stop) - first
-            piece = job.reader(first, count) if job.reader is not None else flat[first:first + count]
-            if piece.dtype != job.dtype:
-                piece = piece.to(job.dtype)
-            data = tensor_bytes(piece)
-            crc = zlib.crc32(data, crc)
-            view = memoryview(data)
-            written_from = offset
-            while view:  # pwrite may write less than asked
-                n = os.pwrite(fd, view, offset)
-                view, offset = view[n:], offset + n
-            start_writeback(fd, written_from, offset - written_from)
-            if progress:
-                progress(len(data))
-    return crc
-
-
 def file_header(jobs: Sequence[TensorJob], metadata: dict[str, str],
                 checksums: dict[str, str] | None = None) -> tuple[bytes, dict[str, int]]:
     """The header of one output file holding ``jobs`` (8-byte length + JSON) and each key's offset in its
@@ -159,25 +124,172 @@ def file_header(jobs: Sequence[TensorJob], metadata: dict[str, str],
     return build_header([(j.key, j.dtype, tuple(j.source.shape)) for j in jobs], meta)
 
 
+BLOCK_BYTES = 32 * 1024 * 1024  # one thread's piece of an output file per task (and its buffer)
+DIRECT_ALIGN = 4096  # O_DIRECT offsets, lengths and buffer addresses are multiples of the device's block size
+
+
+def default_io_threads() -> int:
+    """Threads of a conversion: at least 4 whatever the core count, since they mostly wait on the disk (a
+    direct write holds its thread until the device has the data); more where there are cores to checksum."""
+    return min(16, max(4, default_threads()))
+
+
+def _round_up(n: int, to: int = DIRECT_ALIGN) -> int:
+    return -(-n // to) * to
+
+
+def flat_range(t: torch.Tensor, first: int, stop: int) -> list[torch.Tensor]:
+    """Elements ``[first, stop)`` of ``t`` in row-major order, as a few strided views, without copying the
+    whole tensor (a non-contiguous tensor's ``reshape(-1)`` would): at most two partial rows per dimension
+    and one run of whole rows between them."""
+    if first >= stop:
+        return []
+    if t.dim() == 0 or t.is_contiguous():
+        return [t.reshape(-1)[first:stop]]
+    row = prod(t.shape[1:])
+    r0, r1 = first // row, (stop - 1) // row
+    if r0 == r1:
+        return flat_range(t[r0], first - r0 * row, stop - r0 * row)
+    whole_from = r0 if first == r0 * row else r0 + 1
+    whole_to = r1 + 1 if stop == (r1 + 1) * row else r1
+    parts = flat_range(t[r0], first - r0 * row, row) if whole_from > r0 else []
+    if whole_to > whole_from:
+        parts.append(t[whole_from:whole_to])
+    if whole_to == r1:
+        parts += flat_range(t[r1], 0, stop - r1 * row)
+    return parts
+
+
+def _source_elements(job: TensorJob, first: int, stop: int) -> list[torch.Tensor]:
+    """The source's elements ``[first, stop)`` of one job (its own dtype), as a few tensors in order."""
+    if job.reader is not None:
+        return [job.reader(first, stop - first).reshape(-1)]
+    return flat_range(job.source, first, stop)
+
+
+def _copy_elements(dst: torch.Tensor, parts: list[torch.Tensor]) -> None:
+    """Copy ``parts`` one after the other into the flat tensor ``dst`` (of the output dtype: a cast on the way)."""
+    at = 0
+    for part in parts:
+        n = part.numel()
+        dst[at:at + n].view(part.shape).copy_(part)
+        at += n
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Bytes ``[first, first + nbytes)`` of one tensor's output bytes, at byte ``at`` of a block."""
+
+    job: TensorJob
+    first: int
+    nbytes: int
+    at: int
+
+
+@dataclass
+class _Block:
+    """Bytes ``[offset, offset + nbytes)`` of one output file: what one task fills and writes."""
+
+    writer: _FileWriter
+    offset: int
+    nbytes: int
+    pieces: list[_Piece]
+
+
+class _BlockBuffer(threading.local):
+    """This thread's page-aligned block buffer (anonymous memory, as an O_DIRECT write needs)."""
+
+    def get(self) -> tuple[mmap.mmap, torch.Tensor]:
+        if getattr(self, "memory", None) is None:
+            self.memory = mmap.mmap(-1, BLOCK_BYTES)
+            self.tensor = torch.frombuffer(self.memory, dtype=torch.uint8)
+        return self.memory, self.tensor
+
+
+_BUFFERS = _BlockBuffer()
+
+
 class _FileWriter:
-    """One output safetensors file being written under a temporary name."""
+    """One output safetensors file being written under a temporary name, block by block.
+
+    The file is cut into `BLOCK_BYTES` blocks at fixed offsets; a task fills one block in its thread's
+    buffer (the header's part, then each tensor's part, cast on the way) and writes it with one ``pwrite``.
+    The file is opened with ``O_DIRECT`` where the file system takes it: the data goes from the buffer to the
+    device, with no copy into the page cache and no writeback of dirty pages by the kernel, which on a busy
+    machine cost more system time than the copy itself and made a conversion's time vary several-fold
+    (BENCHMARKS.md). Where ``O_DIRECT`` is refused (tmpfs, some network file systems) the same writes go
+    through the page cache. The header's checksums are known only at the end: the page where the header
+    ends is kept and written again, patched, before the fsync."""
 
     def __init__(self, path: Path, jobs: list[TensorJob], metadata: dict[str, str]) -> None:
         self.path, self.jobs = path, jobs
         self.metadata = dict(metadata)
-        header, self.offsets = file_header(jobs, self.metadata)
-        self.data_start = len(header)  # the header length never changes (see the checksum patch)
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        os.ftruncate(self.fd, self.data_start + sum(j.nbytes for j in jobs))
-        os.pwrite(self.fd, header, 0)
+        self.header, self.offsets = file_header(jobs, self.metadata)
+        self.data_start = len(self.header)  # the header length never changes (see the checksum patch)
+        self.size = self.data_start + sum(j.nbytes for j in jobs)
+        self.fd, self.direct = -1, False
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        if hasattr(os, "O_DIRECT"):
+            try:
+                self.fd, self.direct = os.open(path, flags | os.O_DIRECT, 0o644), True
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+        if self.fd < 0:
+            self.fd = os.open(path, flags, 0o644)
+        self._lock = threading.Lock()
+        self._head_tail = b""  # direct only: the data bytes in the page where the header ends
         self.checksums: dict[str, str] = {}
         self._segment_crcs: dict[str, dict[int, tuple[int, int]]] = {j.key: {} for j in jobs}
 
-    def write(self, job: TensorJob, start: int, stop: int, progress: ProgressFn | None) -> None:
-        """Write elements ``[start, stop)`` of ``job`` (one segment; other threads may write the rest)."""
-        offset = self.data_start + self.offsets[job.key] + start * job.dtype.itemsize
-        crc = _stream_range(self.fd, offset, job, start, stop, progress)
-        self._segment_crcs[job.key][start] = (crc, (stop - start) * job.dtype.itemsize)
+    def blocks(self) -> list[_Block]:
+        """This file cut into blocks, each with the tensor pieces it holds."""
+        blocks = [_Block(self, offset, min(BLOCK_BYTES, self.size - offset), [])
+                  for offset in range(0, self.size, BLOCK_BYTES)]
+        for job in self.jobs:
+            begin = self.data_start + self.offsets[job.key]
+            end = begin + job.nbytes
+            for block in blocks[begin // BLOCK_BYTES:-(-end // BLOCK_BYTES)]:
+                lo, hi = max(begin, block.offset), min(end, block.offset + block.nbytes)
+                block.pieces.append(_Piece(job, lo - begin, hi - lo, lo - block.offset))
+        return blocks
+
+    def fill(self, block: _Block, memory: mmap.mmap, buffer: torch.Tensor, progress: ProgressFn | None) -> None:
+        """Put ``block``'s bytes in ``buffer`` (the header's part, then each piece); record each piece's crc32."""
+        data = buffer.numpy()
+        if block.offset < self.data_start:
+            part = self.header[block.offset:block.offset + block.nbytes]
+            data[:len(part)] = np.frombuffer(part, dtype=np.uint8)
+        with torch.no_grad():
+            for piece in block.pieces:
+                job, size = piece.job, piece.job.dtype.itemsize
+                first, stop = piece.first // size, -(-(piece.first + piece.nbytes) // size)
+                dst = buffer[piece.at:piece.at + piece.nbytes]
+                if job.location is not None and job.dtype == job.source.dtype:
+                    _read_exactly(job.location[0], memoryview(memory)[piece.at:piece.at + piece.nbytes],
+                                  job.location[1] + piece.first)
+                elif piece.first % size == 0 and piece.nbytes % size == 0 and piece.at % size == 0:
+                    _copy_elements(dst.view(job.dtype), _source_elements(job, first, stop))
+                else:  # the tensor does not start at a multiple of its element size (after an odd-length one)
+                    whole = torch.empty(stop - first, dtype=job.dtype)
+                    _copy_elements(whole, _source_elements(job, first, stop))
+                    skip = piece.first - first * size
+                    dst.copy_(whole.view(torch.uint8)[skip:skip + piece.nbytes])
+                crc = zlib.crc32(data[piece.at:piece.at + piece.nbytes])
+                with self._lock:
+                    self._segment_crcs[job.key][piece.first] = (crc, piece.nbytes)
+                if progress:
+                    progress(piece.nbytes)
+        if self.direct and block.offset <= self.data_start < block.offset + block.nbytes:
+            self._head_tail = bytes(data[self.data_start - block.offset:_round_up(self.data_start) - block.offset])
+
+    def write(self, block: _Block, memory: mmap.mmap) -> None:
+        """Write the filled block: whole pages when direct (the file is cut to its size in `finish`)."""
+        nbytes = _round_up(block.nbytes) if self.direct else block.nbytes
+        view, offset = memoryview(memory)[:nbytes], block.offset
+        while view:  # pwrite may write less than asked
+            n = os.pwrite(self.fd, view, offset)
+            view, offset = view[n:], offset + n
 
     def finish(self) -> None:
         """Join each tensor's segment checksums, patch them into the header, fsync and close."""
@@ -185,7 +297,14 @@ class _FileWriter:
             self.checksums[key] = f"{combine_segments(segments[s] for s in sorted(segments)):08x}"
         header, _ = file_header(self.jobs, self.metadata, self.checksums)
         assert len(header) == self.data_start, "checksum patch changed the header length"
-        os.pwrite(self.fd, header, 0)
+        if self.direct:  # whole pages from an aligned buffer: the patched header, then the data that shared its page
+            page = mmap.mmap(-1, _round_up(len(header)))
+            page[:] = (header + self._head_tail).ljust(len(page), b"\0")  # past the file's end: cut below
+            os.pwrite(self.fd, page, 0)
+            page.close()
+        else:
+            os.pwrite(self.fd, header, 0)
+        os.ftruncate(self.fd, self.size)
         os.fsync(self.fd)
         self.close()
 
@@ -193,6 +312,23 @@ class _FileWriter:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def _read_exactly(fd: int, view: memoryview, offset: int) -> None:
+    """Fill ``view`` from file ``fd`` at ``offset`` (a mapped source's bytes: one call per piece instead of a
+    page fault per few pages of the mapping, and a copy the kernel makes, not us)."""
+    while view:
+        n = os.preadv(fd, [view], offset)
+        if n <= 0:
+            raise EOFError(f"source file ended at byte {offset}")
+        view, offset = view[n:], offset + n
+
+
+def _write_block(block: _Block, progress: ProgressFn | None) -> None:
+    """One task: fill this thread's buffer with ``block`` and write it."""
+    memory, buffer = _BUFFERS.get()
+    block.writer.fill(block, memory, buffer, progress)
+    block.writer.write(block, memory)
 
 
 def split_into_shards(jobs: Sequence[TensorJob], max_shard_size: int) -> list[list[TensorJob]]:
@@ -279,13 +415,9 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
         root = tmp if sharded else dst.parent
         for group, name, fmeta in zip(groups, names, file_meta):
             writers.append(_FileWriter(root / name, group, fmeta))
-        threads = threads or default_threads()
-        # a big tensor is cut into segments so that it spreads over the threads (not a non-contiguous
-        # one: each segment would copy it whole)
-        tasks = plan_segments((((w, j), prod(j.source.shape), j.dtype.itemsize, j.source.is_contiguous())
-                               for w in writers for j in w.jobs), threads)
-        with ThreadPoolExecutor(max_workers=threads) as pool:
-            for f in [pool.submit(w.write, j, start, stop, progress) for (w, j), start, stop in tasks]:
+        blocks = [block for w in writers for block in w.blocks()]
+        with ThreadPoolExecutor(max_workers=threads or default_io_threads()) as pool:
+            for f in [pool.submit(_write_block, block, progress) for block in blocks]:
                 f.result()
         for w in writers:
             w.finish()

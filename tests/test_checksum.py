@@ -48,19 +48,22 @@ def small_segments(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])
-def test_big_tensor_is_split_across_threads_and_stored_exactly(tmp_path, monkeypatch, small_segments, dtype):
+def test_big_tensor_is_split_across_threads_and_stored_exactly(tmp_path, monkeypatch, dtype):
     src = tmp_path / "src.pt"
-    big = torch.randn(1_000_003)  # odd length: segments end mid-chunk
+    big = torch.randn(1_000_003)  # odd length: pieces end mid-block
     torch.save({"model": {"embed": big, "bias": torch.randn(7)}, "step": 5}, src)
+    monkeypatch.setattr(write, "BLOCK_BYTES", 64 * 1024)  # blocks of 64 KB, so that the tensor spans many
     writers: dict[tuple[int, int], int] = {}
-    real = write._stream_range
+    real = write._write_block
 
-    def recording(fd, offset, job, start, stop, progress):
-        if job.key == "model.embed":
-            writers[(start, stop)] = threading.get_ident()
-        return real(fd, offset, job, start, stop, progress)
+    def recording(block, progress):
+        for piece in block.pieces:
+            if piece.job.key == "model.embed":
+                size = piece.job.dtype.itemsize
+                writers[(piece.first // size, (piece.first + piece.nbytes) // size)] = threading.get_ident()
+        return real(block, progress)
 
-    monkeypatch.setattr(write, "_stream_range", recording)
+    monkeypatch.setattr(write, "_write_block", recording)
     dst = tmp_path / "out.safetensors"
     fsdp_restore.convert(src, dst, threads=3, dtype=dtype)
 

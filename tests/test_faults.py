@@ -120,8 +120,8 @@ def big_pt(tmp_path):
 def test_killed_conversion_leaves_no_destination_and_rerun_succeeds(tmp_path, big_pt):
     dst = tmp_path / "out.safetensors"
     # Slow the writer down so that the kill lands mid-write.
-    proc = _start_conversion(big_pt, dst, "import time; orig = w._stream_range\n"
-                             "w._stream_range = lambda *a: (time.sleep(0.2), orig(*a))[1]")
+    proc = _start_conversion(big_pt, dst, "import time; orig = w._write_block\n"
+                             "w._write_block = lambda *a: (time.sleep(1.0), orig(*a))[1]")
     deadline = time.time() + 60
     while not list(tmp_path.glob(".out.safetensors.tmp-*")) and time.time() < deadline:
         assert proc.poll() is None, proc.communicate()

@@ -1,0 +1,50 @@
+"""Where a memory-mapped tensor's bytes lie in its file, so that they can be read with ``pread`` instead.
+
+``torch.load(mmap=True)`` maps the whole checkpoint once and every storage is a slice of that mapping. Copying
+a tensor out of the mapping faults its pages in one by one (and maps them into our address space, which
+costs page-table work that a read into a reused buffer does not); a positional read of the same bytes asks
+the kernel for the whole range in one call. The mapping's address and file offset come from
+``/proc/self/maps`` (Linux); elsewhere nothing is found and the tensors are copied from the mapping.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from pathlib import Path
+
+import torch
+
+
+class MappedFile:
+    """The mappings of one file in this process: ``offset_of(t)`` is the file offset of ``t``'s first byte."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path).resolve()
+        st = os.stat(self.path)
+        self._ranges: list[tuple[int, int, int]] = []  # (start address, end address, file offset), sorted
+        try:
+            with open("/proc/self/maps") as maps:
+                for line in maps:
+                    fields = line.split(maxsplit=5)
+                    if len(fields) < 6 or int(fields[4]) != st.st_ino or fields[5].strip() != str(self.path):
+                        continue
+                    start, end = (int(a, 16) for a in fields[0].split("-"))
+                    self._ranges.append((start, end, int(fields[2], 16)))
+        except OSError:
+            pass
+        self._ranges.sort()
+        self._starts = [r[0] for r in self._ranges]
+
+    def offset_of(self, t: torch.Tensor) -> int | None:
+        """The file offset of contiguous CPU tensor ``t``'s bytes, if they all lie in one mapping of this file."""
+        if t.device.type != "cpu" or not t.is_contiguous() or not self._ranges:
+            return None
+        address = t.data_ptr()
+        i = bisect.bisect_right(self._starts, address) - 1
+        if i < 0:
+            return None
+        start, end, offset = self._ranges[i]
+        if not (start <= address and address + t.numel() * t.element_size() <= end):
+            return None
+        return offset + address - start

@@ -1,0 +1,129 @@
+"""The block writer (write.py): a file cut into fixed blocks that threads fill and write, directly to the
+device where the file system allows it. Every test reads the result back with safetensors' own reader
+and compares bytes, and checks the stored crc32 against zlib's over those bytes."""
+
+from __future__ import annotations
+
+import errno
+import os
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file
+
+from fsdp_restore import write
+from fsdp_restore.convert import save
+from fsdp_restore.read import Checkpoint
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Blocks of 8 KB instead of 32 MB, so that small test tensors span blocks and blocks hold several."""
+    monkeypatch.setattr(write, "BLOCK_BYTES", 8192)
+
+
+def _check_stored(dst: Path, expected: dict[str, torch.Tensor]) -> None:
+    got = load_file(dst)
+    sums = Checkpoint(dst).checksums
+    for key, tensor in expected.items():
+        raw = tensor.contiguous().reshape(-1).view(torch.uint8)
+        assert got[key].dtype == tensor.dtype and got[key].shape == tensor.shape, key
+        assert torch.equal(got[key].reshape(-1).view(torch.uint8), raw), key
+        assert sums[key] == f"{zlib.crc32(raw.numpy()):08x}", key
+
+
+@st.composite
+def _strided(draw):
+    shape = draw(st.lists(st.integers(1, 5), min_size=1, max_size=4))
+    base = torch.arange(int(torch.tensor(shape).prod())).reshape(shape)
+    t = base.permute(*draw(st.permutations(range(len(shape)))))
+    if draw(st.booleans()) and t.shape[-1] > 1:
+        t = t[..., ::2]
+    n = t.numel()
+    first = draw(st.integers(0, n))
+    return t, first, draw(st.integers(first, n))
+
+
+@settings(max_examples=300, deadline=None)
+@given(_strided())
+def test_flat_range_of_a_strided_tensor_is_its_row_major_elements(case):
+    t, first, stop = case
+    parts = write.flat_range(t, first, stop)
+    got = torch.cat([p.reshape(-1) for p in parts]) if parts else torch.empty(0, dtype=t.dtype)
+    assert torch.equal(got, t.reshape(-1)[first:stop])
+    assert sum(p.numel() for p in parts) == stop - first
+    assert len(parts) <= 2 * t.dim() + 1
+
+
+def test_tensors_that_straddle_blocks_and_misaligned_offsets_are_stored_exactly(tmp_path, small_blocks):
+    tensors = {
+        "a_odd": torch.arange(4099, dtype=torch.uint8),  # odd length: what follows starts off its element size
+        "b_f64": torch.randn(3001, dtype=torch.float64),  # so a block boundary cuts its elements
+        "c_t": torch.randn(70, 90).t(),  # non-contiguous, written in pieces
+        "d_small": torch.tensor([1, 2, 3], dtype=torch.int16),
+        "e_empty": torch.empty(0, 5),
+        "f_bf16": torch.randn(5000).to(torch.bfloat16),
+    }
+    dst = tmp_path / "out.safetensors"
+    save(tensors, dst, threads=3)
+    _check_stored(dst, tensors)
+
+
+def test_a_header_longer_than_a_block(tmp_path, small_blocks):
+    tensors = {f"layer.{i}.a_rather_long_parameter_name_to_make_the_header_big": torch.full((3,), float(i))
+               for i in range(400)}
+    dst = tmp_path / "out.safetensors"
+    save(tensors, dst, threads=2)
+    assert int.from_bytes(dst.read_bytes()[:8], "little") > 3 * write.BLOCK_BYTES
+    _check_stored(dst, tensors)
+
+
+def test_a_cast_is_written_in_blocks(tmp_path, small_blocks):
+    source = {"w": torch.randn(10_001), "n": torch.randn(33, 7)}
+    dst = tmp_path / "out.safetensors"
+    save(source, dst, dtype=torch.bfloat16, threads=4)
+    _check_stored(dst, {k: v.to(torch.bfloat16) for k, v in source.items()})
+
+
+def test_where_the_file_system_refuses_o_direct_the_page_cache_is_used(tmp_path, monkeypatch, small_blocks):
+    real_open, direct_opens = os.open, []
+
+    def refusing(path, flags, *args):
+        if flags & getattr(os, "O_DIRECT", 0):
+            direct_opens.append(path)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refusing)
+    tensors = {"a": torch.randn(5000), "b": torch.arange(77, dtype=torch.int32)}
+    dst = tmp_path / "out.safetensors"
+    save(tensors, dst)
+    assert direct_opens or not hasattr(os, "O_DIRECT")
+    _check_stored(dst, tensors)
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
+def test_tmpfs_destination(small_blocks):
+    tensors = {"a": torch.randn(5000), "b": torch.arange(77, dtype=torch.int32)}
+    dst = Path("/dev/shm") / f"fsdp_restore_test_{os.getpid()}.safetensors"
+    try:
+        save(tensors, dst)
+        _check_stored(dst, tensors)
+    finally:
+        dst.unlink(missing_ok=True)
+
+
+def test_sharded_output_in_blocks(tmp_path, small_blocks):
+    tensors = {f"t{i}": torch.randn(1000 + 37 * i) for i in range(6)}
+    dst = tmp_path / "set"
+    paths = save(tensors, dst, max_shard_size=9000, threads=3)
+    assert len(paths) > 2
+    merged: dict[str, torch.Tensor] = {}
+    for p in paths:
+        merged.update(load_file(p))
+    assert merged.keys() == tensors.keys()
+    assert all(torch.equal(merged[k], v) for k, v in tensors.items())
