@@ -235,6 +235,9 @@ def _progress() -> Progress:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    from .prefetch import start_prefetch
+
+    start_prefetch(args.src)  # the disk reads while torch is imported below
     from .convert import convert
 
     flags = {"dtype": args.dtype, "max_shard_size": args.max_shard_size, "select": args.select, "tag": args.tag,
