@@ -18,8 +18,10 @@ The executor knows nothing of the check: the check poisons and screens the memor
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -32,6 +34,34 @@ DEFAULT_READ_THREADS = 4
 READ_CHUNK_BYTES = 16 * 1024 * 1024  # items above this are split so that several threads share them
 GROUP_MAX_PARTS = 512  # small chunks stored back to back are read together, up to READ_CHUNK_BYTES
 PINNED_BUFFERS_PER_THREAD = 3  # reads run up to this many chunks ahead of the host-to-device copies
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+_pool_lock = threading.Lock()
+
+
+def reader_pool(threads: int) -> ThreadPoolExecutor:
+    """The process's read threads, started once and kept: starting 4 threads on every restore cost more
+    than planning it on a busy machine (BENCHMARKS.md). Grown when more threads are asked for; started
+    again in a forked child (threads do not survive a fork, and a pool that thinks they did never runs)."""
+    global _pool, _pool_size
+    with _pool_lock:
+        if _pool is None or _pool_size < threads:
+            old, _pool_size = _pool, max(threads, DEFAULT_READ_THREADS)
+            _pool = ThreadPoolExecutor(max_workers=_pool_size, thread_name_prefix="fsdp_restore-read")
+            if old is not None:
+                old.shutdown(wait=False)
+        return _pool
+
+
+def _forget_pool_after_fork() -> None:
+    global _pool, _pool_size, _pool_lock
+    _pool, _pool_size, _pool_lock = None, 0, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
 def read_piece(ckpt: Checkpoint, key: str, src_start: int, dest: torch.Tensor, rows: int = 1, stride: int = 0) -> None:
@@ -311,12 +341,8 @@ def execute_reads(ckpt: Checkpoint, items: Sequence[ReadItem], threads: int = DE
             with torch.no_grad():
                 work(own_thread=False)
         else:
-            pool = [threading.Thread(target=work, name=f"fsdp_restore-read-{i}", daemon=True)
-                    for i in range(min(threads, len(groups)))]
-            for t in pool:
-                t.start()
-            for t in pool:
-                t.join()
+            for f in [reader_pool(threads).submit(work) for _ in range(min(threads, len(groups)))]:
+                f.result()
     finally:
         for w in workers:
             w.finish()

@@ -101,3 +101,44 @@ def test_misaligned_tensor_is_never_viewed_at_a_bad_offset(tmp_path, dtype):
     model.b = torch.nn.Parameter(torch.zeros(6, dtype=dtype))
     fsdp_restore.restore_model(model, path)
     assert model.a.item() == 1.5 and torch.equal(model.b, b.to(dtype))
+
+
+def _restored_exactly(model: torch.nn.Module, path) -> bool:
+    expected = load_file(path)
+    return all(torch.equal(v, expected[k].to(v.dtype)) for k, v in model.state_dict().items())
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork")
+def test_the_kept_read_threads_work_again_in_a_forked_child(stored, monkeypatch):
+    """The read threads are kept between calls; a child forked after a restore has none of them and must
+    start its own (a pool that believes its threads survived the fork would wait forever)."""
+    import os
+    import time
+
+    monkeypatch.setattr(execute, "READ_CHUNK_BYTES", 4096)  # many reads: the threads are used
+    model = Mixed()
+    fsdp_restore.restore_model(model, stored, prefix="", threads=3)
+    assert execute._pool is not None  # the threads are kept now
+    assert _restored_exactly(model, stored)
+    pid = os.fork()
+    if pid == 0:  # the child: restore into a fresh model with the parent's pool gone
+        code = 1
+        try:
+            child = Mixed()
+            with torch.no_grad():
+                for p in child.parameters():
+                    p.zero_()
+            fsdp_restore.restore_model(child, stored, prefix="", threads=3)
+            code = 0 if _restored_exactly(child, stored) else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child's restore hung: its read threads were never started")

@@ -1,0 +1,137 @@
+"""The restore's read path against a bare read loop of the same bytes, warm, on the CPU, side by side in one run.
+
+    python scripts/benchmark_read.py                       # 2.1 GB stack of 1022 tensors, world sizes 1 and 2
+    python scripts/benchmark_read.py --mb 512 --world-sizes 1 --repeat 3
+
+In every rank's process (gloo, FSDP2 ``fully_shard`` of a stack of ``Linear`` layers on the CPU), from the page
+cache (a warm-up run of each method first): ``bare``: a loop of 16 MB ``os.preadv`` calls on ``threads``
+threads, reading the rank's share of the file's bytes into one preallocated buffer (the floor: no plan, no
+placement, no check); ``ours-nocheck``: `restore_model(check=False)`; ``ours``: `restore_model` with the NaN check.
+The three alternate run by run (``repeat`` rounds) and the medians are reported, with the restore's own phase
+timings (plan / read / check / agree) and the plan time per tensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from fsdp_restore.launch import run_ranks  # noqa: E402
+
+console = Console()
+METHODS = ("bare", "ours-nocheck", "ours")
+STEP = 16 * 2**20
+
+
+class Stack(torch.nn.Module):
+    def __init__(self, layers: int, dim: int) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(layers))
+
+
+def _shape(mb: float) -> tuple[int, int]:
+    layers = 511
+    dim = max(8, int((mb * 1e6 / 4 / layers) ** 0.5))
+    return layers, dim
+
+
+def worker(rank: int, world_size: int, path: str, mb: float, repeat: int, threads: int) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard
+
+    import fsdp_restore
+
+    torch.manual_seed(0)
+    model = Stack(*_shape(mb))
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    size = os.path.getsize(path)
+    buf = torch.empty(local, dtype=torch.uint8)
+    view = memoryview(buf.numpy())
+    start = (size - local) // world_size * rank  # a stretch of the file as long as this rank's share
+    fd = os.open(path, os.O_RDONLY)
+    pool = ThreadPoolExecutor(threads)
+
+    def bare() -> dict[str, float]:
+        def one(off: int) -> None:
+            os.preadv(fd, [view[off:off + STEP]], start + off)
+        list(pool.map(one, range(0, local, STEP)))
+        return {}
+
+    def ours(check: bool) -> dict[str, float]:
+        return fsdp_restore.restore_model(model, path, check=check, threads=threads).timings
+
+    run = {"bare": bare, "ours-nocheck": lambda: ours(False), "ours": lambda: ours(True)}
+    for method in METHODS:
+        run[method]()  # warm-up: the page cache, first-time code paths, allocator pools
+    seconds: dict[str, list[float]] = {m: [] for m in METHODS}
+    timings: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
+    for _ in range(repeat):
+        for method in METHODS:
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            timings[method].append(run[method]())
+            seconds[method].append(time.perf_counter() - t0)
+    os.close(fd)
+    pool.shutdown()
+    return {"rank": rank, "bytes": local, "tensors": len(list(model.parameters())), "seconds": seconds,
+            "timings": timings}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/fsdp_restore_bench_read"))
+    parser.add_argument("--mb", type=float, default=2100.0)
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=4)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    path = args.work / f"stack-{args.mb:g}.safetensors"
+    if not path.exists():
+        from fsdp_restore.convert import save
+
+        torch.manual_seed(0)
+        save(Stack(*_shape(args.mb)).state_dict(), path)
+    results: dict[str, Any] = {"file_bytes": path.stat().st_size, "threads": args.threads, "world_sizes": {}}
+    table = Table(title=f"restore vs bare preadv loop, warm, {path.stat().st_size / 1e9:.2f} GB, "
+                        f"{args.threads} threads (medians of {args.repeat})")
+    for col in ("ws", "method", "s / rank", "GB/s / rank", "x bare", "plan s", "plan us/tensor", "read s",
+                "check s"):
+        table.add_column(col)
+    for ws in args.world_sizes:
+        per_rank = run_ranks(worker, ws, str(path), args.mb, args.repeat, args.threads, timeout=1200,
+                             backend="gloo")
+        results["world_sizes"][ws] = per_rank
+        slowest = {m: statistics.median(max(r["seconds"][m][i] for r in per_rank) for i in range(args.repeat))
+                   for m in METHODS}
+        rank0 = per_rank[0]
+        for m in METHODS:
+            phase = {k: statistics.median(t.get(k, 0.0) for t in rank0["timings"][m]) for k in ("plan", "read", "check")}
+            table.add_row(str(ws), m, f"{slowest[m]:.3f}", f"{rank0['bytes'] / slowest[m] / 1e9:.2f}",
+                          f"{slowest['bare'] / slowest[m]:.2f}",
+                          *(["", "", "", ""] if m == "bare" else
+                            [f"{phase['plan']:.3f}", f"{phase['plan'] / rank0['tensors'] * 1e6:.0f}",
+                             f"{phase['read']:.3f}", f"{phase['check']:.3f}"]))
+    console.print(table)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
