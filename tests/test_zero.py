@@ -3,6 +3,9 @@ included, and resumed into FSDP2 as the DeepSpeed run went on (real DeepSpeed, C
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import os
 import subprocess
 import sys
 
@@ -161,3 +164,105 @@ def test_verify_against_the_tag_that_was_converted(zero_root, tmp_path):
     assert main(["verify", str(tmp_path / "t.safetensors"), "--against", str(src), "--tag", "global_step2"]) == 0
     report = fsdp_restore.verify(tmp_path / "t.safetensors", against=src, tag="global_step9")
     assert not report.ok and "global_step9" in str(report.problems)
+
+
+# ---- what a weights-only conversion reads from disk -----------------------------------------------------
+
+PAGE = mmap.PAGESIZE
+
+
+def _resident_pages(path) -> list[bool]:
+    """Which pages of ``path`` are in the page cache (mincore(2) on a fresh mapping: nothing of ours)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    size = os.path.getsize(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert address not in (None, ctypes.c_void_p(-1).value)
+        pages = ctypes.create_string_buffer(-(-size // PAGE))
+        assert libc.mincore(ctypes.c_void_p(address), size, pages) == 0, ctypes.get_errno()
+        libc.munmap(ctypes.c_void_p(address), size)
+    finally:
+        os.close(fd)
+    return [bool(b & 1) for b in pages.raw]
+
+
+def _evict(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # clean pages can be dropped without privileges
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _byte_ranges(path) -> dict[str, list[tuple[int, int]]]:
+    """Where Adam's moments and the fp32 masters lie in an optimizer file, found by their bytes (DeepSpeed's
+    own unpickling: these files were made by this test)."""
+    raw = path.read_bytes()
+    ranges: dict[str, list[tuple[int, int]]] = {"moments": [], "masters": []}
+
+    def add(kind, t):
+        data = t.detach().contiguous().view(torch.uint8).numpy().tobytes()
+        at = raw.find(data)
+        assert at >= 0 and raw.find(data, at + 1) < 0, f"{path.name}: a {kind} tensor's bytes not found once"
+        ranges[kind].append((at, at + len(data)))
+
+    def walk(node, key=""):
+        if isinstance(node, torch.Tensor) and node.numel() > 1:
+            if key in ("exp_avg", "exp_avg_sq"):
+                add("moments", node)
+            elif key in ("single_partition_of_fp32_groups", "fp32_flat_groups"):
+                add("masters", node)
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, k if isinstance(k, str) else key)
+        elif isinstance(node, (list, tuple)):
+            for v in node:
+                walk(v, key)
+
+    walk(torch.load(path, weights_only=False, mmap=True, map_location="cpu")["optimizer_state_dict"])
+    return ranges
+
+
+@pytest.fixture(scope="module")
+def wide_root(tmp_path_factory):
+    from zero_checkpoints import generate_wide
+
+    root = tmp_path_factory.mktemp("zero-wide")
+    generate_wide(root, 2, [1, 2, 3])
+    return root
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="posix_fadvise and mincore: Linux")
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_select_model_reads_the_masters_and_not_the_moments(wide_root, tmp_path, stage):
+    """--select model needs the fp32 masters, a third of each optimizer file: Adam's moments, stored just
+    before them, stay on disk (they were read when the masters were copied out of the mapping: the kernel's
+    read-around of each page fault pulled in the end of exp_avg_sq)."""
+    tag = wide_root / f"wide-z{stage}" / "global_step1"
+    files = sorted(tag.glob("*.pt"))
+    for f in files:
+        _evict(f)
+    if any(any(_resident_pages(f)) for f in files):
+        pytest.skip("this file system keeps the pages cached despite POSIX_FADV_DONTNEED")
+    fsdp_restore.convert(tag.parent, tmp_path / "m.safetensors", select="model")
+    resident = {f: _resident_pages(f) for f in files}
+    optim_files = [f for f in files if f.name.endswith("optim_states.pt")]
+    assert len(optim_files) == 2
+    for f in optim_files:
+        ranges, pages = _byte_ranges(f), resident[f]
+        assert ranges["masters"] and len(ranges["moments"]) >= 2
+        for lo, hi in ranges["masters"]:  # read, and still cached: what mincore says is what was read
+            if not all(pages[-(-lo // PAGE):hi // PAGE]):
+                pytest.skip("the page cache lost pages the conversion read (memory pressure, or a drop_caches)")
+        for lo, hi in ranges["moments"]:
+            # torch.load reads each record's zip header, just before its data, and the kernel reads ahead of that
+            # read (the moment's first pages); the next record's header shares the moment's last page
+            inner = pages[-(-(lo + (hi - lo) // 4) // PAGE):hi // PAGE - 1]
+            assert len(inner) > 256 and not any(inner), (
+                f"{f.name}: {sum(inner)} of {len(inner)} pages of Adam's moments read for --select model")

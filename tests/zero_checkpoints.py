@@ -95,3 +95,33 @@ def generate(root: Path, world_size: int, combos: list[tuple[int, str]]) -> None
     from dist import run_ranks
 
     run_ranks(_generate, world_size, str(root), combos, timeout=600)
+
+
+WIDE = (512, 4)  # features, layers: ~1M parameters, each rank's fp32 partition and moments ~2 MB (many pages)
+
+
+def _generate_wide(rank: int, world_size: int, root: str, stages: list[int]) -> str:
+    """bf16 checkpoints of a model whose partitions span many pages (for what a conversion reads of them)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    features, layers = WIDE
+    for stage in stages:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(features, features) for _ in range(layers)])
+        cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}, "bf16": {"enabled": True},
+               "zero_allow_untested_optimizer": True, "steps_per_print": 10**6}
+        engine, *_ = deepspeed.initialize(model=model, config=cfg, optimizer=make_optimizer(model.parameters()))
+        x = torch.randn(1, features, generator=torch.Generator().manual_seed(rank), dtype=torch.bfloat16)
+        engine.backward(engine(x).float().pow(2).mean())
+        engine.step()
+        engine.save_checkpoint(str(Path(root) / f"wide-z{stage}"))
+        del engine, model
+    return "ok"
+
+
+def generate_wide(root: Path, world_size: int, stages: list[int]) -> None:
+    from dist import run_ranks
+
+    run_ranks(_generate_wide, world_size, str(root), stages, timeout=600)
