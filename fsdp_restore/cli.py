@@ -33,7 +33,7 @@ CONVERT_DEFAULTS: dict[str, Any] = {
     "cast_exclude": [],  # key patterns kept in their dtype
     "max_shard_size": None,  # e.g. 5GB: write a directory of shards plus an index json
     "select": None,  # e.g. model: write only this subtree, with plain keys
-    "threads": None,  # default: every core
+    "threads": None,  # default: every core, at least 4 (they mostly wait on the disk)
     "force": False,  # replace an existing destination
     "trust_pickle": False,  # run arbitrary pickle code in the source (only for files you trust)
     "allow_globals": [],  # extra data-only classes the safe unpickler may build, "module.Name"
@@ -192,7 +192,7 @@ def check_convert_options(values: dict[str, Any], origin: dict[str, str] | None 
 
     threads = values.get("threads")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        fail("threads", "expected a whole number >= 1 (or null: every core)")
+        fail("threads", "expected a whole number >= 1 (or null: every core, at least 4)")
     size = values.get("max_shard_size")
     if size is not None:
         if isinstance(size, bool) or not isinstance(size, (int, str)):
@@ -360,7 +360,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", help="e.g. 5GB: write shards plus model.safetensors.index.json")
     p.add_argument("--select", help="only this subtree, e.g. model")
     p.add_argument("--tag", help="DeepSpeed checkpoint tag to convert, e.g. global_step1000 (default: latest)")
-    p.add_argument("--threads", type=_int_at_least(1), help="read/write threads (default: every core)")
+    p.add_argument("--threads", type=_int_at_least(1), help="read/write threads (default: every core, at least 4)")
     p.add_argument("--force", action="store_true", help="replace an existing destination")
     p.add_argument("--trust-pickle", action="store_true", help="execute the file's pickle (trusted files only)")
     p.add_argument("--allow-global", action="append", metavar="MODULE.NAME",

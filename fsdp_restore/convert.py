@@ -1,4 +1,4 @@
-"""``.pt`` -> safetensors, streaming: mmap the input, never hold the model in memory, no pickle out.
+"""``.pt`` -> safetensors, streaming: never hold the model in memory, no pickle out.
 
 Also home of `load_pt`, the safe way to open a ``torch.save`` file: ``weights_only=True`` plus an
 explicit allowlist (numpy arrays and scalars, argparse.Namespace, pathlib paths). Anything else in
@@ -233,9 +233,10 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
             tag: str | None = None) -> ConvertReport:
     """Stream a ``torch.save`` file into our safetensors format and report what it cost.
 
-    The input is memory-mapped (``torch.load(mmap=True, weights_only=True)``); tensor bytes go
-    from the mapping to the output file in 16 MB chunks on ``threads`` threads, so anonymous memory
-    stays near ``threads x 32 MB``. ``select`` keeps one subtree (``"model"`` writes the weights
+    The input is memory-mapped (``torch.load(mmap=True, weights_only=True)``) to read its structure; the
+    tensors' bytes are read with ``pread`` at their offsets into 32 MB blocks of the output, one per
+    thread at a time (``threads``, default: at least 4), cast if asked and written with ``O_DIRECT``
+    where the file system allows it, so anonymous memory stays near ``threads x 32 MB``. ``select`` keeps one subtree (``"model"`` writes the weights
     with plain keys a ``load_state_dict`` accepts). ``progress(done_bytes, total_bytes)`` is
     called as data is written.
 

@@ -7,7 +7,8 @@ DeepSpeed's own zero_to_fp32.py) and DCP (ours against torch's dcp_to_torch_save
 Makes the checkpoints with real DeepSpeed (2 ranks on CPU, gloo; a stack of Linear layers, no tied weights,
 so that DeepSpeed's safetensors output works), then for each stage and method, in a fresh process with
 the page cache dropped (root), measures wall time and the process's peak anonymous memory (RssAnon,
-sampled every 10 ms). Methods: DeepSpeed's ``zero_to_fp32.py CKPT OUT --safe_serialization`` (model
+sampled every 10 ms). Methods (and ``cp -r`` + ``sync`` of the checkpoint directory, the floor of a
+conversion that reads and writes everything once): DeepSpeed's ``zero_to_fp32.py CKPT OUT --safe_serialization`` (model
 weights only, single core) and ``fsdp-restore convert CKPT OUT.safetensors`` (weights and optimizer state,
 every core) and ``--select model`` (the same output as DeepSpeed's). DCP: a directory written by
 ``dcp.save`` from FSDP2 on 2 ranks (model + AdamW state through ``get_state_dict``), converted by
@@ -130,11 +131,13 @@ def main() -> None:
                                                  str(work / "ours.safetensors"), "--force"],
             "ours --select model (weights only)": [py, "-m", "fsdp_restore", "convert", str(ckpt),
                                                    str(work / "ours-model.safetensors"), "--force", "--select", "model"],
+            "cp -r + sync (the floor of a full conversion)": ["sh", "-c", f"cp -r '{ckpt}' '{work / 'copy'}' && sync"],
         }
         for label, cmd in methods.items():
             runs = []
             for _ in range(args.repeat):
                 shutil.rmtree(work / "ds_out", ignore_errors=True)
+                shutil.rmtree(work / "copy", ignore_errors=True)
                 runs.append(run(cmd))
             best = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
             row = {"stage": stage, "method": label, "checkpoint_bytes": size, **best,
