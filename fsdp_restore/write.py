@@ -238,6 +238,7 @@ class _FileWriter:
         if self.fd < 0:
             self.fd = os.open(path, flags, 0o644)
         self._lock = threading.Lock()
+        self._retired: list[int] = []  # descriptors left by `_stop_direct`
         self._head_tail = b""  # direct only: the data bytes in the page where the header ends
         self.checksums: dict[str, str] = {}
         self._segment_crcs: dict[str, dict[int, tuple[int, int]]] = {j.key: {} for j in jobs}
@@ -285,11 +286,26 @@ class _FileWriter:
 
     def write(self, block: _Block, memory: mmap.mmap) -> None:
         """Write the filled block: whole pages when direct (the file is cut to its size in `finish`)."""
-        nbytes = _round_up(block.nbytes) if self.direct else block.nbytes
+        direct = self.direct
+        nbytes = _round_up(block.nbytes) if direct else block.nbytes
         view, offset = memoryview(memory)[:nbytes], block.offset
         while view:  # pwrite may write less than asked
-            n = os.pwrite(self.fd, view, offset)
+            try:
+                n = os.pwrite(self.fd, view, offset)
+            except OSError as e:
+                if not (direct and e.errno == errno.EINVAL):
+                    raise
+                self._stop_direct()  # the open took O_DIRECT but the writes need another alignment
+                self.write(block, memory)
+                return
             view, offset = view[n:], offset + n
+
+    def _stop_direct(self) -> None:
+        """Go on through the page cache: reopen the file without ``O_DIRECT`` (blocks already written stay)."""
+        with self._lock:
+            if self.direct:
+                self._retired.append(self.fd)  # closed in `close`: another thread may be writing through it
+                self.fd, self.direct = os.open(self.path, os.O_WRONLY), False
 
     def finish(self) -> None:
         """Join each tensor's segment checksums, patch them into the header, fsync and close."""
@@ -309,6 +325,9 @@ class _FileWriter:
         self.close()
 
     def close(self) -> None:
+        for fd in self._retired:
+            os.close(fd)
+        self._retired = []
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

@@ -127,3 +127,24 @@ def test_sharded_output_in_blocks(tmp_path, small_blocks):
         merged.update(load_file(p))
     assert merged.keys() == tensors.keys()
     assert all(torch.equal(merged[k], v) for k, v in tensors.items())
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT")
+def test_direct_writes_refused_after_the_open_go_on_through_the_page_cache(tmp_path, monkeypatch, small_blocks):
+    import fcntl
+
+    real_pwrite, refused = os.pwrite, []
+
+    def refusing(fd, data, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", refusing)
+    tensors = {"a": torch.randn(5000), "b": torch.arange(777, dtype=torch.int32), "c": torch.randn(3, 7).t()}
+    dst = tmp_path / "out.safetensors"
+    save(tensors, dst, threads=3)
+    _check_stored(dst, tensors)
+    if not refused:
+        pytest.skip("this file system refused O_DIRECT at the open already")
