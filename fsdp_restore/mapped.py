@@ -48,3 +48,13 @@ class MappedFile:
         if not (start <= address and address + t.numel() * t.element_size() <= end):
             return None
         return offset + address - start
+
+
+def pread_exactly(fd: int, view: memoryview, offset: int) -> None:
+    """Fill ``view`` from file ``fd`` at ``offset`` (``preadv`` may read less than asked); `EOFError` naming the
+    byte where the file ended, should it end first."""
+    while view:
+        n = os.preadv(fd, [view], offset)
+        if n <= 0:
+            raise EOFError(f"the file ends at byte {offset}, inside a tensor: truncated?")
+        view, offset = view[n:], offset + n

@@ -39,6 +39,7 @@ import torch
 from .checksum import combine_segments
 from .format import (DEFAULT_INDEX_NAME, FORMAT_VERSION, META_CAST, META_CHECKSUMS, META_FORMAT, META_SET_ID,
                      META_STRUCTURE, META_VERSION, build_header, build_index, torch_dtype_name)
+from .mapped import pread_exactly
 
 CHUNK_BYTES = 16 * 1024 * 1024  # per-thread working set when casting or copying non-contiguous data
 _PLACEHOLDER = "0" * 8
@@ -267,7 +268,7 @@ class _FileWriter:
                 first, stop = piece.first // size, -(-(piece.first + piece.nbytes) // size)
                 dst = buffer[piece.at:piece.at + piece.nbytes]
                 if job.location is not None and job.dtype == job.source.dtype:
-                    _read_exactly(job.location[0], memoryview(memory)[piece.at:piece.at + piece.nbytes],
+                    pread_exactly(job.location[0], memoryview(memory)[piece.at:piece.at + piece.nbytes],
                                   job.location[1] + piece.first)
                 elif piece.first % size == 0 and piece.nbytes % size == 0 and piece.at % size == 0:
                     _copy_elements(dst.view(job.dtype), _source_elements(job, first, stop))
@@ -331,16 +332,6 @@ class _FileWriter:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-
-
-def _read_exactly(fd: int, view: memoryview, offset: int) -> None:
-    """Fill ``view`` from file ``fd`` at ``offset`` (a mapped source's bytes: one call per piece instead of a
-    page fault per few pages of the mapping, and a copy the kernel makes, not us)."""
-    while view:
-        n = os.preadv(fd, [view], offset)
-        if n <= 0:
-            raise EOFError(f"source file ended at byte {offset}")
-        view, offset = view[n:], offset + n
 
 
 def _write_block(block: _Block, progress: ProgressFn | None) -> None:

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from .errors import FormatError
-from .mapped import MappedFile
+from .mapped import MappedFile, pread_exactly
 from .write import HeldInPieces, Reader, scratch, stand_in
 
 
@@ -123,12 +123,10 @@ class _File:
                 last = max(stop, min(end, stop + AHEAD_BYTES))
                 os.posix_fadvise(self.fd, first, last - first, os.POSIX_FADV_WILLNEED)
                 asked[end] = (lo if lo <= offset < hi else offset, last)
-        at = offset
-        while view:
-            n = os.preadv(self.fd, [view], at)
-            if n <= 0:
-                raise FormatError(self.path, f"ends at byte {at}, inside a tensor: truncated?")
-            view, at = view[n:], at + n
+        try:
+            pread_exactly(self.fd, view, offset)
+        except EOFError as e:
+            raise FormatError(self.path, str(e).removeprefix("the file ")) from None
 
     def __del__(self) -> None:
         fd, self.fd = getattr(self, "fd", -1), -1

@@ -3,7 +3,9 @@ across threads (the default) and written by one thread (segments disabled).
 
     python scripts/ab_segments.py --cache cold --repeat 3     # cold needs root (drops the page cache)
 
-Each run is a fresh process; A and B alternate so that drift on a shared disk hits both alike.
+Each run is a fresh process; A and B alternate so that drift on a shared disk hits both alike. Since the
+converter writes fixed 32 MB blocks of the output (any tensor spreads over the threads by blocks), the
+segments setting changes only ``verify``; the convert times of A and B measure the same code.
 Results are in BENCHMARKS.md ("What made it fast").
 """
 

@@ -33,6 +33,10 @@ from rich.console import Console
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchmark_sharded import _peak_anon  # noqa: E402  (RssAnon of a child, sampled every 10 ms)
+
 CLI = [sys.executable, "-m", "fsdp_restore"]
 console = Console()
 
@@ -73,17 +77,6 @@ def evict(path: Path, how: str) -> None:
 def _io() -> dict[str, int]:
     with open("/proc/self/io") as f:
         return {k: int(v) for k, v in (line.split(": ") for line in f)}
-
-
-def _peak_anon(pid: int, stop: threading.Event, peak: list[int]) -> None:
-    while not stop.wait(0.01):
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                for line in f:
-                    if line.startswith("RssAnon:"):
-                        peak[0] = max(peak[0], int(line.split()[1]) * 1024)
-        except OSError:
-            return
 
 
 def run(cmd: list[str]) -> dict[str, Any]:
