@@ -271,6 +271,9 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
                                             cast_exclude=cast_exclude, max_shard_size=max_shard_size,
                                             threads=threads, force=force, progress=progress,
                                             metadata={META_SOURCE: json.dumps(identity)}, locations=locations)
+        except EOFError as e:  # a tensor's bytes read at their offset: the file is shorter than its pickle says
+            raise FormatError(src, f"{str(e).removeprefix('the file ')}; was it truncated or rewritten while it was"
+                              " being converted? Convert it again from a complete copy") from None
         finally:
             os.close(fd)
         del obj, tensors

@@ -308,3 +308,16 @@ def test_sibling_without_a_record_is_stale_when_older(tmp_path):
     os.utime(tmp_path / "m.safetensors", ns=(1, 1))
     with pytest.warns(UserWarning, match="older than"):
         assert torch.equal(fsdp_restore.load(tmp_path / "m.pt")["a"], torch.ones(2))
+
+
+def test_a_source_that_ends_inside_a_tensor_is_named(tmp_path, monkeypatch):
+    """The tensors' bytes are read at their offsets in the source: should the file end first (truncated while
+    converting), the error names the source and nothing is left under the destination's name."""
+    import os
+
+    src, dst = tmp_path / "src.pt", tmp_path / "out.safetensors"
+    torch.save({"model": {"w": torch.randn(4096)}}, src)
+    monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: 0)  # every read finds the end of the file
+    with pytest.raises(FormatError, match=r"src\.pt.*ends at byte \d+.*truncated or rewritten"):
+        fsdp_restore.convert(src, dst)
+    assert not dst.exists() and not list(tmp_path.glob(".out.safetensors.tmp-*"))
