@@ -27,6 +27,7 @@ from __future__ import annotations
 import bisect
 import functools
 import hashlib
+import math
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -64,10 +65,12 @@ class Storage:
         return floating(self.flat.dtype)
 
     ptr_range: tuple[int, int] = field(init=False)  # [first byte, end) of ``flat``: looked up per read
+    numel: int = field(init=False)  # of ``flat``
 
     def __post_init__(self) -> None:
         start = self.flat.data_ptr()
-        self.ptr_range = (start, start + self.flat.numel() * self.flat.element_size())
+        self.numel = self.flat.numel()
+        self.ptr_range = (start, start + self.numel * self.flat.element_size())
 
 
 @dataclass
@@ -105,7 +108,9 @@ def model_storages(model: nn.Module) -> list[Storage]:
         storages.append(Storage(flat, [r for r in regions if r.numel]))
         seen.add(flat.data_ptr())
 
+    fsdp1 = False  # FlatParameter's isinstance is a Python metaclass hook: skipped where no FSDP1 unit exists
     for unit_prefix, handle in _fsdp1_units(model):
+        fsdp1 = True
         flat = handle.flat_param
         local = flat.data
         regions = [Region(_join(unit_prefix, clean_name(fqn)), info.offset_in_shard, info.numel_in_shard)
@@ -117,12 +122,13 @@ def model_storages(model: nn.Module) -> list[Storage]:
             flat_starts.insert(i, start)
             flat_ends.insert(i, start + local.numel() * local.element_size())
     for raw, param in model.named_parameters(remove_duplicate=False):
-        if isinstance(param, FlatParameter):
+        if fsdp1 and isinstance(param, FlatParameter):
             continue
         local = local_tensor(param)
         if local.numel() == 0 or covered(local):
             continue
-        add(local.reshape(-1), [Region(clean_name(raw.removeprefix(top)), 0, local.numel())])
+        add(local.view(-1) if local.is_contiguous() else local.reshape(-1),
+            [Region(clean_name(raw.removeprefix(top)), 0, local.numel())])
     for mod_name, module in model.named_modules(remove_duplicate=False):
         for buf_name, buf in module._buffers.items():
             if buf is None or buf_name in module._non_persistent_buffers_set:
@@ -169,6 +175,7 @@ class _StorageIndex:
     def __init__(self, storages: Sequence[Storage]) -> None:
         self.sorted = sorted((s for s in storages if s.flat.numel()), key=lambda s: s.ptr_range[0])
         self.starts = [s.ptr_range[0] for s in self.sorted]
+        self.itemsize = [s.flat.element_size() for s in self.sorted]
 
     def find(self, ptr: int) -> tuple[Storage, int] | None:
         i = bisect.bisect_right(self.starts, ptr) - 1
@@ -178,7 +185,7 @@ class _StorageIndex:
         lo, hi = storage.ptr_range
         if not lo <= ptr < hi:
             return None
-        return storage, (ptr - lo) // storage.flat.element_size()
+        return storage, (ptr - lo) // self.itemsize[i]
 
 
 # ---- 1. the plan, validated before any byte is read --------------------------------------------------
@@ -194,26 +201,35 @@ def validate_plan(plan: ReadPlan, storages: Sequence[Storage], ckpt: Checkpoint)
         bad.setdefault(kind, set()).add(name)
 
     index = _StorageIndex(storages)
+    find = index.find
+    entries = ckpt.entries
     placed: dict[int, list[tuple[int, int, str]]] = {}
-    for item in plan.items:
-        n = item.dest.numel()
-        if item.rows > 1 and (item.run * item.rows != n or item.stride < item.run):
-            report("reads overlapping or uneven rows", item.name)
-            continue
-        span = item.span
-        entry = ckpt.entries.get(item.key)
-        if entry is None or item.src_start < 0 or item.src_start + span > entry.numel:
+    for item in plan.items:  # once per tensor per restore: attribute lookups kept out of the loop's way
+        dest = item.dest
+        n = dest.numel()
+        rows = item.rows
+        if rows > 1:
+            run = n // rows
+            if run * rows != n or item.stride < run:
+                report("reads overlapping or uneven rows", item.name)
+                continue
+            span = (rows - 1) * item.stride + run if n else 0
+        else:
+            span = n
+        entry = entries.get(item.key)
+        src_start = item.src_start
+        if entry is None or src_start < 0 or src_start + span > entry.numel:
             report("reads outside its stored tensor", item.name)
         if item.global_start < 0 or item.global_start + span > item.global_numel:
             report("reads outside its tensor", item.name)
         if n == 0:
             continue
-        found = index.find(item.dest.data_ptr())
+        found = find(dest.data_ptr())
         if found is None:
             report("writes outside the model's memory", item.name)
             continue
         storage, offset = found
-        if item.dest.dtype != storage.flat.dtype or offset + n > storage.flat.numel() or not item.dest.is_contiguous():
+        if dest.dtype != storage.flat.dtype or offset + n > storage.numel or not dest.is_contiguous():
             report("writes outside its tensor", item.name)
             continue
         placed.setdefault(id(storage), []).append((offset, n, item.name))
@@ -372,9 +388,9 @@ class Ledger:
         self._open.dests = None
         if opened != [(d.data_ptr(), d.numel()) for d in dests]:
             return  # not poisoned just before: not covered (settle reports it unless another read was)
-        sums = [d.sum() for d in dests if floating(d.dtype) and d.numel()]
-        suspicious = bool(torch.isnan(torch.stack([(s.real + s.imag if s.is_complex() else s).float()
-                                                    for s in sums])).any()) if sums else False
+        # one sum and one scalar per destination: a group holds a few, and a stack + isnan + any per group
+        # cost more Python than the sums
+        suspicious = any(math.isnan(_scalar(d.sum())) for d in dests if floating(d.dtype) and d.numel())
         found = [(self.index.find(d.data_ptr()), d) for d in dests if d.numel()]
         with self._lock:
             for where, d in found:
@@ -382,6 +398,13 @@ class Ledger:
                     self.covered.setdefault(id(where[0]), []).append((where[1], d.numel()))
             if suspicious:
                 self.flagged.extend(d for d in dests if floating(d.dtype) and d.numel())
+
+
+def _scalar(total: torch.Tensor) -> float:
+    """A sum as a float that is NaN when the sum is (a complex sum: when either part is)."""
+    if total.is_complex():
+        return float(total.real) + float(total.imag)
+    return float(total)
 
 
 def settle(storages: Sequence[Storage], plan: ReadPlan, ckpt: Checkpoint, ledger: Ledger) -> CheckResult:

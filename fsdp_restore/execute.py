@@ -237,15 +237,24 @@ class Chunk(NamedTuple):
 
 def chunked(items: Sequence[ReadItem], ckpt: Checkpoint) -> list[Chunk]:
     """Every item cut into chunks of at most `READ_CHUNK_BYTES` (whole runs of a column block), in file order."""
+    entries = ckpt.entries
+    # files in name order (the order the disks see), ranked once: comparing Paths per item cost more than the rest
+    files = {entries[item.key].file for item in items}
+    rank = {f: i for i, f in enumerate(sorted(files, key=str))}
 
-    def file_position(item: ReadItem) -> tuple[str, int]:
-        entry = ckpt.entries[item.key]
-        return str(entry.file), entry.offset + item.src_start * entry.itemsize
+    def file_position(item: ReadItem) -> tuple[int, int]:
+        entry = entries[item.key]
+        return rank[entry.file], entry.offset + item.src_start * entry.itemsize
 
+    order = sorted(items, key=file_position)
     chunks: list[Chunk] = []
-    for item in sorted(items, key=file_position):
-        step = max(1, READ_CHUNK_BYTES // max(1, ckpt.entries[item.key].itemsize))
-        chunks.extend(Chunk(item, *part) for part in parts(item.src_start, item.dest.numel(), item.rows, item.stride, step))
+    for item in order:
+        n = item.dest.numel()
+        step = max(1, READ_CHUNK_BYTES // max(1, entries[item.key].itemsize))
+        if item.rows <= 1 and 0 < n <= step:  # most items: one chunk, no generator
+            chunks.append(Chunk(item, 0, n, item.src_start, 1))
+            continue
+        chunks.extend(Chunk(item, *part) for part in parts(item.src_start, n, item.rows, item.stride, step))
     return chunks
 
 
@@ -253,24 +262,29 @@ def grouped(chunks: Sequence[Chunk], ckpt: Checkpoint) -> list[list[Chunk]]:
     """Consecutive chunks (in file order) whose bytes lie back to back in one file, plain ranges into
     memory on one device, together at most `READ_CHUNK_BYTES`: one positional read each group (a model
     of thousands of small tensors paid more per read call than per byte)."""
+    entries = ckpt.entries
     groups: list[list[Chunk]] = []
-    end: tuple[object, int] | None = None
+    end_file: object = None
+    end = -1
     size = 0
+    last_rows, last_device = 0, None
     for c in chunks:
-        entry = ckpt.entries[c.item.key]
-        start = entry.offset + c.src_start * entry.itemsize
-        nbytes = c.count * entry.itemsize
-        last = groups[-1][-1] if groups else None
-        if (last is not None and c.rows == 1 and last.rows == 1 and end == (entry.file, start)
+        entry = entries[c.item.key]
+        itemsize = entry.itemsize
+        start = entry.offset + c.src_start * itemsize
+        nbytes = c.count * itemsize
+        device = c.item.dest.device
+        if (groups and c.rows == 1 and last_rows == 1 and start == end
+                and (entry.file is end_file or entry.file == end_file)
                 and size + nbytes <= READ_CHUNK_BYTES and len(groups[-1]) < GROUP_MAX_PARTS
-                and size % entry.itemsize == 0  # its place in a staging buffer can be viewed as its dtype
-                and c.item.dest.device == last.item.dest.device):
+                and size % itemsize == 0  # its place in a staging buffer can be viewed as its dtype
+                and device == last_device):
             groups[-1].append(c)
             size += nbytes
         else:
             groups.append([c])
             size = nbytes
-        end = (entry.file, start + nbytes)
+        end_file, end, last_rows, last_device = entry.file, start + nbytes, c.rows, device
     return groups
 
 

@@ -9,6 +9,7 @@ tag. Tensor nodes name their key in the flat dict; keys are readable dotted path
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import pathlib
 import warnings
@@ -361,9 +362,7 @@ def validate_structure(structure: Any, where: object, keys: Mapping[str, Any] | 
     stack: list[tuple[Any, str, int, bool]] = [(structure["root"], "", 0, False)]
     while stack:
         node, path, depth, is_key = stack.pop()
-
-        def bad(problem: str) -> FormatError:
-            return FormatError(where, f"structure at '{path or '<root>'}': {problem}")
+        bad = functools.partial(_bad_node, where, path)
 
         if depth > MAX_DEPTH:
             raise bad(f"nested deeper than {MAX_DEPTH} levels")
@@ -404,7 +403,7 @@ def validate_structure(structure: Any, where: object, keys: Mapping[str, Any] | 
                 raise bad(f"names tensor {str(key)[:60]!r}, which the file does not hold")
             if kind == "ndarray" and not isinstance(node.get("dtype"), str):
                 raise bad("ndarray node without a dtype string")
-            if any(not isinstance(node.get(flag, False), bool) for flag in ("conj", "neg", "param", "requires_grad")):
+            if not {type(node.get(flag, False)) for flag in _FLAGS} <= _BOOL_ONLY:
                 raise bad("conj, neg, param and requires_grad must be true or false")
             view = node.get("view")
             if view is not None:
@@ -421,6 +420,14 @@ def validate_structure(structure: Any, where: object, keys: Mapping[str, Any] | 
                 raise bad(f"{kind} node needs string field(s) {', '.join(missing)}")
         else:
             raise bad(f"unknown node type {kind[:40]!r}")
+
+
+_FLAGS = ("conj", "neg", "param", "requires_grad")
+_BOOL_ONLY = {bool}
+
+
+def _bad_node(where: object, path: str, problem: str) -> FormatError:
+    return FormatError(where, f"structure at '{path or '<root>'}': {problem}")
 
 
 def _is_json_int(x: Any) -> bool:

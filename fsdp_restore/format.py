@@ -14,7 +14,7 @@ import zlib
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -101,9 +101,9 @@ def torch_dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-@dataclass(frozen=True)
-class TensorEntry:
-    """Where one tensor's bytes live: ``file`` bytes ``[offset, offset + nbytes)``, row-major."""
+class TensorEntry(NamedTuple):
+    """Where one tensor's bytes live: ``file`` bytes ``[offset, offset + nbytes)``, row-major. (A named tuple:
+    one is made per tensor each time a file is opened, several times cheaper than a frozen dataclass.)"""
 
     key: str
     file: Path
@@ -231,8 +231,7 @@ def parse_json(raw: bytes | str, path: object, what: str) -> Any:
         raise FormatError(path, f"{what} is not usable JSON ({e})") from None
 
 
-def _is_int(x: Any) -> bool:
-    return type(x) is int  # bool is an int subclass: true/false are not sizes
+_INT_ONLY = {int}  # the set of types a shape's dims may have (bool, an int subclass, is not a size)
 
 
 def _validate_header(path: Path, header: dict[str, Any], data_start: int, file_size: int) -> FileHeader:
@@ -243,30 +242,30 @@ def _validate_header(path: Path, header: dict[str, Any], data_start: int, file_s
     data_size = file_size - data_start
     result = FileHeader(path=path, data_start=data_start, file_size=file_size, metadata=metadata)
     spans: list[tuple[int, int, str]] = []
-    for key, info in header.items():
-        where = f"tensor '{key}'"
-        if not isinstance(info, dict):
-            raise FormatError(path, f"{where}: entry is not a JSON object")
+    entries = result.entries
+    for key, info in header.items():  # once per tensor each time a file is opened: kept to plain type tests
+        if type(info) is not dict:
+            raise FormatError(path, f"tensor '{key}': entry is not a JSON object")
         name = info.get("dtype")
-        dtype = NAME_TO_DTYPE.get(name) if isinstance(name, str) else None
+        dtype = NAME_TO_DTYPE.get(name) if type(name) is str else None
         if dtype is None:
-            raise FormatError(path, f"{where}: unknown dtype {str(name)[:40]!r}")
+            raise FormatError(path, f"tensor '{key}': unknown dtype {str(name)[:40]!r}")
         shape, offsets = info.get("shape"), info.get("data_offsets")
-        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-            raise FormatError(path, f"{where}: shape {str(shape)[:80]} is not a list of non-negative integers")
-        if (not isinstance(offsets, list) or len(offsets) != 2
-                or not all(_is_int(o) and o >= 0 for o in offsets)):
-            raise FormatError(path, f"{where}: data_offsets {str(offsets)[:80]} is not [begin, end]")
+        if type(shape) is not list or not set(map(type, shape)) <= _INT_ONLY or (shape and min(shape) < 0):
+            raise FormatError(path, f"tensor '{key}': shape {str(shape)[:80]} is not a list of non-negative integers")
+        if (type(offsets) is not list or len(offsets) != 2 or type(offsets[0]) is not int
+                or type(offsets[1]) is not int or offsets[0] < 0 or offsets[1] < 0):
+            raise FormatError(path, f"tensor '{key}': data_offsets {str(offsets)[:80]} is not [begin, end]")
         begin, end = offsets
         expected = prod(shape) * dtype.itemsize
         if end - begin != expected:
-            raise FormatError(path, f"{where}: holds {end - begin} bytes but dtype {info['dtype']} and shape"
+            raise FormatError(path, f"tensor '{key}': holds {end - begin} bytes but dtype {info['dtype']} and shape"
                               f" {shape} need {expected}")
         if end > data_size:
-            raise FormatError(path, f"{where}: data_offsets end {end} is past the data section"
+            raise FormatError(path, f"tensor '{key}': data_offsets end {end} is past the data section"
                               f" ({data_size} bytes; file truncated?)")
         spans.append((begin, end, key))
-        result.entries[key] = TensorEntry(key, path, dtype, tuple(shape), data_start + begin, end - begin)
+        entries[key] = TensorEntry(key, path, dtype, tuple(shape), data_start + begin, end - begin)
     spans.sort()
     cursor = 0
     for begin, end, key in spans:

@@ -55,6 +55,8 @@ class Target:
 
 def clean_name(name: str) -> str:
     """Strip wrapper prefixes so names match an unwrapped model's ``state_dict`` keys."""
+    if "_fsdp_wrapped_module" not in name and "_checkpoint_wrapped_module" not in name and "_orig_mod" not in name:
+        return name.rstrip(".")  # most names: called per tensor, several times per restore
     for part in _WRAPPER_PARTS:
         name = name.replace(part, "")
     return name.removesuffix("_fsdp_wrapped_module").removesuffix("_orig_mod").rstrip(".")
@@ -64,12 +66,19 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+@functools.cache
+def _dtensor_class() -> type | tuple[()]:
+    """DTensor, imported once (an import statement per tensor showed in the plan's profile); ``()`` (which
+    nothing is an instance of) in a torch without distributed."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(t, DTensor)
+        return ()
+    return DTensor
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return isinstance(t, _dtensor_class())
 
 
 def _fsdp1_units(model: nn.Module):
@@ -96,7 +105,9 @@ def local_targets(model: nn.Module) -> tuple[list[Target], dict[str, str]]:
         return clean_name(name.removeprefix(top))
 
     managed: dict[int, str] = {}  # FSDP1 original parameters (use_orig_params=True views) -> their name
+    fsdp1 = False  # FlatParameter's isinstance is a Python metaclass hook: skipped where no FSDP1 unit exists
     for prefix, handle in _fsdp1_units(model):
+        fsdp1 = True
         flat = handle.flat_param
         for fqn, param in zip(flat._fqns, getattr(flat, "_params", None) or []):
             managed[id(param)] = _join(prefix, clean(fqn))
@@ -117,7 +128,7 @@ def local_targets(model: nn.Module) -> tuple[list[Target], dict[str, str]]:
     seen: dict[int, str] = {}
     for raw_name, param in model.named_parameters(remove_duplicate=False):
         name = clean(raw_name)
-        if isinstance(param, FlatParameter) or name in done:
+        if (fsdp1 and isinstance(param, FlatParameter)) or name in done:
             continue
         if id(param) in managed:  # a tied view of a parameter another FSDP1 unit owns
             aliases[name] = managed[id(param)]
@@ -147,7 +158,7 @@ def local_targets(model: nn.Module) -> tuple[list[Target], dict[str, str]]:
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The memory this rank holds of ``tensor``: a DTensor's local shard (the attribute, not ``to_local()``:
     that is an autograd Function call, thousands of times per restore), else its data."""
-    if _is_dtensor(tensor):
+    if isinstance(tensor, _dtensor_class()):
         return tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor.to_local()
     return tensor.data
 
@@ -184,6 +195,11 @@ def _block_runs(global_shape: tuple[int, ...], mesh: object, placements: tuple) 
     return tuple(local_shape), *block_rows(tuple(global_shape), tuple(local_shape), tuple(offset))
 
 
+@functools.lru_cache(maxsize=256)
+def _partial(placements: tuple) -> bool:
+    return any(p.is_partial() for p in placements)
+
+
 def block_rows(global_shape: tuple[int, ...], local_shape: tuple[int, ...],
                offset: tuple[int, ...]) -> tuple[list[RowBlock], int]:
     """The block ``local_shape`` at ``offset`` of a row-major ``global_shape`` tensor as row blocks and a
@@ -211,22 +227,31 @@ def block_rows(global_shape: tuple[int, ...], local_shape: tuple[int, ...],
 
 
 def _dtensor_target(name: str, dt: torch.Tensor, kind: str) -> Target:
-    local = local_tensor(dt)
+    # The spec's fields, not the DTensor's properties: each property is a Python call on a tensor subclass,
+    # and this runs once per parameter on every restore.
+    spec = dt._spec
+    placements = spec.placements
+    local = dt._local_tensor
     global_shape = tuple(dt.shape)
-    if any(p.is_partial() for p in dt.placements):
+    if _partial(placements):
         return Target(name, global_shape, dt.dtype, kind, layout="dtensor", unsupported=(
-            f"a Partial placement ({dt.placements}) holds addends of a pending reduction, and a stored value"
+            f"a Partial placement ({placements}) holds addends of a pending reduction, and a stored value"
             " cannot be split into addends exactly; restore into the model before it is parallelized this way,"
             " or with Replicate/Shard placements"))
-    local_shape, blocks, run = _block_runs(global_shape, dt.device_mesh, tuple(dt.placements))
-    target = Target(name, global_shape, dt.dtype, kind, layout="dtensor")
-    if tuple(local.shape) != local_shape:
+    local_shape, blocks, run = _block_runs(global_shape, spec.mesh, placements)
+    target = Target(name, global_shape, local.dtype, kind, layout="dtensor")
+    if local.shape != local_shape:
         raise ValueError(f"{name}: local shard shape {tuple(local.shape)} differs from the layout's {local_shape}")
-    if local.numel() == 0:
+    n_local = local.numel()
+    if n_local == 0:
         return target
     if not local.is_contiguous():
         raise ValueError(f"{name}: non-contiguous local shard is not supported")
     flat_local = local.detach().view(-1)
+    if len(blocks) == 1:  # most layouts: the whole local block, no slice
+        block = blocks[0]
+        target.pieces.append(Piece(flat_local, block.start, block.rows, block.stride if block.rows > 1 else 0))
+        return target
     at = 0
     for block in blocks:
         n = block.rows * run
