@@ -2,25 +2,29 @@
 
 Also home of `load_pt`, the safe way to open a ``torch.save`` file: ``weights_only=True`` plus an
 explicit allowlist (numpy arrays and scalars, argparse.Namespace, pathlib paths). Anything else in
-the pickle is refused *before* unpickling, unless the caller opts in with ``trust_pickle``.
+the pickle is refused before it is imported or called, unless the caller opts in with ``trust_pickle``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import importlib
 import json
 import os
 import pathlib
+import pickle
 import warnings
 import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from . import torch_zip
 from .errors import FormatError, UnsafePickleError
 from .flatten import flatten
 from .format import META_SOURCE
@@ -55,6 +59,21 @@ def _import_global(name: str) -> Any:
         raise ValueError(f"cannot import allowed global '{name}': {e}") from None
 
 
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the duration (back on after, if it was on). Loading, flattening
+    and laying out a checkpoint allocate a few objects per tensor while the whole loaded object is alive, and
+    every full collection walks all of it again: for a checkpoint of many small tensors that was much of the time
+    of those steps (BENCHMARKS.md). They make no garbage cycles worth collecting meanwhile."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def _pickle_protocol(path: Path) -> int | None:
     """The pickle protocol a ``torch.save`` file was written with (its pickle's PROTO opcode), or None."""
     try:
@@ -82,8 +101,11 @@ def weights_only_refusal_hint(path: str | os.PathLike[str]) -> str:
 def _check_zip_members(path: Path) -> bool:
     """Whether every member is stored uncompressed (what torch.save writes, and all torch can memory-map).
     DEFLATE members are read by torch's plain (non-mmap) loader; any other method is refused here."""
-    with zipfile.ZipFile(path) as z:
-        methods = {info.filename: info.compress_type for info in z.infolist()}
+    try:
+        with zipfile.ZipFile(path) as z:
+            methods = {info.filename: info.compress_type for info in z.infolist()}
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        raise FormatError(path, f"zip archive is corrupt ({e}); re-copy the file") from None
     for name, method in methods.items():
         if method not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
             raise FormatError(path, f"zip member '{name}' is compressed with zip method {method}, which torch.load"
@@ -95,20 +117,31 @@ def load_pt(path: str | os.PathLike[str], *, trust_pickle: bool = False, allow_g
             mmap: bool = True) -> Any:
     """Load a ``torch.save`` file without executing untrusted code.
 
-    Zip-format files are memory-mapped (tensor bytes are read lazily). Globals outside the
-    allowlist (plus ``allow_globals``, given as ``"module.Name"``) raise `UnsafePickleError` before
-    anything is unpickled. ``trust_pickle=True`` runs the pickle as plain ``torch.load`` would: only
-    for files you trust. Legacy (non-zip) files cannot be memory-mapped and load fully, with a warning.
+    Zip-format files are memory-mapped (tensor bytes are read lazily); one whose records are stored, as
+    torch.save writes them, is read by `torch_zip.load` (torch's unpickler, without torch.load's cost per
+    tensor), anything else by torch.load. Globals outside the allowlist (plus ``allow_globals``, given as
+    ``"module.Name"``) raise `UnsafePickleError`, naming them all, before any of them is imported or called.
+    ``trust_pickle=True`` runs the pickle as plain ``torch.load`` would: only for files you trust. Legacy
+    (non-zip) files cannot be memory-mapped and load fully, with a warning.
     """
     path = Path(path)
     if not path.is_file():
         raise FormatError(path, "no such file")
     with open(path, "rb") as f:
         magic = f.read(4)
-    is_zip = zipfile.is_zipfile(path)
+    try:
+        is_zip = zipfile.is_zipfile(path)
+    except zipfile.BadZipFile:  # an end record it cannot take (e.g. "spans several disks"): not one torch wrote
+        is_zip = False
     if magic == b"PK\x03\x04" and not is_zip:
         raise FormatError(path, "zip archive is truncated or corrupt (no central directory); re-copy the file")
     extra = [_import_global(n) for n in allow_globals]
+    if is_zip and mmap and not trust_pickle:
+        try:  # the common case, without torch.load's cost per tensor; the same result and the same refusals
+            with _gc_paused():
+                return _load_stored_zip(path, extra)
+        except torch_zip.NotHandled:
+            pass  # a file only torch.load reads exactly (compressed, big-endian, ...): below, as before
     stored = is_zip and _check_zip_members(path)
     if is_zip and not stored:
         # torch's mmap path would take the compressed bytes as tensor data: read (and inflate) it whole instead
@@ -121,18 +154,7 @@ def load_pt(path: str | os.PathLike[str], *, trust_pickle: bool = False, allow_g
                                     " pass --trust-pickle (trust_pickle=True) to convert it, or re-save it with"
                                     " torch.save's default protocol")
         if is_zip:
-            try:
-                needed = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
-            except Exception as e:  # a corrupt zip or pickle stream
-                raise FormatError(path, f"cannot read the torch.save archive ({type(e).__name__}: {e})") from None
-            allowed = {_global_name(o) for o in _allowlist() + extra}
-            # numpy moved numpy.core to numpy._core; pickles name either.
-            refused = [g for g in needed if g not in allowed and g.replace("numpy.core.", "numpy._core.") not in allowed]
-            if refused:
-                raise UnsafePickleError(
-                    f"{path}: the pickle references {', '.join(sorted(refused))}, which loading would import and"
-                    " may call (arbitrary code execution). If you trust this file, pass --trust-pickle"
-                    " (trust_pickle=True), or allow data-only classes with --allow-global MODULE.NAME")
+            _refuse_unsafe_globals(path, extra)
     else:
         warnings.warn(f"{path}: trust_pickle=True executes the file's pickle; only do this for files you trust",
                       stacklevel=2)
@@ -148,11 +170,59 @@ def load_pt(path: str | os.PathLike[str], *, trust_pickle: bool = False, allow_g
     except (UnsafePickleError, FormatError):
         raise
     except Exception as e:
-        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if "Unsupported global" in str(e) or "weights_only" in str(e):
-            raise UnsafePickleError(f"{path}: refused by the safe unpickler ({text}); pass --trust-pickle if you"
-                                    " trust this file") from None
-        raise FormatError(path, f"cannot load ({type(e).__name__}: {text}); truncated or corrupt?") from None
+        raise _load_error(path, e) from None
+
+
+def _load_stored_zip(path: Path, extra: list[Any]) -> Any:
+    """`torch_zip.load` with this module's allowlist; its failures reported as torch.load's below are.
+
+    Globals are checked by torch's unpickler as it meets them (an allowed one is called, a refused one stops it
+    before it is imported); only when it stops is the pickle scanned for every global it names, so that the
+    error lists them all, and is the one the scan-first order gave: unreadable pickle, then refused globals,
+    then what stopped the load."""
+    try:
+        return torch_zip.load(path, _allowlist() + extra)
+    except torch_zip.NotHandled:
+        raise
+    except Exception as e:
+        _refuse_unsafe_globals(path, extra)
+        if isinstance(e, (UnsafePickleError, FormatError)):
+            raise
+        if isinstance(e, pickle.UnpicklingError):  # torch's weights-only unpickler refused an opcode or a call
+            raise UnsafePickleError(f"{path}: refused by the safe unpickler ({_first_line(e)}); pass --trust-pickle"
+                                    " if you trust this file") from None
+        raise _load_error(path, e) from None
+
+
+def _refuse_unsafe_globals(path: Path, extra: list[Any]) -> None:
+    """`UnsafePickleError` listing the globals the pickle names outside torch's and our allowlists (read without
+    unpickling); `FormatError` if the archive or its pickle cannot be read."""
+    try:
+        needed = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+    except Exception as e:  # a corrupt zip or pickle stream
+        raise FormatError(path, f"cannot read the torch.save archive ({type(e).__name__}: {e})") from None
+    allowed = {_global_name(o) for o in _allowlist() + extra}
+    # numpy moved numpy.core to numpy._core; pickles name either.
+    refused = [g for g in needed if g not in allowed and g.replace("numpy.core.", "numpy._core.") not in allowed]
+    if refused:
+        raise UnsafePickleError(
+            f"{path}: the pickle references {', '.join(sorted(refused))}, which loading would import and"
+            " may call (arbitrary code execution). If you trust this file, pass --trust-pickle"
+            " (trust_pickle=True), or allow data-only classes with --allow-global MODULE.NAME")
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _load_error(path: Path, e: Exception) -> Exception:
+    """What a failed torch.load (or `torch_zip.load`) is reported as: a refusal of the safe unpickler, or a
+    file that cannot be read."""
+    text = _first_line(e)
+    if "Unsupported global" in str(e) or "weights_only" in str(e):
+        return UnsafePickleError(f"{path}: refused by the safe unpickler ({text}); pass --trust-pickle if you"
+                                 " trust this file")
+    return FormatError(path, f"cannot load ({type(e).__name__}: {text}); truncated or corrupt?")
 
 
 def select_subtree(obj: Any, select: str | None) -> Any:
@@ -259,7 +329,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
     if Path(dst).exists() and not force:
         raise FileExistsError(f"{dst} already exists; pass force=True (CLI: --force) to replace it")
     threads = threads or default_io_threads()
-    with PeakAnonMemory() as mem, Stopwatch() as clock:
+    with PeakAnonMemory() as mem, Stopwatch() as clock, _gc_paused():
         identity = source_identity(src)  # before reading: a source rewritten meanwhile will not match it
         obj = select_subtree(load_pt(src, trust_pickle=trust_pickle, allow_globals=allow_globals), select)
         tensors, structure = flatten(obj, on_unsupported=on_unsupported)  # type: ignore[arg-type]

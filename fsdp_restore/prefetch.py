@@ -12,7 +12,10 @@ from __future__ import annotations
 import os
 import threading
 
-_STEP = 256 * 1024 * 1024  # one readahead request per step, so that the first bytes are asked for first
+# One readahead request per step, in file order, so that the first bytes are asked for first. Small: Linux reads
+# at most max(read_ahead_kb, max_sectors_kb) of the device per POSIX_FADV_WILLNEED call (force_page_cache_ra) and
+# drops the rest of the range, so that larger steps left most of the source unread (BENCHMARKS.md).
+_STEP = 512 * 1024
 
 
 def available_memory() -> int:

@@ -264,19 +264,12 @@ class _FileWriter:
             data[:len(part)] = np.frombuffer(part, dtype=np.uint8)
         with torch.no_grad():
             for piece in block.pieces:
-                job, size = piece.job, piece.job.dtype.itemsize
-                first, stop = piece.first // size, -(-(piece.first + piece.nbytes) // size)
-                dst = buffer[piece.at:piece.at + piece.nbytes]
+                job = piece.job
                 if job.location is not None and job.dtype == job.source.dtype:
                     pread_exactly(job.location[0], memoryview(memory)[piece.at:piece.at + piece.nbytes],
                                   job.location[1] + piece.first)
-                elif piece.first % size == 0 and piece.nbytes % size == 0 and piece.at % size == 0:
-                    _copy_elements(dst.view(job.dtype), _source_elements(job, first, stop))
-                else:  # the tensor does not start at a multiple of its element size (after an odd-length one)
-                    whole = torch.empty(stop - first, dtype=job.dtype)
-                    _copy_elements(whole, _source_elements(job, first, stop))
-                    skip = piece.first - first * size
-                    dst.copy_(whole.view(torch.uint8)[skip:skip + piece.nbytes])
+                else:
+                    _copy_piece(piece, buffer)
                 crc = zlib.crc32(data[piece.at:piece.at + piece.nbytes])
                 with self._lock:
                     self._segment_crcs[job.key][piece.first] = (crc, piece.nbytes)
@@ -332,6 +325,19 @@ class _FileWriter:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def _copy_piece(piece: _Piece, buffer: torch.Tensor) -> None:
+    """Copy (and cast) one piece of a tensor that is not read from a file at its offset into the block buffer."""
+    job, size = piece.job, piece.job.dtype.itemsize
+    first, stop = piece.first // size, -(-(piece.first + piece.nbytes) // size)
+    if piece.first % size == 0 and piece.nbytes % size == 0 and piece.at % size == 0:
+        _copy_elements(buffer[piece.at:piece.at + piece.nbytes].view(job.dtype), _source_elements(job, first, stop))
+    else:  # the tensor does not start at a multiple of its element size (after an odd-length one)
+        whole = torch.empty(stop - first, dtype=job.dtype)
+        _copy_elements(whole, _source_elements(job, first, stop))
+        skip = piece.first - first * size
+        buffer[piece.at:piece.at + piece.nbytes].copy_(whole.view(torch.uint8)[skip:skip + piece.nbytes])
 
 
 def _write_block(block: _Block, progress: ProgressFn | None) -> None:

@@ -23,6 +23,12 @@ def test_joined_segments_equal_crc32_of_the_whole(parts):
     assert joined == zlib.crc32(b"".join(parts))
 
 
+@given(st.integers(0, 2**32 - 1), st.integers(1, 2**40))
+def test_joining_onto_a_zero_crc_is_the_segment_itself(crc, nbytes):
+    """What `combine_segments` skips the join for: a first segment (crc 0 before it) keeps its own crc32."""
+    assert checksum.crc32_combine(0, crc, nbytes) == crc
+
+
 def test_combine_handles_gigabyte_lengths():
     zeros = bytes(64 << 20)
     head = zlib.crc32(b"head")

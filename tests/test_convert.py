@@ -1,5 +1,6 @@
 """Streaming .pt -> safetensors conversion: exact, pickle-free, sharded, cast, atomic, bounded memory."""
 
+import importlib
 import json
 import os
 import subprocess
@@ -15,6 +16,8 @@ from safetensors import safe_open
 import fsdp_restore
 from fsdp_restore import FormatError, UnsafePickleError, convert
 from fsdp_restore.convert import parse_size
+
+convert_module = importlib.import_module("fsdp_restore.convert")  # the package's `convert` is the function
 
 
 @pytest.fixture(scope="module")
@@ -321,3 +324,50 @@ def test_a_source_that_ends_inside_a_tensor_is_named(tmp_path, monkeypatch):
     with pytest.raises(FormatError, match=r"src\.pt.*ends at byte \d+.*truncated or rewritten"):
         fsdp_restore.convert(src, dst)
     assert not dst.exists() and not list(tmp_path.glob(".out.safetensors.tmp-*"))
+
+
+def test_garbage_collection_is_paused_only_while_converting(train_ckpt, tmp_path, monkeypatch):
+    """convert turns Python's cyclic collector off while it loads, flattens and writes (each full collection walks
+    the whole loaded checkpoint), and back on after, failed or not; a caller's own gc.disable() is kept."""
+    import gc
+
+    src, _ = train_ckpt
+    seen = []
+    real_flatten = convert_module.flatten
+
+    def spy(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return real_flatten(*args, **kwargs)
+
+    monkeypatch.setattr(convert_module, "flatten", spy)
+    assert gc.isenabled()
+    convert(src, tmp_path / "a.safetensors")
+    assert seen == [False] and gc.isenabled()
+    with pytest.raises(FileExistsError):
+        convert(src, tmp_path / "a.safetensors")
+    monkeypatch.setattr(convert_module, "flatten", lambda *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        convert(src, tmp_path / "b.safetensors")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        monkeypatch.setattr(convert_module, "flatten", real_flatten)
+        convert(src, tmp_path / "c.safetensors")
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_a_zip_end_record_python_cannot_take_is_a_format_error_of_load_pt(tmp_path):
+    """zipfile.is_zipfile raises (instead of saying no) for a zip64 end locator that claims several disks."""
+    import struct
+
+    src = tmp_path / "src.pt"
+    torch.save({"w": torch.ones(3)}, src)
+    raw = bytearray(src.read_bytes())
+    locator = raw.rfind(b"PK\x06\x07")
+    raw[locator + 16:locator + 20] = struct.pack("<I", 2)  # "total number of disks"
+    bad = tmp_path / "disks.pt"
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(FormatError, match=r"disks\.pt: zip archive is truncated or corrupt"):
+        convert_module.load_pt(bad)
