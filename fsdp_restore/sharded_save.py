@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import hashlib
 import os
 import pickle
@@ -46,7 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import save_plan
-from .checksum import _ONE, _multiply, _shift, crc32_combine
+from .checksum import _ONE, _multiply, _shift
 from .errors import FsdpRestoreError, RestoreError, SaveError
 from .execute import parts
 from .format import DEFAULT_INDEX_NAME
@@ -77,21 +78,23 @@ class SaveReport:
 
 # ---- crc32 of a tensor written in pieces by many ranks ---------------------------------------------------
 
-_ZEROS: list[int] = [zlib.crc32(b"\0")]  # crc32 of 2^k zero bytes
+@functools.lru_cache(maxsize=1 << 14)
+def _power(nbytes: int) -> int:
+    """x^(8 nbytes) modulo crc32's polynomial. Cached: a model's pieces come in a few sizes, and each power
+    costs ~log2(nbytes) multiplications in Python, where applying a cached one costs one."""
+    return _shift(_ONE, nbytes)
 
 
+def _shifted(crc: int, nbytes: int) -> int:
+    """``crc`` followed by ``nbytes`` bytes' worth of length (see checksum._shift), with a cached power."""
+    return _multiply(_power(nbytes), crc) if crc and nbytes else crc
+
+
+@functools.lru_cache(maxsize=1 << 14)
 def crc32_zeros(n: int) -> int:
-    """crc32 of ``n`` zero bytes, in O(log n) without touching them."""
-    crc, k = 0, 0
-    while n:
-        while len(_ZEROS) <= k:
-            half = 1 << (len(_ZEROS) - 1)
-            _ZEROS.append(crc32_combine(_ZEROS[-1], _ZEROS[-1], half))
-        if n & 1:
-            crc = crc32_combine(crc, _ZEROS[k], 1 << k)
-        n >>= 1
-        k += 1
-    return crc
+    """crc32 of ``n`` zero bytes without touching them: crc32 starts from all ones and ends with a final
+    inversion, and zero bytes only shift the register, so it is ``~(0xFFFFFFFF x^(8n))``."""
+    return _shifted(0xFFFFFFFF, n) ^ 0xFFFFFFFF
 
 
 class _Crc:
@@ -111,10 +114,13 @@ class _Crc:
         the tensor follow the last row."""
         zeros = crc32_zeros(row_bytes)
         acc = 0
-        power = _shift(_ONE, stride_bytes) if len(row_crcs) > 1 else _ONE
-        for crc in row_crcs:
-            acc = _multiply(power, acc) ^ crc ^ zeros
-        acc = _shift(acc, trailing)
+        if len(row_crcs) == 1:
+            acc = row_crcs[0] ^ zeros
+        else:
+            power = _power(stride_bytes)
+            for crc in row_crcs:
+                acc = _multiply(power, acc) ^ crc ^ zeros
+        acc = _shifted(acc, trailing)
         with self._lock:
             self.folds[key] = self.folds.get(key, 0) ^ acc
 
@@ -124,12 +130,13 @@ def _join_crcs(plan: WritePlan, crc: _Crc, group: dist.ProcessGroup | None, worl
     taken mod 2: NCCL has no bitwise reduction)."""
     keys = list(plan.jobs)
     if world > 1:
-        bits = torch.tensor([[(crc.folds.get(k, 0) >> b) & 1 for b in range(32)] for k in keys] or [[0] * 32],
-                            dtype=torch.int32)
+        shifts = torch.arange(32, dtype=torch.int64)
+        own = torch.tensor([crc.folds.get(k, 0) for k in keys] or [0], dtype=torch.int64)
+        bits = ((own.unsqueeze(1) >> shifts) & 1).to(torch.int32)  # one row of 32 bits per tensor
         t = bits.to(_device(group))
         dist.all_reduce(t, group=group)
-        parity = (t.cpu() % 2).tolist()
-        folds = [sum(bit << b for b, bit in enumerate(row)) for row in parity]
+        parity = t.cpu().to(torch.int64) % 2
+        folds = (parity << shifts).sum(dim=1).tolist()
     else:
         folds = [crc.folds.get(k, 0) for k in keys]
     return {k: f"{fold ^ crc32_zeros(plan.jobs[k].nbytes):08x}" for k, fold in zip(keys, folds)}

@@ -525,6 +525,17 @@ def test_crc_of_pieces_folded_in_any_order_is_zlibs():
         assert joined ^ crc32_zeros(n) == zlib.crc32(buf), n
 
 
+def test_crc_of_zeros_is_zlibs():
+    """crc32 of n zero bytes from the register's shift alone (cached by n), as zlib computes it by reading them."""
+    import zlib
+
+    from fsdp_restore.sharded_save import crc32_zeros
+
+    for n in (0, 1, 2, 3, 8, 255, 4096, 65_537, 1 << 20, 3_000_001):
+        assert crc32_zeros(n) == zlib.crc32(bytes(n)), n
+        assert crc32_zeros(n) == zlib.crc32(bytes(n)), n  # the cached answer too
+
+
 def test_the_package_exports():
     import inspect
 
