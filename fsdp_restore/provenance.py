@@ -16,6 +16,8 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from .errors import FormatError
+
 _EDGE = 1024 * 1024
 
 
@@ -23,10 +25,16 @@ def fingerprint(path: str | os.PathLike[str]) -> str:
     """8 hex digits: crc32 of the zip directory (names, crc32s, sizes), or of the first and last MB."""
     path = Path(path)
     crc = 0
-    if zipfile.is_zipfile(path):
-        with zipfile.ZipFile(path) as z:
-            for info in z.infolist():
-                crc = zlib.crc32(f"{info.filename}:{info.CRC:08x}:{info.file_size}\n".encode(), crc)
+    try:
+        infos = None
+        if zipfile.is_zipfile(path):  # which raises, rather than saying no, on some damaged end records
+            with zipfile.ZipFile(path) as z:
+                infos = z.infolist()
+    except (zipfile.BadZipFile, ValueError, EOFError) as e:
+        raise FormatError(path, f"zip archive is truncated or corrupt ({e}); re-copy the file") from None
+    if infos is not None:
+        for info in infos:
+            crc = zlib.crc32(f"{info.filename}:{info.CRC:08x}:{info.file_size}\n".encode(), crc)
     else:
         size = path.stat().st_size
         with open(path, "rb") as f:

@@ -371,3 +371,11 @@ def test_a_zip_end_record_python_cannot_take_is_a_format_error_of_load_pt(tmp_pa
     bad.write_bytes(bytes(raw))
     with pytest.raises(FormatError, match=r"disks\.pt: zip archive is truncated or corrupt"):
         convert_module.load_pt(bad)
+    # the conversion records its source's identity (a fingerprint of the zip directory) first: the same error
+    with pytest.raises(FormatError, match=r"disks\.pt: zip archive is truncated or corrupt"):
+        convert(bad, tmp_path / "out.safetensors")
+    assert not (tmp_path / "out.safetensors").exists()
+    res = subprocess.run([sys.executable, "-m", "fsdp_restore", "convert", str(bad), str(tmp_path / "o.safetensors")],
+                         capture_output=True, text=True)
+    assert res.returncode == 1 and "zip archive is truncated or corrupt" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
