@@ -33,7 +33,7 @@ CONVERT_DEFAULTS: dict[str, Any] = {
     "cast_exclude": [],  # key patterns kept in their dtype
     "max_shard_size": None,  # e.g. 5GB: write a directory of shards plus an index json
     "select": None,  # e.g. model: write only this subtree, with plain keys
-    "threads": None,  # default: every core, at least 4 (they mostly wait on the disk)
+    "thread_count": None,  # default: every core, at least 4 (they mostly wait on the disk)
     "force": False,  # replace an existing destination
     "trust_pickle": False,  # run arbitrary pickle code in the source (only for files you trust)
     "allow_globals": [],  # extra data-only classes the safe unpickler may build, "module.Name"
@@ -75,7 +75,7 @@ def _load_layer(source: str, load: Callable[[], Any], known: Sequence[str], in_f
         raise OptionError(f"{source}: no such file") from None
     except yaml.YAMLError as e:
         raise OptionError(f"{source}: not valid YAML ({_yaml_problem(e, in_file)}); fix the syntax, e.g."
-                          " cast_exclude=[optim.*] or threads: 4") from None
+                          " cast_exclude=[optim.*] or thread_count: 4") from None
     except (OmegaConfBaseException, UnicodeDecodeError) as e:
         raise OptionError(f"{source}: {str(e).splitlines()[0]}") from None
     if layer is None:  # an empty file
@@ -83,10 +83,31 @@ def _load_layer(source: str, load: Callable[[], Any], known: Sequence[str], in_f
     if not isinstance(layer, DictConfig):
         raise OptionError(f"{source}: must be a mapping of option: value (see configs/convert.yaml), not a"
                           f" {type(layer).__name__.removesuffix('Config').lower()}")
+    layer = _renamed_options(source, layer, known)
     unknown = set(layer.keys()) - set(known)
     if unknown:
         raise OptionError(f"{source}: unknown option(s) {', '.join(sorted(map(str, unknown)))}; known: {', '.join(known)}")
     return layer
+
+
+_RENAMED = {"threads": "thread_count"}  # an option's old name -> its name: still accepted, with a warning
+
+
+def _renamed_options(source: str, layer: DictConfig, known: Sequence[str]) -> DictConfig:
+    """A layer with each option given by its old name (`_RENAMED`) under its new one, with a deprecation
+    warning; both names in one layer are refused. Values are moved unresolved (interpolations included)."""
+    old = [str(k) for k in layer.keys() if str(k) in _RENAMED and _RENAMED[str(k)] in known]
+    if not old:
+        return layer
+    items = OmegaConf.to_container(layer, resolve=False)
+    assert isinstance(items, dict)
+    for key in old:
+        new = _RENAMED[key]
+        if new in items:
+            raise OptionError(f"{source}: both {key} and {new}; {key} is the old name of {new}: give {new} only")
+        warnings.warn(f"{source}: {key} is renamed {new} ({key} will be removed in the next release)",
+                      DeprecationWarning, stacklevel=2)
+    return OmegaConf.create({(_RENAMED[k] if k in old else k): v for k, v in items.items()})
 
 
 _FLAGS = {"allow_globals": "--allow-global"}  # the flags whose name is not the option's
@@ -177,7 +198,7 @@ def check_convert_options(values: dict[str, Any], origin: dict[str, str] | None 
     """Every convert option checked for type and range, normalized (sizes in bytes, one pattern -> a list
     of one): `OptionError` naming the option, the value, where it was set and what it takes. Checked here
     so that a bad value fails before anything is read, not as a TypeError deep in the conversion, and so
-    that a wrong one (``max_shard_size=-5``, ``threads=0``) is never silently taken for a default."""
+    that a wrong one (``max_shard_size=-5``, ``thread_count=0``) is never silently taken for a default."""
     out = dict(values)
 
     def fail(key: str, text: str) -> NoReturn:
@@ -190,9 +211,9 @@ def check_convert_options(values: dict[str, Any], origin: dict[str, str] | None 
         except OptionError as e:
             fail(key, str(e).removeprefix(f"{key}: "))
 
-    threads = values.get("threads")
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        fail("threads", "expected a whole number >= 1 (or null: every core, at least 4)")
+    count = values.get("thread_count")
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+        fail("thread_count", "expected a whole number >= 1 (or null: every core, at least 4)")
     size = values.get("max_shard_size")
     if size is not None:
         if isinstance(size, bool) or not isinstance(size, (int, str)):
@@ -241,7 +262,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from .convert import convert
 
     flags = {"dtype": args.dtype, "max_shard_size": args.max_shard_size, "select": args.select, "tag": args.tag,
-             "threads": args.threads, "force": True if args.force else None,
+             "thread_count": args.thread_count, "force": True if args.force else None,
              "trust_pickle": True if args.trust_pickle else None,
              "allow_globals": args.allow_global or None}
     cfg = convert_options(args.config, flags, args.overrides)
@@ -295,7 +316,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         _must_exist(args.against, "--against")
     with _progress() as progress:
         task = progress.add_task("verify", total=None)
-        report = verify(args.path, against=args.against, select=args.select, threads=args.threads,
+        report = verify(args.path, against=args.against, select=args.select, thread_count=args.thread_count,
                         trust_pickle=args.trust_pickle, tag=args.tag,
                         progress=lambda d, t: progress.update(task, completed=d, total=t))
     render_verify(report, out)
@@ -332,6 +353,27 @@ def _int_at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
+class _RenamedFlag(argparse.Action):
+    """A flag's old name, hidden from --help: it still sets the new flag's value, with a deprecation warning."""
+
+    def __init__(self, *args: Any, new: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.new = new
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        warnings.warn(f"{option_string} is renamed {self.new} ({option_string} will be removed in the next release)",
+                      DeprecationWarning, stacklevel=2)
+        setattr(namespace, self.dest, values)
+
+
+def _thread_count_flags(p: argparse.ArgumentParser, help: str) -> None:
+    """--thread-count, and --threads (its old name: hidden, deprecated), both setting ``thread_count``."""
+    p.add_argument("--thread-count", type=_int_at_least(1), metavar="N", help=help)
+    p.add_argument("--threads", dest="thread_count", type=_int_at_least(1), action=_RenamedFlag, new="--thread-count",
+                   help=argparse.SUPPRESS)
+
+
 def _version() -> str:
     """The installed distribution's version, else the package's (a source tree run without installing)."""
     from importlib.metadata import PackageNotFoundError, version
@@ -360,7 +402,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", help="e.g. 5GB: write shards plus model.safetensors.index.json")
     p.add_argument("--select", help="only this subtree, e.g. model")
     p.add_argument("--tag", help="DeepSpeed checkpoint tag to convert, e.g. global_step1000 (default: latest)")
-    p.add_argument("--threads", type=_int_at_least(1), help="read/write threads (default: every core, at least 4)")
+    _thread_count_flags(p, "read/write threads (default: every core, at least 4)")
     p.add_argument("--force", action="store_true", help="replace an existing destination")
     p.add_argument("--trust-pickle", action="store_true", help="execute the file's pickle (trusted files only)")
     p.add_argument("--allow-global", action="append", metavar="MODULE.NAME",
@@ -382,7 +424,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--against", help="the source (.pt, DeepSpeed or DCP directory): compare every tensor")
     p.add_argument("--select", help="the subtree of the source that was converted (convert --select)")
     p.add_argument("--tag", help="a DeepSpeed source's tag, as given to convert (default: the one 'latest' names)")
-    p.add_argument("--threads", type=_int_at_least(1))
+    _thread_count_flags(p, "checksum/compare threads (default: every core)")
     p.add_argument("--trust-pickle", action="store_true")
     p.set_defaults(func=cmd_verify)
 
@@ -401,14 +443,14 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = make_parser()
+    warnings.simplefilter("default")  # before parsing: a deprecated flag's warning is shown
+    warnings.showwarning = lambda msg, cat, *a, **k: err.print(f"[yellow]warning:[/] {msg}")
     args, extra = parser.parse_known_args(argv)
     # key=value overrides may sit anywhere among the flags (argparse cannot interleave them).
     args.overrides = [a for a in extra if "=" in a and not a.startswith("-")]
     unknown = [a for a in extra if a not in args.overrides]
     if unknown or (args.overrides and args.command != "convert"):
         parser.error(f"unrecognized arguments: {' '.join(unknown or args.overrides)}")
-    warnings.simplefilter("default")
-    warnings.showwarning = lambda msg, cat, *a, **k: err.print(f"[yellow]warning:[/] {msg}")
     try:
         return args.func(args)
     except (FsdpRestoreError, FileExistsError, FileNotFoundError, KeyError, ValueError, OSError) as e:

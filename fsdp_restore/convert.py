@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from . import torch_zip
-from .errors import FormatError, UnsafePickleError
+from .errors import FormatError, UnsafePickleError, thread_count_argument
 from .flatten import flatten
 from .format import META_SOURCE
 from .jobs import ConvertReport, cast_groups, cast_target, parse_size, plan_jobs, write_converted
@@ -285,28 +285,32 @@ def _convert_directory(src: str | os.PathLike[str], dst: str | os.PathLike[str],
 
 
 def save(obj: Any, path: str | os.PathLike[str], *, max_shard_size: int | str | None = None,
-         dtype: torch.dtype | None = None, threads: int | None = None, force: bool = True,
-         on_unsupported: str = "error", progress: ProgressFn | None = None) -> list[Path]:
-    """Write any supported nested object (see `flatten`) to ``path``; returns the files written."""
+         dtype: torch.dtype | None = None, thread_count: int | None = None, force: bool = True,
+         on_unsupported: str = "error", progress: ProgressFn | None = None, threads: int | None = None) -> list[Path]:
+    """Write any supported nested object (see `flatten`) to ``path``; returns the files written.
+    ``thread_count``: write threads (default: every core, at least 4 and at most 16); ``threads=``, its old
+    name, still works with a `DeprecationWarning`; not an int >= 1: `ValueError`."""
+    thread_count = thread_count_argument(thread_count, threads)
     tensors, structure = flatten(obj, on_unsupported=on_unsupported)  # type: ignore[arg-type]
     jobs = plan_jobs(tensors, structure, dtype)
     return write_safetensors(path, jobs, structure_json=json.dumps(structure, separators=(",", ":")),
-                             max_shard_size=parse_size(max_shard_size), threads=threads, force=force,
+                             max_shard_size=parse_size(max_shard_size), threads=thread_count, force=force,
                              progress=progress).paths
 
 
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: torch.dtype | str | None = None,
             cast_include: Sequence[str] | None = None, cast_exclude: Sequence[str] = (),
-            max_shard_size: int | str | None = None, select: str | None = None, threads: int | None = None,
+            max_shard_size: int | str | None = None, select: str | None = None, thread_count: int | None = None,
             force: bool = False, trust_pickle: bool = False, allow_globals: Sequence[str] = (),
             on_unsupported: str = "error", progress: Callable[[int, int], None] | None = None,
-            tag: str | None = None) -> ConvertReport:
+            tag: str | None = None, threads: int | None = None) -> ConvertReport:
     """Stream a ``torch.save`` file into our safetensors format and report what it cost.
 
     The input is memory-mapped (``torch.load(mmap=True, weights_only=True)``) to read its structure; the
     tensors' bytes are read with ``pread`` at their offsets into 32 MB blocks of the output, one per
-    thread at a time (``threads``, default: at least 4), cast if asked and written with ``O_DIRECT``
-    where the file system allows it, so anonymous memory stays near ``threads x 32 MB``. ``select`` keeps one subtree (``"model"`` writes the weights
+    thread at a time (``thread_count``, default: every core, at least 4 and at most 16), cast if asked and
+    written with ``O_DIRECT`` where the file system allows it, so anonymous memory stays near
+    ``thread_count x 32 MB``. ``select`` keeps one subtree (``"model"`` writes the weights
     with plain keys a ``load_state_dict`` accepts). ``progress(done_bytes, total_bytes)`` is
     called as data is written.
 
@@ -318,17 +322,21 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
     ``dtype`` (bf16, fp16, fp32, fp64) casts the model's floating weights (`default_cast_scope`); optimizer
     state and 0-dim values keep their dtype unless ``cast_include`` patterns name them (a 0-dim tensor
     only by its exact key). ``report.cast`` lists what was cast, by group.
+
+    ``threads=``, the old name of ``thread_count``, still works with a `DeprecationWarning`; a
+    ``thread_count`` that is not an int >= 1 is a `ValueError` before anything is read.
     """
+    thread_count = thread_count_argument(thread_count, threads)
     dtype = cast_target(dtype)
     if Path(src).is_dir():
         return _convert_directory(src, dst, dtype=dtype, cast_include=cast_include, cast_exclude=cast_exclude,
-                                  max_shard_size=max_shard_size, select=select, threads=threads, force=force,
+                                  max_shard_size=max_shard_size, select=select, threads=thread_count, force=force,
                                   on_unsupported=on_unsupported, progress=progress, tag=tag)
     if not Path(src).is_file():
         raise FormatError(src, "no such file")
     if Path(dst).exists() and not force:
         raise FileExistsError(f"{dst} already exists; pass force=True (CLI: --force) to replace it")
-    threads = threads or default_io_threads()
+    threads = thread_count or default_io_threads()
     with PeakAnonMemory() as mem, Stopwatch() as clock, _gc_paused():
         identity = source_identity(src)  # before reading: a source rewritten meanwhile will not match it
         obj = select_subtree(load_pt(src, trust_pickle=trust_pickle, allow_globals=allow_globals), select)

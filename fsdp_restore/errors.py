@@ -1,6 +1,11 @@
-"""The error types fsdp_restore raises. Every message names the file or key at fault and what to do."""
+"""The error types fsdp_restore raises. Every message names the file or key at fault and what to do.
+
+Also the one check of an option that every public entry point shares (`thread_count_argument`).
+"""
 
 from __future__ import annotations
+
+import warnings
 
 
 class FsdpRestoreError(Exception):
@@ -51,3 +56,19 @@ class SaveError(FsdpRestoreError):
     def __init__(self, message: str, problems: dict[str, list[str]] | None = None) -> None:
         self.problems = problems or {}
         super().__init__(message)
+
+
+def thread_count_argument(thread_count: object, threads: object = None, *, stacklevel: int = 3) -> int | None:
+    """The ``thread_count=`` of a public entry point, checked at the door: None (the entry point's default) or
+    an int >= 1, else a `ValueError` naming it. ``threads=``, its name before, is accepted for one release with
+    a `DeprecationWarning` (``stacklevel`` 3: pointing at the entry point's caller); both -> `TypeError`."""
+    if threads is not None:
+        if thread_count is not None:
+            raise TypeError("pass thread_count= only: threads= is its deprecated old name, not a second option")
+        warnings.warn("threads= is renamed thread_count= (threads= will be removed in the next release)",
+                      DeprecationWarning, stacklevel=stacklevel)
+        thread_count = threads
+    if thread_count is not None and (isinstance(thread_count, bool) or not isinstance(thread_count, int)
+                                     or thread_count < 1):
+        raise ValueError(f"thread_count must be a positive int, not {thread_count!r}")
+    return thread_count

@@ -28,6 +28,7 @@ from torch import nn
 
 from . import check as checks
 from .buffers import buffer_problems
+from .errors import thread_count_argument
 from .execute import DEFAULT_READ_THREADS, execute_reads
 from .key_map import KeyMap
 from .plan import ReadPlan, RestoreReport, build_plan, default_prefix
@@ -224,8 +225,8 @@ def _fill_reports(plan: ReadPlan, ckpt: Checkpoint, result: checks.CheckResult, 
 
 def restore_model(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint, *, prefix: str | None = None,
                   strict: bool = True, check: bool = True, check_buffers: bool = True, method: str = "read",
-                  threads: int | None = None, dtype_policy: str = "cast", key_map: KeyMap | None = None,
-                  process_group: dist.ProcessGroup | None = None) -> RestoreReport:
+                  thread_count: int | None = None, dtype_policy: str = "cast", key_map: KeyMap | None = None,
+                  process_group: dist.ProcessGroup | None = None, threads: int | None = None) -> RestoreReport:
     """Restore a model's weights from a checkpoint; call on every rank after sharding the model.
 
     ``checkpoint``: a path (file, sharded directory, or ``.pt`` with a ``.safetensors`` sibling) or
@@ -247,9 +248,13 @@ def restore_model(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpo
     problem on any rank: missing / unexpected keys (``strict``), shapes, dtypes with
     ``dtype_policy="error"`` (default ``"cast"``: converted and listed in ``report.cast``), unrestored
     elements, or any exception.
+
+    ``thread_count``: read threads per rank (default 4); ``threads=``, its old name, still works with a
+    `DeprecationWarning`. A value that is not an int >= 1 is a `ValueError` before anything is read.
     """
+    thread_count = thread_count_argument(thread_count, threads)
     plan, _ = _run(model, checkpoint, weights=True, optimizer=None, prefix=prefix, optim_prefix="optim", strict=strict,
-                   check=check, check_buffers=check_buffers, method=method, threads=threads,
+                   check=check, check_buffers=check_buffers, method=method, threads=thread_count,
                    dtype_policy=dtype_policy, group=process_group, key_map=key_map)
     assert plan.model_report is not None
     return plan.model_report
@@ -257,8 +262,9 @@ def restore_model(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpo
 
 def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
                       checkpoint: str | os.PathLike[str] | Checkpoint, *, prefix: str = "optim",
-                      model_prefix: str | None = None, check: bool = True, threads: int | None = None,
-                      key_map: KeyMap | None = None, process_group: dist.ProcessGroup | None = None) -> RestoreReport:
+                      model_prefix: str | None = None, check: bool = True, thread_count: int | None = None,
+                      key_map: KeyMap | None = None, process_group: dist.ProcessGroup | None = None,
+                      threads: int | None = None) -> RestoreReport:
     """Restore ``optimizer`` (built over the sharded ``model``) from the checkpoint subtree ``prefix``.
 
     Per-parameter state tensors are read slice by slice into tensors laid out like each parameter's
@@ -271,9 +277,12 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
     Face Trainer's ``optimizer.pt``, converted) needs ``prefix=""``. ``model_prefix`` is no longer needed
     for that and is accepted for compatibility. Every rank
     raises the same `RestoreError` when the optimizer does not match the checkpoint (nothing is
-    modified then) or when a read or its check fails (the state is then not installed)."""
+    modified then) or when a read or its check fails (the state is then not installed). ``thread_count``:
+    as `restore_model`."""
+    thread_count = thread_count_argument(thread_count, threads)
     plan, _ = _run(model, checkpoint, weights=False, optimizer=optimizer, prefix=model_prefix,
-                   optim_prefix=prefix, strict=True, check=check, check_buffers=False, method="read", threads=threads,
+                   optim_prefix=prefix, strict=True, check=check, check_buffers=False, method="read",
+                   threads=thread_count,
                    dtype_policy="cast", group=process_group, key_map=key_map)
     assert plan.optim_report is not None
     return plan.optim_report
@@ -281,16 +290,18 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
 
 def restore(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint,
             optimizer: torch.optim.Optimizer | None = None, *, model_key: str | None = None, optim_key: str = "optim",
-            check: bool = True, check_buffers: bool = True, strict: bool = True, threads: int | None = None,
-            key_map: KeyMap | None = None, process_group: dist.ProcessGroup | None = None) -> RestoreResult:
+            check: bool = True, check_buffers: bool = True, strict: bool = True, thread_count: int | None = None,
+            key_map: KeyMap | None = None, process_group: dist.ProcessGroup | None = None,
+            threads: int | None = None) -> RestoreResult:
     """Restore model (and optimizer) state on every rank in one pass: one plan, one read phase, two
     verdicts. Returns a `RestoreResult`: a mapping over every other top-level entry of the checkpoint
     (step, scheduler, RNG states, config...) as ordinary Python objects, with ``.model`` and
     ``.optimizer`` reports (``strict=False`` losses are in ``result.model.missing``). ``model_key``: the
     subtree holding the weights, by default (None) ``"model"`` when the top level holds a ``model`` subtree
     (a training checkpoint), else ``""`` (a plain weights file, such as a Hugging Face file or a weights-only
-    `save_sharded`; nothing else is returned then). ``key_map``: as `restore_model`."""
+    `save_sharded`; nothing else is returned then). ``key_map`` and ``thread_count``: as `restore_model`."""
+    thread_count = thread_count_argument(thread_count, threads)
     plan, extra = _run(model, checkpoint, weights=True, optimizer=optimizer, prefix=model_key, optim_prefix=optim_key,
-                       strict=strict, check=check, check_buffers=check_buffers, method="read", threads=threads,
+                       strict=strict, check=check, check_buffers=check_buffers, method="read", threads=thread_count,
                        dtype_policy="cast", group=process_group, extra_keys=(optim_key,), key_map=key_map)
     return RestoreResult(model=plan.model_report, optimizer=plan.optim_report, extra=extra)

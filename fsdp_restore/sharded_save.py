@@ -48,7 +48,7 @@ from torch import nn
 
 from . import save_plan
 from .checksum import _ONE, _multiply, _shift
-from .errors import FsdpRestoreError, RestoreError, SaveError
+from .errors import FsdpRestoreError, RestoreError, SaveError, thread_count_argument
 from .execute import parts
 from .format import DEFAULT_INDEX_NAME
 from .jobs import parse_size
@@ -390,6 +390,9 @@ def _agree(problems: Any, what: str, group: dist.ProcessGroup | None,
 # ---- the entry point ---------------------------------------------------------------------------------------------
 
 
+DEFAULT_SAVE_THREADS = 4  # write threads per rank when save_sharded is given no thread_count
+
+
 def _check_arguments(model: Any, path: Any, optimizer: Any, extra: Any, process_group: Any, max_shard_size: Any,
                      thread_count: Any) -> int | None:
     if not isinstance(model, nn.Module):
@@ -404,8 +407,7 @@ def _check_arguments(model: Any, path: Any, optimizer: Any, extra: Any, process_
     if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
         raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, not"
                         f" {type(process_group).__name__}")
-    if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
-        raise ValueError(f"thread_count must be a positive int, not {thread_count!r}")
+    thread_count_argument(thread_count)  # the check every entry point shares
     if isinstance(max_shard_size, bool):
         raise TypeError("max_shard_size must be a size (int bytes or a string such as '5GB') or None")
     size = parse_size(max_shard_size)
@@ -416,7 +418,7 @@ def _check_arguments(model: Any, path: Any, optimizer: Any, extra: Any, process_
 
 def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: torch.optim.Optimizer | None = None,
                  extra: dict[str, Any] | None = None, process_group: dist.ProcessGroup | None = None,
-                 max_shard_size: int | str | None = None, thread_count: int = 4) -> SaveReport:
+                 max_shard_size: int | str | None = None, thread_count: int | None = None) -> SaveReport:
     """Save a sharded model (and optimizer) into one unsharded checkpoint; call on every rank.
 
     Every rank writes its own bytes straight into the final file (no gather): the file is byte for byte
@@ -433,7 +435,8 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
     to cover every element exactly once before a byte is written; the file is written under a temporary name
     in the destination's directory (which every rank must see: a shared filesystem), fsynced by every rank,
     and only then renamed over ``path``. Any failure on any rank raises the same `SaveError` on every rank,
-    removes the temporary and leaves an existing checkpoint at ``path`` untouched.
+    removes the temporary and leaves an existing checkpoint at ``path`` untouched. ``thread_count``: write
+    threads per rank (default 4).
     """
     t0 = time.perf_counter()
     rank, world = _rank(process_group)
@@ -509,7 +512,7 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
             crc = _Crc()
             written = 0
             with problems.guard():
-                written = _write_items(plan, fds, thread_count, crc)
+                written = _write_items(plan, fds, thread_count or DEFAULT_SAVE_THREADS, crc)
                 for fd in fds:
                     os.fsync(fd)
             _agree(problems, "save_sharded (write)", group)

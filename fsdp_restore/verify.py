@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.tree import Tree
 
-from .errors import FsdpRestoreError
+from .errors import FsdpRestoreError, thread_count_argument
 from .flatten import flatten, iter_nodes_with_keys
 from .format import torch_dtype_name
 from .measure import Stopwatch
@@ -163,8 +163,9 @@ def _source_mismatch(ckpt: Checkpoint, key: str, source: torch.Tensor) -> str | 
 
 
 def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | None = None,
-           select: str | None = None, threads: int | None = None, trust_pickle: bool = False,
-           tag: str | None = None, progress: Callable[[int, int], None] | None = None) -> VerifyReport:
+           select: str | None = None, thread_count: int | None = None, trust_pickle: bool = False,
+           tag: str | None = None, progress: Callable[[int, int], None] | None = None,
+           threads: int | None = None) -> VerifyReport:
     """Check a checkpoint without its source: header sanity (offsets in range, no overlaps or
     holes, sizes), index consistency, the structure metadata, and every checksum.
 
@@ -177,8 +178,11 @@ def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | No
     return is missing, even when the file's metadata names it a tied alias (safetensors' ``save_model``).
     With ``against`` a ZeRO or DCP directory, the structure and every tensor are compared by name (``tag``:
     the DeepSpeed tag the checkpoint was converted from, as `convert`'s; default: the one ``latest`` names).
-    Never raises for a bad checkpoint: the problems are in the report.
+    ``thread_count``: checksum and compare threads (default: every core); ``threads=``, its old name, still
+    works with a `DeprecationWarning`. Never raises for a bad checkpoint: the problems are in the report
+    (a ``thread_count`` that is not an int >= 1 is a `ValueError`: a bad argument, not a bad checkpoint).
     """
+    thread_count = thread_count_argument(thread_count, threads)
     report = VerifyReport(path=str(path), against=str(against) if against else None)
     with Stopwatch() as clock:
         try:
@@ -187,7 +191,7 @@ def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | No
             report.problems.append((getattr(e, "path", str(path)), getattr(e, "problem", str(e))))
             return report
         with ckpt:
-            _verify_open(ckpt, report, against, select, threads, trust_pickle, progress, tag)
+            _verify_open(ckpt, report, against, select, thread_count, trust_pickle, progress, tag)
     report.seconds = clock.seconds
     return report
 

@@ -29,12 +29,12 @@ mode, src, dst, dtype, cache, threads = sys.argv[1:7]
 if mode == "one-thread":
     checksum.SEGMENT_MIN_BYTES = 1 << 62  # no tensor is ever split
 t = time.perf_counter()
-convert(src, dst, threads=int(threads), force=True, dtype=None if dtype == "fp32" else dtype)
+convert(src, dst, thread_count=int(threads), force=True, dtype=None if dtype == "fp32" else dtype)
 c = time.perf_counter() - t
 if cache == "cold":
     os.system("sync; echo 3 > /proc/sys/vm/drop_caches")
 t = time.perf_counter()
-assert verify(dst, threads=int(threads)).ok
+assert verify(dst, thread_count=int(threads)).ok
 print(json.dumps({"convert": c, "verify": time.perf_counter() - t}))
 """
 

@@ -319,13 +319,13 @@ def restore_worker(rank: int, world_size: int, method: str, fsdp: str, kind: str
 
     def run() -> None:
         if method in ("ours", "ours-nocheck"):  # nocheck: without the NaN fill and screen (check=False)
-            counted[0] = fsdp_restore.restore_model(model, path, threads=threads,
+            counted[0] = fsdp_restore.restore_model(model, path, thread_count=threads,
                                                     check=method == "ours").bytes_read
         elif method == "ours+optim":
             # a fresh optimizer (no state yet), as when resuming; restoring into existing state reuses it
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
             with fsdp_restore.Checkpoint(full_files[rank]) as ckpt:
-                fsdp_restore.restore(model, ckpt, optimizer=opt, threads=threads)
+                fsdp_restore.restore(model, ckpt, optimizer=opt, thread_count=threads)
                 counted[0] = ckpt.bytes_read
         elif method == "apply":
             fsdp_restore.restore_model(model, path, method="apply")

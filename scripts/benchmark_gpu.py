@@ -94,7 +94,7 @@ def worker(rank: int, world_size: int, method: str, kind: str, mb: float, path: 
                 list(pool.map(one, range(0, nbytes, step)))
             os.close(fd)
         elif method in ("ours", "ours-nocheck"):
-            report = fsdp_restore.restore_model(model, path, check=method == "ours", threads=threads)
+            report = fsdp_restore.restore_model(model, path, check=method == "ours", thread_count=threads)
             torch.cuda.synchronize()
             state["timings"] = {k: round(v, 4) for k, v in report.timings.items()}
         elif method == "dcp":

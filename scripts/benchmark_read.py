@@ -73,7 +73,7 @@ def worker(rank: int, world_size: int, path: str, mb: float, repeat: int, thread
         return {}
 
     def ours(check: bool) -> dict[str, float]:
-        return fsdp_restore.restore_model(model, path, check=check, threads=threads).timings
+        return fsdp_restore.restore_model(model, path, check=check, thread_count=threads).timings
 
     run = {"bare": bare, "ours-nocheck": lambda: ours(False), "ours": lambda: ours(True)}
     for method in METHODS:

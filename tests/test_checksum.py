@@ -71,7 +71,7 @@ def test_big_tensor_is_split_across_threads_and_stored_exactly(tmp_path, monkeyp
 
     monkeypatch.setattr(write, "_write_block", recording)
     dst = tmp_path / "out.safetensors"
-    fsdp_restore.convert(src, dst, threads=3, dtype=dtype)
+    fsdp_restore.convert(src, dst, thread_count=3, dtype=dtype)
 
     ranges = sorted(writers)
     assert len(ranges) > 3 and ranges[0][0] == 0 and ranges[-1][1] == big.numel()
@@ -81,7 +81,7 @@ def test_big_tensor_is_split_across_threads_and_stored_exactly(tmp_path, monkeyp
     assert torch.equal(load_file(dst)["model.embed"].view(torch.uint8), expected.view(torch.uint8))
     stored = Checkpoint(dst).checksums["model.embed"]
     assert stored == f"{zlib.crc32(expected.view(torch.uint8).numpy()):08x}"
-    report = verify(dst, against=src, threads=3)
+    report = verify(dst, against=src, thread_count=3)
     assert report.ok and report.compared == 2, report.problems
 
 
@@ -89,15 +89,15 @@ def test_verify_of_a_split_tensor_finds_a_flipped_byte_in_a_late_segment(tmp_pat
     src = tmp_path / "src.pt"
     torch.save({"embed": torch.randn(500_000)}, src)
     dst = tmp_path / "out.safetensors"
-    fsdp_restore.convert(src, dst, threads=2)
+    fsdp_restore.convert(src, dst, thread_count=2)
     entry = read_header(dst).entries["embed"]
     data = bytearray(dst.read_bytes())
     data[entry.offset + 1_900_001] ^= 0x01  # element 475,000: in the last segment
     dst.write_bytes(bytes(data))
 
-    problems = dict(verify(dst, threads=2).problems)
+    problems = dict(verify(dst, thread_count=2).problems)
     assert "checksum mismatch" in problems["embed"]
-    against = verify(dst, against=src, threads=2).problems
+    against = verify(dst, against=src, thread_count=2).problems
     assert [k for k, _ in against] == ["embed", "embed"]
     assert any("first at index [475000]" in m for _, m in against)  # the oracle names the element
     assert any("checksum mismatch" in m for _, m in against)

@@ -58,9 +58,9 @@ def test_verify_fails_with_exit_1_on_damage(src, tmp_path):
 
 def test_config_layering(tmp_path):
     cfg_file = tmp_path / "c.yaml"
-    cfg_file.write_text("dtype: fp16\nthreads: 3\n")
-    cfg = build_config(CONVERT_DEFAULTS, str(cfg_file), {"threads": 5}, ["select=model"])
-    assert cfg.dtype == "fp16" and cfg.threads == 5 and cfg.select == "model"
+    cfg_file.write_text("dtype: fp16\nthread_count: 3\n")
+    cfg = build_config(CONVERT_DEFAULTS, str(cfg_file), {"thread_count": 5}, ["select=model"])
+    assert cfg.dtype == "fp16" and cfg.thread_count == 5 and cfg.select == "model"
 
 
 def test_configs_file_matches_builtin_defaults():
@@ -95,10 +95,13 @@ def _one_line_error(code, stderr):
 
 
 @pytest.mark.parametrize("argv,names", [
-    (["threads=abc"], ["threads", "abc"]),
-    (["threads=0"], ["threads"]),
-    (["threads=2.5"], ["threads"]),
-    (["--threads", "-2"], ["--threads"]),
+    (["thread_count=abc"], ["thread_count", "abc"]),
+    (["thread_count=0"], ["thread_count"]),
+    (["thread_count=2.5"], ["thread_count"]),
+    (["thread_count=true"], ["thread_count"]),
+    (["--thread-count", "-2"], ["--thread-count"]),
+    (["--thread-count", "abc"], ["--thread-count"]),
+    (["--threads", "-2"], ["--threads"]),  # the old name: refused as the new one (argparse names the flag given)
     (["--threads", "abc"], ["--threads"]),
     (["max_shard_size=-5"], ["max_shard_size", "-5"]),
     (["max_shard_size=0"], ["max_shard_size"]),
@@ -115,7 +118,7 @@ def _one_line_error(code, stderr):
     (["dtype=[bf16]"], ["dtype"]),
     (["tag=[a]"], ["tag"]),
     (["cast_exclude=[optim.*"], ["cast_exclude=[optim.*", "YAML"]),  # a YAML typo in an override
-    (["threads=${nowhere}"], ["threads"]),
+    (["thread_count=${nowhere}"], ["thread_count"]),
 ])
 def test_bad_convert_options_are_one_line(src, tmp_path, capsys, argv, names):
     dst = tmp_path / "out.safetensors"
@@ -127,10 +130,11 @@ def test_bad_convert_options_are_one_line(src, tmp_path, capsys, argv, names):
 
 
 @pytest.mark.parametrize("text,names", [
-    ("dtype: bf16\nthreads: [3\n", ["line 3", "YAML"]),  # the typo: an unclosed list
-    ("dtype: bf16\n  threads: 3\n", ["line 2", "YAML"]),  # bad indentation
+    ("dtype: bf16\nthread_count: [3\n", ["line 3", "YAML"]),  # the typo: an unclosed list
+    ("dtype: bf16\n  thread_count: 3\n", ["line 2", "YAML"]),  # bad indentation
     ("- dtype\n- bf16\n", ["mapping"]),  # a list, not options
-    ("threads: abc\n", ["threads", "abc"]),  # valid YAML, wrong type
+    ("thread_count: abc\n", ["thread_count", "abc"]),  # valid YAML, wrong type
+    ("threads: 2\nthread_count: 3\n", ["threads", "thread_count"]),  # the old name and the new one at once
     ("max_shard_size: -5\n", ["max_shard_size"]),
 ])
 def test_bad_config_file_is_one_line_naming_it(src, tmp_path, capsys, text, names):
@@ -158,7 +162,7 @@ def test_a_single_pattern_is_a_list_of_one(src, tmp_path):
 
 def test_good_options_still_convert(src, tmp_path):
     dst = tmp_path / "out"
-    assert main(["convert", str(src), str(dst), "max_shard_size=1KB", "threads=1", "on_unsupported=skip",
+    assert main(["convert", str(src), str(dst), "max_shard_size=1KB", "thread_count=1", "on_unsupported=skip",
                  "tag=null", "cast_exclude=[]"]) == 0
     assert (dst / "model.safetensors.index.json").exists()
 
@@ -202,6 +206,7 @@ def test_verify_missing_file_is_one_line(tmp_path, capsys, src):
 
 
 @pytest.mark.parametrize("argv", [["inspect", "x", "--depth", "-1"], ["verify", "x", "--threads", "0"],
+                                  ["verify", "x", "--thread-count", "0"], ["verify", "x", "--thread-count", "true"],
                                   ["nonsense"], ["convert", "a"]])
 def test_usage_errors_are_one_line(capsys, argv):
     with pytest.raises(SystemExit) as info:
@@ -213,3 +218,66 @@ def test_defaults_pass_the_checks():
     from fsdp_restore.cli import check_convert_options
 
     assert check_convert_options(dict(CONVERT_DEFAULTS)) == CONVERT_DEFAULTS
+
+
+# ---- --thread-count / thread_count: the one name of the option (--threads / threads: its deprecated old name) -----
+
+
+def _spy(monkeypatch, module, name):
+    """Record the keyword arguments each call of ``module.name`` gets (and still call it)."""
+    import importlib
+
+    module = importlib.import_module(f"fsdp_restore.{module}")  # the module, not the package's function of that name
+    calls = []
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(k) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("argv,config,old", [
+    (["--thread-count", "2"], None, False),
+    (["--threads", "2"], None, True),
+    (["thread_count=2"], None, False),
+    (["threads=2"], None, True),
+    ([], "thread_count: 2\n", False),
+    ([], "threads: 2\n", True),
+    (["thread_count=2"], "threads: 3\n", True),  # an override beats the file, whichever name each uses
+    (["--thread-count", "2"], "thread_count: 3\n", False),
+])
+def test_convert_thread_count_and_its_old_names(src, tmp_path, capsys, monkeypatch, argv, config, old):
+    calls = _spy(monkeypatch, "convert", "convert")
+    if config is not None:
+        (tmp_path / "c.yaml").write_text(config)
+        argv = [*argv, "--config", str(tmp_path / "c.yaml")]
+    assert main(["convert", str(src), str(tmp_path / "out.safetensors"), *argv]) == 0
+    captured = capsys.readouterr()
+    assert calls[0]["thread_count"] == 2 and "threads" not in calls[0]
+    assert ("is renamed" in captured.err) == old, captured.err  # a deprecation note for the old name only
+    if old:
+        assert "thread_count" in captured.err or "--thread-count" in captured.err
+
+
+def test_convert_default_thread_count_is_left_to_convert(src, tmp_path, monkeypatch):
+    calls = _spy(monkeypatch, "convert", "convert")
+    assert main(["convert", str(src), str(tmp_path / "out.safetensors")]) == 0
+    assert calls[0]["thread_count"] is None  # convert's default: every core, at least 4
+
+
+@pytest.mark.parametrize("flag,old", [("--thread-count", False), ("--threads", True)])
+def test_verify_thread_count_and_its_old_flag(src, tmp_path, capsys, monkeypatch, flag, old):
+    dst = tmp_path / "out.safetensors"
+    assert main(["convert", str(src), str(dst)]) == 0
+    calls = _spy(monkeypatch, "verify", "verify")
+    capsys.readouterr()
+    assert main(["verify", str(dst), "--against", str(src), flag, "2"]) == 0
+    assert calls[0]["thread_count"] == 2 and "threads" not in calls[0]
+    err = capsys.readouterr().err
+    assert ("--threads is renamed --thread-count" in err) == old, err
+
+
+def test_help_shows_thread_count_not_its_old_name(capsys):
+    for command in ("convert", "verify"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = capsys.readouterr().out
+        assert "--thread-count" in text and "--threads" not in text

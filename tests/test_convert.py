@@ -379,3 +379,54 @@ def test_a_zip_end_record_python_cannot_take_is_a_format_error_of_load_pt(tmp_pa
                          capture_output=True, text=True)
     assert res.returncode == 1 and "zip archive is truncated or corrupt" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
+
+
+# ---- thread_count: the one name of the option (threads=: its deprecated old name) ---------------------------------
+
+
+@pytest.fixture
+def small_pt(tmp_path):
+    path = tmp_path / "small.pt"
+    torch.save({"model": {"w": torch.randn(8, 4)}, "step": 1}, path)
+    return path
+
+
+def test_convert_takes_thread_count(small_pt, tmp_path):
+    from fsdp_restore.write import default_io_threads
+
+    assert convert(small_pt, tmp_path / "a.safetensors", thread_count=2).threads == 2
+    assert convert(small_pt, tmp_path / "b.safetensors").threads == default_io_threads()  # the default, as before
+    with pytest.warns(DeprecationWarning, match=r"threads= is renamed thread_count=") as caught:
+        assert convert(small_pt, tmp_path / "c.safetensors", threads=3).threads == 3  # the old name still works
+    assert caught[0].filename == __file__  # the warning points at the caller's line
+    with pytest.raises(TypeError, match="thread_count"):
+        convert(small_pt, tmp_path / "d.safetensors", thread_count=2, threads=2)
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.5, "4"])
+def test_convert_refuses_a_bad_thread_count_before_reading(small_pt, tmp_path, bad):
+    dst = tmp_path / "out.safetensors"
+    with pytest.raises(ValueError, match="thread_count must be a positive int"):
+        convert(small_pt, dst, thread_count=bad)
+    with pytest.raises(ValueError, match="thread_count"), pytest.warns(DeprecationWarning):
+        convert(small_pt, dst, threads=bad)  # through the old name: the same check
+    assert not dst.exists()
+
+
+def test_save_takes_thread_count(tmp_path, monkeypatch):
+    seen = []
+    write = convert_module.write_safetensors
+    monkeypatch.setattr(convert_module, "write_safetensors", lambda *a, **k: seen.append(k["threads"]) or write(*a, **k))
+    obj = {"w": torch.randn(8, 4)}
+    fsdp_restore.save(obj, tmp_path / "a.safetensors", thread_count=2)
+    with pytest.warns(DeprecationWarning, match="thread_count="):
+        fsdp_restore.save(obj, tmp_path / "b.safetensors", threads=3)
+    fsdp_restore.save(obj, tmp_path / "c.safetensors")
+    assert seen == [2, 3, None]  # None: the writer's default, as before
+    assert torch.equal(fsdp_restore.load(tmp_path / "b.safetensors")["w"], obj["w"])
+    with pytest.raises(TypeError):
+        fsdp_restore.save(obj, tmp_path / "d.safetensors", thread_count=2, threads=2)
+    for bad in (0, True, 2.5):
+        with pytest.raises(ValueError, match="thread_count"):
+            fsdp_restore.save(obj, tmp_path / "e.safetensors", thread_count=bad)
+    assert not (tmp_path / "d.safetensors").exists() and not (tmp_path / "e.safetensors").exists()

@@ -61,7 +61,7 @@ def test_grouped_reads_restore_exactly(stored, dtype, threads):
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(7)
-    report = fsdp_restore.restore_model(model, stored, threads=threads)
+    report = fsdp_restore.restore_model(model, stored, thread_count=threads)
     expected = load_file(str(stored))
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, expected[name].to(tensor.dtype)), name
@@ -117,7 +117,7 @@ def test_the_kept_read_threads_work_again_in_a_forked_child(stored, monkeypatch)
 
     monkeypatch.setattr(execute, "READ_CHUNK_BYTES", 4096)  # many reads: the threads are used
     model = Mixed()
-    fsdp_restore.restore_model(model, stored, prefix="", threads=3)
+    fsdp_restore.restore_model(model, stored, prefix="", thread_count=3)
     assert execute._pool is not None  # the threads are kept now
     assert _restored_exactly(model, stored)
     pid = os.fork()
@@ -128,7 +128,7 @@ def test_the_kept_read_threads_work_again_in_a_forked_child(stored, monkeypatch)
             with torch.no_grad():
                 for p in child.parameters():
                     p.zero_()
-            fsdp_restore.restore_model(child, stored, prefix="", threads=3)
+            fsdp_restore.restore_model(child, stored, prefix="", thread_count=3)
             code = 0 if _restored_exactly(child, stored) else 2
         finally:
             os._exit(code)

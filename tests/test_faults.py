@@ -106,7 +106,7 @@ def test_index_that_is_not_json(tmp_path):
 
 def _start_conversion(src, dst, extra=""):
     script = "\n".join(["import fsdp_restore, fsdp_restore.write as w", extra,
-                         f"fsdp_restore.convert({str(src)!r}, {str(dst)!r}, threads=1)"])
+                         f"fsdp_restore.convert({str(src)!r}, {str(dst)!r}, thread_count=1)"])
     return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -42,3 +42,26 @@ def test_help_and_version_do_not_import_torch(flag):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_every_public_function_names_its_threads_thread_count():
+    """One name for one option: every public function with a thread count takes it as ``thread_count``,
+    keyword-only, default None; ``threads`` (its old name, deprecated) only beside it, keyword-only too."""
+    import inspect
+
+    import fsdp_restore
+
+    takers = []
+    for name in fsdp_restore.__all__:
+        obj = getattr(fsdp_restore, name)
+        if not inspect.isfunction(obj):
+            continue
+        params = inspect.signature(obj).parameters
+        if "thread_count" in params or "threads" in params:
+            takers.append(name)
+            assert params["thread_count"].kind is inspect.Parameter.KEYWORD_ONLY, name
+            assert params["thread_count"].default is None, name
+            if "threads" in params:
+                assert params["threads"].kind is inspect.Parameter.KEYWORD_ONLY and params["threads"].default is None
+    assert sorted(takers) == ["convert", "restore", "restore_model", "restore_optimizer", "save", "save_sharded",
+                              "verify"]

@@ -109,7 +109,7 @@ def _restore_in_tiny_chunks(rank, world_size, path, model_name, how, options):
 
 @pytest.mark.parametrize("how,world_size,backend", cases(3, "fsdp2") + fsdp1_cases(3, "fsdp1-FULL_SHARD-flat"))
 def test_pieces_split_into_chunks_restore_exactly(ckpts, how, world_size, backend):
-    run_ranks(_restore_in_tiny_chunks, world_size, ckpts["llama"], "llama", how, {"threads": 3}, backend=backend)
+    run_ranks(_restore_in_tiny_chunks, world_size, ckpts["llama"], "llama", how, {"thread_count": 3}, backend=backend)
 
 
 @pytest.mark.parametrize("how", ["plain", "ddp"])
@@ -309,7 +309,7 @@ def _memory_worker(rank, world_size, path):
         model = _Wide()
     fully_shard(model)
     model.to_empty(device="cpu")
-    fsdp_restore.restore_model(model, path, threads=1)  # warm-up: first-time allocations and imports
+    fsdp_restore.restore_model(model, path, thread_count=1)  # warm-up: first-time allocations and imports
     with PeakAnonMemory(interval=0.002) as mem:
         report = restore_model(model, path)
     expected = model.big.weight.to_local()
@@ -412,3 +412,58 @@ def test_restore_reads_a_plain_weights_file_by_default(tmp_path):
     assert dict(result) == {} and result.model.tensors == len(model.state_dict())
     for name, value in build("mlp", seed=4).state_dict().items():
         assert torch.equal(model.state_dict()[name], value), name
+
+
+# ---- thread_count: the one name of the option (threads=: its deprecated old name); in-process, world size 1 ------
+
+
+@pytest.fixture(scope="module")
+def trained_file(tmp_path_factory):
+    """A plain model's weights and one AdamW step's state, as a training checkpoint."""
+    model = build("mlp", seed=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, model.inp.in_features)).sum().backward()
+    opt.step()
+    path = tmp_path_factory.mktemp("thread_count") / "run.safetensors"
+    fsdp_restore.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": 1}, path)
+    return path
+
+
+def _entry(name, path):
+    """The public entry point ``name`` on a fresh plain model (and optimizer): (call(**options), model, optimizer)."""
+    model = build("mlp", seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    call = {"restore_model": lambda **kw: restore_model(model, path, **kw),
+            "restore": lambda **kw: fsdp_restore.restore(model, path, optimizer=opt, **kw),
+            "restore_optimizer": lambda **kw: fsdp_restore.restore_optimizer(opt, model, path, **kw)}[name]
+    return call, model, opt
+
+
+@pytest.mark.parametrize("name", ["restore_model", "restore", "restore_optimizer"])
+def test_thread_count_and_its_deprecated_old_name(trained_file, monkeypatch, name):
+    import importlib
+
+    restore_module = importlib.import_module("fsdp_restore.restore")
+    seen = []
+    execute = restore_module.execute_reads
+    monkeypatch.setattr(restore_module, "execute_reads", lambda *a, **k: seen.append(a[2]) or execute(*a, **k))
+    _entry(name, trained_file)[0](thread_count=2)
+    with pytest.warns(DeprecationWarning, match=r"threads= is renamed thread_count=") as caught:
+        _entry(name, trained_file)[0](threads=3)  # the old name still works
+    assert caught[0].filename == __file__  # the warning points at the caller's line
+    _entry(name, trained_file)[0]()
+    assert seen == [2, 3, 4]  # 4: the default read threads, as before
+    with pytest.raises(TypeError, match="thread_count"):
+        _entry(name, trained_file)[0](thread_count=2, threads=2)
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.5, "4"])
+@pytest.mark.parametrize("name", ["restore_model", "restore", "restore_optimizer"])
+def test_bad_thread_count_is_refused_before_anything_is_read(trained_file, name, bad):
+    call, model, opt = _entry(name, trained_file)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="thread_count must be a positive int"):
+        call(thread_count=bad)
+    with pytest.raises(ValueError, match="thread_count"), pytest.warns(DeprecationWarning):
+        call(threads=bad)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items()) and not opt.state

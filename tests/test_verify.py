@@ -167,3 +167,33 @@ def test_a_plain_file_keeping_both_tied_names_matches(tmp_path):
     other = tiny_gpt2(seed=3)
     torch.save(other.state_dict(), tmp_path / "other.pt")
     assert not verify(tmp_path / "m.safetensors", against=tmp_path / "other.pt").ok  # still compares the values
+
+
+# ---- thread_count: the one name of the option (threads=: its deprecated old name) ---------------------------------
+
+
+def test_verify_takes_thread_count(good, monkeypatch):
+    import importlib
+
+    verify_module = importlib.import_module("fsdp_restore.verify")
+    seen = []
+    inner = verify_module._verify_open
+    monkeypatch.setattr(verify_module, "_verify_open", lambda *a: seen.append(a[4]) or inner(*a))
+    src, dst = good
+    assert verify(dst, against=src, thread_count=2).ok
+    with pytest.warns(DeprecationWarning, match=r"threads= is renamed thread_count=") as caught:
+        assert verify(dst, threads=3).ok  # the old name still works
+    assert caught[0].filename == __file__
+    assert verify(dst).ok
+    assert seen == [2, 3, None]  # None: every core, as before
+    with pytest.raises(TypeError, match="thread_count"):
+        verify(dst, thread_count=2, threads=2)
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.5, "4"])
+def test_verify_refuses_a_bad_thread_count(good, bad):
+    """A bad argument raises (unlike a bad checkpoint, which is reported)."""
+    with pytest.raises(ValueError, match="thread_count must be a positive int"):
+        verify(good[1], thread_count=bad)
+    with pytest.raises(ValueError, match="thread_count"), pytest.warns(DeprecationWarning):
+        verify(good[1], threads=bad)

@@ -69,7 +69,7 @@ def test_tensors_that_straddle_blocks_and_misaligned_offsets_are_stored_exactly(
         "f_bf16": torch.randn(5000).to(torch.bfloat16),
     }
     dst = tmp_path / "out.safetensors"
-    save(tensors, dst, threads=3)
+    save(tensors, dst, thread_count=3)
     _check_stored(dst, tensors)
 
 
@@ -77,7 +77,7 @@ def test_a_header_longer_than_a_block(tmp_path, small_blocks):
     tensors = {f"layer.{i}.a_rather_long_parameter_name_to_make_the_header_big": torch.full((3,), float(i))
                for i in range(400)}
     dst = tmp_path / "out.safetensors"
-    save(tensors, dst, threads=2)
+    save(tensors, dst, thread_count=2)
     assert int.from_bytes(dst.read_bytes()[:8], "little") > 3 * write.BLOCK_BYTES
     _check_stored(dst, tensors)
 
@@ -85,7 +85,7 @@ def test_a_header_longer_than_a_block(tmp_path, small_blocks):
 def test_a_cast_is_written_in_blocks(tmp_path, small_blocks):
     source = {"w": torch.randn(10_001), "n": torch.randn(33, 7)}
     dst = tmp_path / "out.safetensors"
-    save(source, dst, dtype=torch.bfloat16, threads=4)
+    save(source, dst, dtype=torch.bfloat16, thread_count=4)
     _check_stored(dst, {k: v.to(torch.bfloat16) for k, v in source.items()})
 
 
@@ -120,7 +120,7 @@ def test_tmpfs_destination(small_blocks):
 def test_sharded_output_in_blocks(tmp_path, small_blocks):
     tensors = {f"t{i}": torch.randn(1000 + 37 * i) for i in range(6)}
     dst = tmp_path / "set"
-    paths = save(tensors, dst, max_shard_size=9000, threads=3)
+    paths = save(tensors, dst, max_shard_size=9000, thread_count=3)
     assert len(paths) > 2
     merged: dict[str, torch.Tensor] = {}
     for p in paths:
@@ -144,7 +144,7 @@ def test_direct_writes_refused_after_the_open_go_on_through_the_page_cache(tmp_p
     monkeypatch.setattr(os, "pwrite", refusing)
     tensors = {"a": torch.randn(5000), "b": torch.arange(777, dtype=torch.int32), "c": torch.randn(3, 7).t()}
     dst = tmp_path / "out.safetensors"
-    save(tensors, dst, threads=3)
+    save(tensors, dst, thread_count=3)
     _check_stored(dst, tensors)
     if not refused:
         pytest.skip("this file system refused O_DIRECT at the open already")

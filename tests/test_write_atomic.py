@@ -41,7 +41,7 @@ def test_readers_never_see_a_mix_while_a_writer_replaces(tmp_path, sharded):
         while not stop.is_set():
             i += 1
             try:
-                save(_version(i % 2), dst, max_shard_size=shard, threads=1)
+                save(_version(i % 2), dst, max_shard_size=shard, thread_count=1)
             except BaseException as e:  # noqa: BLE001 - reported by the test
                 errors.append(f"writer: {e!r}")
                 return
@@ -57,7 +57,7 @@ def test_readers_never_see_a_mix_while_a_writer_replaces(tmp_path, sharded):
                 if not _consistent(obj):
                     failures.append({k: (v if k == "step" else float(v.float().mean())) for k, v in obj.items()})
                 if loads % 5 == 0:
-                    report = fsdp_restore.verify(dst, threads=1)
+                    report = fsdp_restore.verify(dst, thread_count=1)
                     if not report.ok:
                         failures.append(report.problems)
             except FormatError as e:
@@ -99,7 +99,7 @@ def test_sharded_set_replaced_mid_restore_is_one_version_or_an_error(tmp_path):
     ckpt.read_contiguous = read_then_replace
     model = _model(0.0)
     try:
-        fsdp_restore.restore_model(model, ckpt, threads=1)  # reads in order: some before, some after
+        fsdp_restore.restore_model(model, ckpt, thread_count=1)  # reads in order: some before, some after
     except fsdp_restore.FsdpRestoreError as e:
         assert "replaced" in str(e)
     else:
@@ -133,7 +133,7 @@ if hasattr(w, "_exchange"):
 if n == 0:
     finish = w._FileWriter.finish
     w._FileWriter.finish = lambda self: (pause(), finish(self))
-fsdp_restore.convert(sys.argv[1], sys.argv[2], force=True, threads=1,
+fsdp_restore.convert(sys.argv[1], sys.argv[2], force=True, thread_count=1,
                      max_shard_size=int(sys.argv[4]) if sys.argv[4] != "0" else None)
 print("done", flush=True)
 """
