@@ -388,8 +388,8 @@ class Ledger:
         self._open.dests = None
         if opened != [(d.data_ptr(), d.numel()) for d in dests]:
             return  # not poisoned just before: not covered (settle reports it unless another read was)
-        # one sum and one scalar per destination: a group holds a few, and a stack + isnan + any per group
-        # cost more Python than the sums
+        # one sum and one scalar per destination (a ledger is kept for host memory only, where a scalar costs
+        # no device sync): a stack + isnan + any per read cost more Python than the sums
         suspicious = any(math.isnan(_scalar(d.sum())) for d in dests if floating(d.dtype) and d.numel())
         found = [(self.index.find(d.data_ptr()), d) for d in dests if d.numel()]
         with self._lock:

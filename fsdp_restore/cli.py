@@ -364,12 +364,35 @@ class _RenamedFlag(argparse.Action):
                  option_string: str | None = None) -> None:
         warnings.warn(f"{option_string} is renamed {self.new} ({option_string} will be removed in the next release)",
                       DeprecationWarning, stacklevel=2)
-        setattr(namespace, self.dest, values)
+        _set_once(parser, namespace, self.dest, values, option_string, self.new)
+
+
+class _NewFlag(argparse.Action):
+    """A flag that also has an old name (`_RenamedFlag`): giving both is an error, as in the Python API."""
+
+    def __init__(self, *args: Any, old: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.old = old
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        _set_once(parser, namespace, self.dest, values, option_string, self.old)
+
+
+def _set_once(parser: argparse.ArgumentParser, namespace: argparse.Namespace, dest: str, values: Any,
+              flag: str | None, other: str) -> None:
+    """Set ``dest``, refusing it when its other name (old or new) set it already."""
+    given = f"_{dest}_flag"
+    if getattr(namespace, given, None) == other:
+        new = flag if other == "--threads" else other
+        parser.error(f"--threads and --thread-count name one option: give it once (as {new})")
+    setattr(namespace, given, flag)
+    setattr(namespace, dest, values)
 
 
 def _thread_count_flags(p: argparse.ArgumentParser, help: str) -> None:
     """--thread-count, and --threads (its old name: hidden, deprecated), both setting ``thread_count``."""
-    p.add_argument("--thread-count", type=_int_at_least(1), metavar="N", help=help)
+    p.add_argument("--thread-count", type=_int_at_least(1), metavar="N", help=help, action=_NewFlag, old="--threads")
     p.add_argument("--threads", dest="thread_count", type=_int_at_least(1), action=_RenamedFlag, new="--thread-count",
                    help=argparse.SUPPRESS)
 

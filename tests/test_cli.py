@@ -257,6 +257,22 @@ def test_convert_thread_count_and_its_old_names(src, tmp_path, capsys, monkeypat
         assert "thread_count" in captured.err or "--thread-count" in captured.err
 
 
+@pytest.mark.parametrize("argv", [["--threads", "2", "--thread-count", "3"], ["--thread-count", "3", "--threads", "2"]])
+def test_both_names_of_the_thread_count_flag_are_a_usage_error(src, tmp_path, capsys, argv):
+    """As in the API (both names: TypeError) and the config (both keys: an error), not the last one silently."""
+    with pytest.raises(SystemExit) as e:
+        main(["convert", str(src), str(tmp_path / "out.safetensors"), *argv])
+    assert e.value.code == 2
+    assert "--threads and --thread-count name one option" in capsys.readouterr().err
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_the_same_flag_twice_keeps_the_last(src, tmp_path, monkeypatch):
+    calls = _spy(monkeypatch, "convert", "convert")
+    assert main(["convert", str(src), str(tmp_path / "out.safetensors"), "--thread-count", "3", "--thread-count", "2"]) == 0
+    assert calls[0]["thread_count"] == 2
+
+
 def test_convert_default_thread_count_is_left_to_convert(src, tmp_path, monkeypatch):
     calls = _spy(monkeypatch, "convert", "convert")
     assert main(["convert", str(src), str(tmp_path / "out.safetensors")]) == 0
