@@ -354,47 +354,31 @@ def _int_at_least(low: int) -> Callable[[str], int]:
 
 
 class _RenamedFlag(argparse.Action):
-    """A flag's old name, hidden from --help: it still sets the new flag's value, with a deprecation warning."""
+    """One option with a new and an old name (the old one hidden from --help, with a deprecation warning):
+    giving both is a usage error, as in the Python API; the same name twice keeps the last."""
 
-    def __init__(self, *args: Any, new: str, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, old: str, new: str, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.new = new
+        self.old, self.new = old, new
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
-        warnings.warn(f"{option_string} is renamed {self.new} ({option_string} will be removed in the next release)",
-                      DeprecationWarning, stacklevel=2)
-        _set_once(parser, namespace, self.dest, values, option_string, self.new)
-
-
-class _NewFlag(argparse.Action):
-    """A flag that also has an old name (`_RenamedFlag`): giving both is an error, as in the Python API."""
-
-    def __init__(self, *args: Any, old: str, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.old = old
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
-        _set_once(parser, namespace, self.dest, values, option_string, self.old)
-
-
-def _set_once(parser: argparse.ArgumentParser, namespace: argparse.Namespace, dest: str, values: Any,
-              flag: str | None, other: str) -> None:
-    """Set ``dest``, refusing it when its other name (old or new) set it already."""
-    given = f"_{dest}_flag"
-    if getattr(namespace, given, None) == other:
-        new = flag if other == "--threads" else other
-        parser.error(f"--threads and --thread-count name one option: give it once (as {new})")
-    setattr(namespace, given, flag)
-    setattr(namespace, dest, values)
+        if option_string == self.old:
+            warnings.warn(f"{self.old} is renamed {self.new} ({self.old} will be removed in the next release)",
+                          DeprecationWarning, stacklevel=2)
+        given = f"_{self.dest}_flag"
+        if getattr(namespace, given, None) not in (None, option_string):
+            parser.error(f"{self.old} and {self.new} name one option: give it once (as {self.new})")
+        setattr(namespace, given, option_string)
+        setattr(namespace, self.dest, values)
 
 
 def _thread_count_flags(p: argparse.ArgumentParser, help: str) -> None:
     """--thread-count, and --threads (its old name: hidden, deprecated), both setting ``thread_count``."""
-    p.add_argument("--thread-count", type=_int_at_least(1), metavar="N", help=help, action=_NewFlag, old="--threads")
-    p.add_argument("--threads", dest="thread_count", type=_int_at_least(1), action=_RenamedFlag, new="--thread-count",
-                   help=argparse.SUPPRESS)
+    names = {"old": "--threads", "new": "--thread-count"}
+    p.add_argument("--thread-count", type=_int_at_least(1), metavar="N", help=help, action=_RenamedFlag, **names)
+    p.add_argument("--threads", dest="thread_count", type=_int_at_least(1), action=_RenamedFlag,
+                   help=argparse.SUPPRESS, **names)
 
 
 def _version() -> str:
