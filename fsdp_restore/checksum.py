@@ -9,6 +9,7 @@ segments' crcs are joined with :func:`crc32_combine` (what zlib's ``crc32_combin
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import TypeVar
 
@@ -40,15 +41,22 @@ def _x_to_the_2_to_the(k: int, _cache: list[int] = [_ONE >> 1]) -> int:  # noqa:
     return _cache[k]
 
 
-def _shift(crc: int, nbytes: int) -> int:
-    """crc(x) * x^(8 * nbytes): the effect of appending ``nbytes`` zero bytes' worth of length."""
+@functools.lru_cache(maxsize=1 << 14)
+def shift_power(nbytes: int) -> int:
+    """x^(8 nbytes) modulo the polynomial. Cached: tensors and their pieces come in a few sizes, and each power
+    costs ~log2(nbytes) multiplications in Python, where applying a cached one costs one."""
     power, k, n = _ONE, 3, nbytes  # 8 * nbytes = nbytes << 3
     while n:
         if n & 1:
             power = _multiply(_x_to_the_2_to_the(k), power)
         n >>= 1
         k += 1
-    return _multiply(power, crc)
+    return power
+
+
+def _shift(crc: int, nbytes: int) -> int:
+    """crc(x) * x^(8 * nbytes): the effect of appending ``nbytes`` zero bytes' worth of length."""
+    return _multiply(shift_power(nbytes), crc) if crc and nbytes else crc
 
 
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
@@ -60,9 +68,7 @@ def combine_segments(segments: Iterable[tuple[int, int]]) -> int:
     """Join ``(crc32, nbytes)`` of consecutive segments, in order, into the crc32 of the whole."""
     crc = 0
     for seg_crc, nbytes in segments:
-        # onto a crc of 0 (before the first segment) the join is the segment's own crc, as 0 shifted is 0: no
-        # shift to compute in Python, which for a tensor in one segment (nearly all of them) is the whole join
-        crc = seg_crc if not crc and nbytes else crc32_combine(crc, seg_crc, nbytes)
+        crc = crc32_combine(crc, seg_crc, nbytes)  # onto 0 (the first segment) no multiplication: see _shift
     return crc
 
 

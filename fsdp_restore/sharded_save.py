@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import save_plan
-from .checksum import _ONE, _multiply, _shift
+from .checksum import _multiply, _shift, shift_power
 from .errors import FsdpRestoreError, RestoreError, SaveError, thread_count_argument
 from .execute import parts
 from .format import DEFAULT_INDEX_NAME
@@ -79,22 +79,10 @@ class SaveReport:
 # ---- crc32 of a tensor written in pieces by many ranks ---------------------------------------------------
 
 @functools.lru_cache(maxsize=1 << 14)
-def _power(nbytes: int) -> int:
-    """x^(8 nbytes) modulo crc32's polynomial. Cached: a model's pieces come in a few sizes, and each power
-    costs ~log2(nbytes) multiplications in Python, where applying a cached one costs one."""
-    return _shift(_ONE, nbytes)
-
-
-def _shifted(crc: int, nbytes: int) -> int:
-    """``crc`` followed by ``nbytes`` bytes' worth of length (see checksum._shift), with a cached power."""
-    return _multiply(_power(nbytes), crc) if crc and nbytes else crc
-
-
-@functools.lru_cache(maxsize=1 << 14)
 def crc32_zeros(n: int) -> int:
     """crc32 of ``n`` zero bytes without touching them: crc32 starts from all ones and ends with a final
     inversion, and zero bytes only shift the register, so it is ``~(0xFFFFFFFF x^(8n))``."""
-    return _shifted(0xFFFFFFFF, n) ^ 0xFFFFFFFF
+    return _shift(0xFFFFFFFF, n) ^ 0xFFFFFFFF
 
 
 class _Crc:
@@ -117,10 +105,10 @@ class _Crc:
         if len(row_crcs) == 1:
             acc = row_crcs[0] ^ zeros
         else:
-            power = _power(stride_bytes)
+            power = shift_power(stride_bytes)
             for crc in row_crcs:
                 acc = _multiply(power, acc) ^ crc ^ zeros
-        acc = _shifted(acc, trailing)
+        acc = _shift(acc, trailing)
         with self._lock:
             self.folds[key] = self.folds.get(key, 0) ^ acc
 
