@@ -152,6 +152,12 @@ def build_config(defaults: dict[str, Any], config_file: str | None, flags: dict[
 def convert_options(config_file: str | None, flags: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """The options of a conversion as plain values, every one checked (`check_convert_options`); an error
     names the layer that set the bad value (--config FILE, a flag, an override)."""
+    return check_convert_options(*_convert_values(config_file, flags, overrides))
+
+
+def _convert_values(config_file: str | None, flags: dict[str, Any], overrides: Sequence[str]
+                    ) -> tuple[dict[str, Any], dict[str, str]]:
+    """The options of a conversion, merged and resolved but not checked, and where each was set."""
     layers = _config_layers(CONVERT_DEFAULTS, config_file, flags, overrides)
     origin = {key: "the defaults" for key in CONVERT_DEFAULTS}
     for source, layer in layers:
@@ -163,7 +169,7 @@ def convert_options(config_file: str | None, flags: dict[str, Any], overrides: S
             values[key] = _resolved(cfg, key)
         except OmegaConfBaseException as e:
             raise OptionError(f"{origin[key]}: {key}: {str(e).splitlines()[0]}") from None
-    return check_convert_options(values, origin)
+    return values, origin
 
 
 def _resolved(cfg: DictConfig, key: str) -> Any:
@@ -258,14 +264,16 @@ def _progress() -> Progress:
 def cmd_convert(args: argparse.Namespace) -> int:
     from .prefetch import start_prefetch
 
-    start_prefetch(args.src)  # the disk reads while torch is imported below
-    from .convert import convert
-
     flags = {"dtype": args.dtype, "max_shard_size": args.max_shard_size, "select": args.select, "tag": args.tag,
              "thread_count": args.thread_count, "force": True if args.force else None,
              "trust_pickle": True if args.trust_pickle else None,
              "allow_globals": args.allow_global or None}
-    cfg = convert_options(args.config, flags, args.overrides)
+    values, origin = _convert_values(args.config, flags, args.overrides)
+    text = {key: value if isinstance(value, str) else None for key, value in values.items()}
+    start_prefetch(args.src, select=text["select"], tag=text["tag"])  # the disk reads while torch is imported below
+    cfg = check_convert_options(values, origin)
+    from .convert import convert
+
     with _progress() as progress:
         task = progress.add_task("convert", total=None)
 

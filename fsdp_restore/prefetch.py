@@ -1,16 +1,25 @@
 """Start reading a conversion's source from disk while the interpreter is still importing torch.
 
 A command's first ``import torch`` costs a couple of CPU seconds (BENCHMARKS.md) in which the disk would sit
-idle; asking the kernel to read the head of the source meanwhile (``POSIX_FADV_WILLNEED``, from a
-background thread, since the call itself can block while it queues the reads) turns that time into reading
-time. Only the head is asked for, at most a quarter of the memory the system has available, so a source
-larger than memory is not read twice. Imports nothing heavy: it runs before torch is loaded.
+idle; asking the kernel to read the source meanwhile (``POSIX_FADV_WILLNEED``, from a background thread, since
+the call itself can block while it queues the reads) turns that time into reading time. At most a quarter of
+the memory the system has available is asked for, so a source larger than memory is not read twice.
+
+A file is read from its head. A DeepSpeed ZeRO directory is read where the conversion will read it: the
+optimizer files' storages (which ones, from an inert sketch of their pickles: `fsdp_restore.pickle_sketch`),
+and for a weights-only conversion (``select`` of ``model``) only the fp32 master partitions, a third of those
+files, so that the moments are no more read from disk than without this. Imports nothing heavy: it runs
+before torch is loaded.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
+
+from .pickle_sketch import sketch, storage_range, storage_refs
+from .zero_files import STAGE_1_2_MASTERS, STAGE_3_MASTERS, is_zero_checkpoint, optim_files, resolve_tag
 
 # One readahead request per step, in file order, so that the first bytes are asked for first. Small: Linux reads
 # at most max(read_ahead_kb, max_sectors_kb) of the device per POSIX_FADV_WILLNEED call (force_page_cache_ra) and
@@ -30,34 +39,60 @@ def available_memory() -> int:
     return 0
 
 
-def _advise(path: str, nbytes: int) -> None:
+Ranges = list[tuple[int, int]]  # (offset, nbytes) in a file, in the order to read them
+
+
+def _advise(path: Path, ranges: Ranges, budget: list[int]) -> None:
+    """Ask for ``ranges`` of ``path``, in steps, while ``budget[0]`` (bytes, shared by the files) lasts."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return  # the command itself reports a missing or unreadable source
     try:
-        for offset in range(0, nbytes, _STEP):
-            os.posix_fadvise(fd, offset, min(_STEP, nbytes - offset), os.POSIX_FADV_WILLNEED)
+        for start, nbytes in ranges:
+            for offset in range(start, start + min(nbytes, budget[0]), _STEP):
+                os.posix_fadvise(fd, offset, min(_STEP, start + nbytes - offset), os.POSIX_FADV_WILLNEED)
+            budget[0] -= min(nbytes, budget[0])
     except OSError:
         pass
     finally:
         os.close(fd)
 
 
-def start_prefetch(path: str | os.PathLike[str], *, max_bytes: int | None = None) -> threading.Thread | None:
-    """Ask the kernel, from a daemon thread, to read the first ``max_bytes`` (default: a quarter of the
-    available memory) of regular file ``path`` into the page cache; returns the thread, or None where there
-    is nothing to do (not a regular file, no ``posix_fadvise``)."""
-    if not hasattr(os, "posix_fadvise"):
+def _zero_ranges(optim_file: Path, weights_only: bool) -> Ranges:
+    """The byte ranges of a ZeRO optimizer file's storages a conversion reads, in file order: every storage,
+    or only the fp32 masters'."""
+    s = sketch(optim_file)
+    state = s.root.get("optimizer_state_dict") if isinstance(s.root, dict) else None
+    if not isinstance(state, dict):
+        return []
+    wanted = [state.get(STAGE_1_2_MASTERS), state.get(STAGE_3_MASTERS)] if weights_only else state
+    return sorted(storage_range(s, ref) for ref in storage_refs(wanted))
+
+
+def _read_ahead(path: Path, select: str | None, tag: str | None, budget: list[int]) -> None:
+    if path.is_file():
+        _advise(path, [(0, os.stat(path).st_size)], budget)
+        return
+    weights_only = select is not None and (select == "model" or select.startswith("model."))
+    try:  # what a ZeRO conversion will read, file by file, each asked for as soon as its pickle is sketched
+        for f in optim_files(resolve_tag(path, tag)):
+            _advise(f, _zero_ranges(f, weights_only), budget)
+    except Exception:  # noqa: BLE001 - any unreadable file: the conversion itself says what is wrong with it
+        return
+
+
+def start_prefetch(path: str | os.PathLike[str], *, select: str | None = None, tag: str | None = None,
+                   max_bytes: int | None = None) -> threading.Thread | None:
+    """Ask the kernel, from a daemon thread, to read into the page cache what a conversion of ``path`` reads
+    (module doc; ``select`` and ``tag`` as `fsdp_restore.convert` takes them), at most ``max_bytes`` (default:
+    a quarter of the available memory); returns the thread, or None where there is nothing to do (neither a
+    regular file nor a ZeRO checkpoint, no ``posix_fadvise``)."""
+    path = Path(path)
+    budget = available_memory() // 4 if max_bytes is None else max_bytes
+    if not hasattr(os, "posix_fadvise") or budget <= 0 or not (path.is_file() or is_zero_checkpoint(path)):
         return None
-    try:
-        size = os.stat(path).st_size if os.path.isfile(path) else 0
-    except OSError:
-        return None
-    nbytes = min(size, available_memory() // 4 if max_bytes is None else max_bytes)
-    if nbytes <= 0:
-        return None
-    thread = threading.Thread(target=_advise, args=(os.fspath(path), nbytes), name="fsdp-restore-prefetch",
+    thread = threading.Thread(target=_read_ahead, args=(path, select, tag, [budget]), name="fsdp-restore-prefetch",
                               daemon=True)
     thread.start()
     return thread

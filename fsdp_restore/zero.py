@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,6 +48,9 @@ import torch
 from .errors import FormatError
 from .mapped import MappedFile, pread_exactly
 from .write import HeldInPieces, Reader, scratch, stand_in
+from .zero_files import STAGE_1_2_MASTERS, STAGE_3_MASTERS, is_zero_checkpoint, optim_files, resolve_tag
+
+__all__ = ["ZeroLayout", "is_zero_checkpoint", "read_zero", "resolve_tag"]
 
 
 # ---- stand-ins for the classes DeepSpeed's pickles name ------------------------------------------------
@@ -146,45 +148,6 @@ def _load(path: Path) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise FormatError(path, "not a DeepSpeed checkpoint file (no dict at the top)")
     return obj
-
-
-# ---- finding the files ---------------------------------------------------------------------------------
-
-
-def _optim_files(tag_dir: Path) -> list[Path]:
-    files = list(tag_dir.glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt"))
-    rank = re.compile(r"zero_pp_rank_(\d+)_")
-    return sorted(files, key=lambda p: int(rank.search(p.name).group(1)))  # type: ignore[union-attr]
-
-
-def is_zero_checkpoint(path: str | os.PathLike[str]) -> bool:
-    """A DeepSpeed checkpoint directory (holding ``latest`` or ``global_step*`` tags) or one tag directory."""
-    path = Path(path)
-    if not path.is_dir():
-        return False
-    return bool((path / "latest").is_file() or _optim_files(path) or any(
-        p.is_dir() and _optim_files(p) for p in path.glob("global_step*")))
-
-
-def resolve_tag(path: str | os.PathLike[str], tag: str | None = None) -> Path:
-    """The tag directory to read: ``path`` itself when it holds the files, else ``path/tag``, else the tag
-    that ``path/latest`` names, else the only ``global_step*`` directory."""
-    path = Path(path)
-    if tag:
-        chosen = path / tag
-    elif _optim_files(path):
-        return path
-    elif (path / "latest").is_file():
-        chosen = path / (path / "latest").read_text().strip()
-    else:
-        tags = sorted(p.name for p in path.glob("global_step*") if p.is_dir())
-        if len(tags) != 1:
-            raise FormatError(path, f"{'no' if not tags else 'several'} checkpoint tags ({', '.join(tags)}) and no"
-                              " 'latest' file: pass --tag")
-        chosen = path / tags[0]
-    if not _optim_files(chosen):
-        raise FormatError(chosen, "no *_optim_states.pt files: not a DeepSpeed ZeRO checkpoint tag")
-    return chosen
 
 
 # ---- flat vectors held in pieces -----------------------------------------------------------------------
@@ -300,9 +263,9 @@ def read_zero(path: str | os.PathLike[str], *, tag: str | None = None
     where ``readers`` maps a placeholder's ``data_ptr()`` to ``(meta tensor of the real shape and dtype,
     reader)``."""
     tag_dir = resolve_tag(path, tag)
-    optim_files = _optim_files(tag_dir)
-    optims = [_load(f).get("optimizer_state_dict") for f in optim_files]
-    for f, o in zip(optim_files, optims):
+    files = optim_files(tag_dir)
+    optims = [_load(f).get("optimizer_state_dict") for f in files]
+    for f, o in zip(files, optims):
         if not isinstance(o, dict) or "zero_stage" not in o:
             raise FormatError(f, "no 'optimizer_state_dict' with a 'zero_stage': not a ZeRO optimizer file")
     stage = int(optims[0]["zero_stage"])
@@ -320,12 +283,12 @@ def read_zero(path: str | os.PathLike[str], *, tag: str | None = None
         if not f.is_file():
             raise FormatError(f, "missing: every ZeRO checkpoint has its model states")
     models = [_load(f) for f in model_files]
-    optim_sources, model_sources = [_File(f) for f in optim_files], [_File(f) for f in model_files]
+    optim_sources, model_sources = [_File(f) for f in files], [_File(f) for f in model_files]
     head = models[0]
     for key in ("module", "param_shapes", "buffer_names"):
         if key not in head:
             raise FormatError(model_files[0], f"no '{key}': not a DeepSpeed model states file")
-    dtype = "bf16" if optim_files[0].name.startswith("bf16_") else "fp32"
+    dtype = "bf16" if files[0].name.startswith("bf16_") else "fp32"
     if stage <= 2:
         obj, readers, trainable = _stages_1_2(head, optims, optim_sources)
     else:
@@ -384,7 +347,7 @@ def _stages_1_2(head: dict[str, Any], optims: list[dict[str, Any]], files: list[
     names: list[list[str]] = []
     shapes: dict[str, tuple[int, ...]] = {}
     offsets: dict[tuple[int, str], int] = {}
-    weights = [[_Pieces([t], f) for t in o["single_partition_of_fp32_groups"]] for o, f in zip(optims, files)]
+    weights = [[_Pieces([t], f) for t in o[STAGE_1_2_MASTERS]] for o, f in zip(optims, files)]
     paddings = optims[0].get("param_alignment_paddings")
     for g, group_shapes in enumerate(head["param_shapes"]):
         group_names, at = [], 0
@@ -421,7 +384,7 @@ def _stage_3(head: dict[str, Any], optims: list[dict[str, Any]], files: list[_Fi
              ) -> tuple[dict[str, Any], dict[int, Any], dict]:
     readers: dict[int, Any] = {}
     world = len(optims)
-    weights = [_Pieces(list(o["fp32_flat_groups"]), f) for o, f in zip(optims, files)]
+    weights = [_Pieces(list(o[STAGE_3_MASTERS]), f) for o, f in zip(optims, files)]
     trainable: dict[str, torch.Tensor] = {}
     names: list[list[str]] = []
     shapes: dict[str, tuple[int, ...]] = {}

@@ -8,6 +8,7 @@ import mmap
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -266,3 +267,39 @@ def test_select_model_reads_the_masters_and_not_the_moments(wide_root, tmp_path,
             inner = pages[-(-(lo + (hi - lo) // 4) // PAGE):hi // PAGE - 1]
             assert len(inner) > 256 and not any(inner), (
                 f"{f.name}: {sum(inner)} of {len(inner)} pages of Adam's moments read for --select model")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="posix_fadvise and mincore: Linux")
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("select", ["model", None])
+def test_the_cli_reads_ahead_what_the_conversion_reads(wide_root, stage, select):
+    """While torch is imported the CLI asks the kernel for the optimizer files' bytes the conversion will read:
+    for ``--select model`` the fp32 masters and none of Adam's moments, for a full conversion both."""
+    from fsdp_restore.prefetch import start_prefetch
+
+    tag = wide_root / f"wide-z{stage}" / "global_step1"
+    optim_files = sorted(tag.glob("*optim_states.pt"))
+    for f in tag.glob("*.pt"):
+        _evict(f)
+    if any(any(_resident_pages(f)) for f in optim_files):
+        pytest.skip("this file system keeps the pages cached despite POSIX_FADV_DONTNEED")
+    thread = start_prefetch(tag.parent, select=select)
+    assert thread is not None
+    thread.join(60)
+    count = -1
+    for _ in range(100):  # POSIX_FADV_WILLNEED only queues the reads: wait until no more pages arrive
+        resident = {f: _resident_pages(f) for f in optim_files}  # before _byte_ranges reads the files whole
+        count, before = sum(map(sum, resident.values())), count
+        if count == before:
+            break
+        time.sleep(0.2)
+    for f in optim_files:
+        ranges, pages = _byte_ranges(f), resident[f]
+        for lo, hi in ranges["masters"]:
+            assert all(pages[-(-lo // PAGE):hi // PAGE]), f"{f.name}: masters not read ahead"
+        for lo, hi in ranges["moments"]:
+            inner = pages[-(-lo // PAGE):hi // PAGE]
+            if select == "model":
+                assert not any(inner[1:-1]), f"{f.name}: {sum(inner)} pages of Adam's moments read ahead"
+            else:
+                assert all(inner), f"{f.name}: moments not read ahead for a full conversion"

@@ -1,0 +1,51 @@
+"""Where a DeepSpeed ZeRO checkpoint's files are: the tag directory and its optimizer files. Imports nothing
+heavy, so that the CLI can find them (and start reading them, `fsdp_restore.prefetch`) before torch is loaded."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from .errors import FormatError
+
+# Where each rank's fp32 master weights lie in its optimizer file's ``optimizer_state_dict`` (DeepSpeed's names):
+STAGE_1_2_MASTERS = "single_partition_of_fp32_groups"  # one flat partition per parameter group
+STAGE_3_MASTERS = "fp32_flat_groups"  # one flat group per parameter group
+
+
+def optim_files(tag_dir: Path) -> list[Path]:
+    """The tag's optimizer files (one per rank), in rank order."""
+    files = list(tag_dir.glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt"))
+    rank = re.compile(r"zero_pp_rank_(\d+)_")
+    return sorted(files, key=lambda p: int(rank.search(p.name).group(1)))  # type: ignore[union-attr]
+
+
+def is_zero_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """A DeepSpeed checkpoint directory (holding ``latest`` or ``global_step*`` tags) or one tag directory."""
+    path = Path(path)
+    if not path.is_dir():
+        return False
+    return bool((path / "latest").is_file() or optim_files(path) or any(
+        p.is_dir() and optim_files(p) for p in path.glob("global_step*")))
+
+
+def resolve_tag(path: str | os.PathLike[str], tag: str | None = None) -> Path:
+    """The tag directory to read: ``path`` itself when it holds the files, else ``path/tag``, else the tag
+    that ``path/latest`` names, else the only ``global_step*`` directory."""
+    path = Path(path)
+    if tag:
+        chosen = path / tag
+    elif optim_files(path):
+        return path
+    elif (path / "latest").is_file():
+        chosen = path / (path / "latest").read_text().strip()
+    else:
+        tags = sorted(p.name for p in path.glob("global_step*") if p.is_dir())
+        if len(tags) != 1:
+            raise FormatError(path, f"{'no' if not tags else 'several'} checkpoint tags ({', '.join(tags)}) and no"
+                              " 'latest' file: pass --tag")
+        chosen = path / tags[0]
+    if not optim_files(chosen):
+        raise FormatError(chosen, "no *_optim_states.pt files: not a DeepSpeed ZeRO checkpoint tag")
+    return chosen
