@@ -518,7 +518,10 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
             _agree(problems, "save_sharded (commit)", group)
             timings["commit"] = time.perf_counter() - t3
         except BaseException:
-            if rank == 0 and created and tmp is not None:
+            # Rank 0 removes the temporary it created; the others too once they know its name (it is this save's
+            # own, and every rank fails together), so that one is removed when rank 0 itself was killed. After
+            # rank 0's rename there is nothing under that name left to remove.
+            if tmp is not None and (created or rank != 0):
                 _remove(tmp)
             raise
         finally:

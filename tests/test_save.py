@@ -442,9 +442,9 @@ def test_replicas_share_the_writes_of_replicated_pieces(tmp_path, name, how, wor
     assert min(written) > 0, written  # every replica writes its part (rank 0 also the RNG states, step...)
 
 
-def _killed(rank, world_size, path):
+def _killed(rank, world_size, path, dying):
     model, opt, extra = _old_checkpoint(rank, world_size, path, "fsdp2")
-    if rank == 1:
+    if rank == dying:
         def dies(fd, data, offset):
             os._exit(3)  # killed mid-write: no exception, no goodbye
 
@@ -452,18 +452,21 @@ def _killed(rank, world_size, path):
     save_sharded(model, path, optimizer=opt, extra=extra)
 
 
-def test_killed_rank_leaves_the_old_checkpoint(tmp_path):
+@pytest.mark.parametrize("dying", [1, 0])
+def test_killed_rank_leaves_the_old_checkpoint(tmp_path, dying):
+    """A rank killed mid-write: the survivors fail with the save's error, and the temporary is removed by a
+    survivor, also when the killed rank is rank 0, which created it."""
     path = str(tmp_path / "ckpt.safetensors")
     import time
 
     t0 = time.perf_counter()
     with pytest.raises(AssertionError) as info:
-        run_ranks(_killed, 2, path, pg_timeout=10, timeout=90)
-    assert "rank 1" in str(info.value)
+        run_ranks(_killed, 2, path, dying, pg_timeout=10, timeout=90)
+    assert f"rank {dying}" in str(info.value)
     # the survivor's error is the save's own, saying what happened (not gloo's socket text alone)
     assert "SaveError" in str(info.value) and "a rank died or lost its connection" in str(info.value), info.value
     assert time.perf_counter() - t0 < 80
-    assert not _leftovers(path), _leftovers(path)  # rank 0 removed the temporary when its collective failed
+    assert not _leftovers(path), _leftovers(path)  # a survivor removed the temporary when its collective failed
     fsdp_restore.verify(path)
     assert fsdp_restore.load(path)["step"] == 2
 
