@@ -14,6 +14,7 @@ before torch is loaded.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from pathlib import Path
@@ -72,7 +73,8 @@ def _zero_ranges(optim_file: Path, weights_only: bool) -> Ranges:
 
 def _read_ahead(path: Path, select: str | None, tag: str | None, budget: list[int]) -> None:
     if path.is_file():
-        _advise(path, [(0, os.stat(path).st_size)], budget)
+        with contextlib.suppress(OSError):  # gone meanwhile: the command itself reports it
+            _advise(path, [(0, os.stat(path).st_size)], budget)
         return
     weights_only = select is not None and (select == "model" or select.startswith("model."))
     try:  # what a ZeRO conversion will read, file by file, each asked for as soon as its pickle is sketched

@@ -225,14 +225,22 @@ def bench_convert(work: Path, gb: float, repeat: int = 3, cache: str = "cold") -
 BLKIO = Path("/sys/fs/cgroup/blkio")
 
 
-def limit_read_bandwidth(path: str, rank: int, mbps: float) -> str:
-    """Put this process in its own cgroup-v1 blkio group reading at most ``mbps`` MB/s from the disk
-    holding ``path``: each rank then has a disk of its own bandwidth, as on separate nodes (one host's
-    ranks otherwise share one disk, and total bytes read, not bytes per rank, set the time)."""
+def limit_read_bandwidth(path: str, rank: int, mbps: float, *, writes: bool = False) -> str:
+    """Put this process in its own cgroup-v1 blkio group reading (and with ``writes``, writing) at most ``mbps``
+    MB/s on the disk holding ``path``: each rank then has a disk of its own bandwidth, as on separate nodes
+    (one host's ranks otherwise share one disk, and total bytes, not bytes per rank, set the time).
+
+    A write cap holds for writes this process submits: ``O_DIRECT``, and the writeback of its own dirty pages
+    that its ``fsync`` (or ``POSIX_FADV_DONTNEED``) starts; not for writeback the kernel's flusher does on its
+    own (over ``vm.dirty_background_ratio`` of memory, or pages dirty longer than ``vm.dirty_expire_centisecs``),
+    which cgroup v1 charges to the root group. The save benchmark's outputs stay under both."""
     dev = os.stat(path).st_dev
     group = BLKIO / f"fsdp_restore_bench_rank{rank}"
     group.mkdir(exist_ok=True)
-    (group / "blkio.throttle.read_bps_device").write_text(f"{os.major(dev)}:{os.minor(dev)} {int(mbps * 1e6)}\n")
+    limit = f"{os.major(dev)}:{os.minor(dev)} {int(mbps * 1e6)}\n"
+    (group / "blkio.throttle.read_bps_device").write_text(limit)
+    if writes:
+        (group / "blkio.throttle.write_bps_device").write_text(limit)
     (group / "cgroup.procs").write_text(f"{os.getpid()}\n")
     return str(group)
 

@@ -22,6 +22,10 @@ fsynced: ours and DCP fsync their files, the gather path is fsynced explicitly):
 
 Per rank: wall time, bytes written (/proc/self/io write_bytes around the save), peak anonymous memory above
 the sharded model and its optimizer state.
+
+``--rank-mbps N`` caps each rank's disk reads and writes at N MB/s during the measured run (a cgroup-v1 blkio
+group per rank, root; `benchmark.limit_read_bandwidth`), as if each rank wrote over a link or to a disk of its
+own, as on separate nodes: the rank-0 gather then writes everything through one rank's bandwidth.
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmark import _build, _median_row, build_model, console, drop_caches  # noqa: E402
+from benchmark import (_build, _median_row, build_model, console, drop_caches, leave_read_limit,  # noqa: E402
+                       limit_read_bandwidth)
 
 from fsdp_restore.measure import PeakAnonMemory, disk_write_bytes  # noqa: E402
 from fsdp_restore.write import CHUNK_BYTES  # noqa: E402
@@ -74,7 +79,7 @@ def _fsync_tree(path: Path) -> None:
 
 
 def save_worker(rank: int, world_size: int, method: str, fsdp: str, kind: str, mb: float, out: str,
-                nbytes: int) -> dict[str, Any]:
+                nbytes: int, rank_mbps: float | None = None) -> dict[str, Any]:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
@@ -148,10 +153,15 @@ def save_worker(rank: int, world_size: int, method: str, fsdp: str, kind: str, m
         if rank == 0:
             shutil.rmtree(warm, ignore_errors=True) if warm.is_dir() else warm.unlink(missing_ok=True)
             drop_caches()  # the page cache holds no dirty pages of ours: every write counted is this run's
+        group = limit_read_bandwidth(str(target.parent), rank, rank_mbps, writes=True) if rank_mbps else None
         dist.barrier()
         written0 = disk_write_bytes()
         t0 = time.perf_counter()
-        run(target)
+        try:
+            run(target)
+        finally:
+            if group:
+                leave_read_limit(group)
         seconds = time.perf_counter() - t0
     return {"seconds": seconds, "peak_anon": mem.peak - mem.start, "written": disk_write_bytes() - written0}
 
@@ -161,7 +171,7 @@ def _size(path: Path) -> int:
 
 
 def bench_save(work: Path, mb: float, world_sizes: list[int], *, kind: str = "linear", repeat: int = 3,
-               only: list[str] | None = None) -> list[dict[str, Any]]:
+               only: list[str] | None = None, rank_mbps: float | None = None) -> list[dict[str, Any]]:
     from fsdp_restore.launch import RankFailure, run_ranks
 
     model = build_model(kind, mb)
@@ -182,7 +192,7 @@ def bench_save(work: Path, mb: float, world_sizes: list[int], *, kind: str = "li
                     shutil.rmtree(out, ignore_errors=True) if out.is_dir() else out.unlink(missing_ok=True)
                     nbytes = full_bytes or 3 * model_bytes
                     try:
-                        per_rank = run_ranks(save_worker, ws, method, fsdp, kind, mb, str(out), nbytes,
+                        per_rank = run_ranks(save_worker, ws, method, fsdp, kind, mb, str(out), nbytes, rank_mbps,
                                              timeout=900, backend="gloo")
                     except RankFailure as e:
                         console.print(f"[red]{fsdp} {method} ws={ws} failed[/]: {str(e).splitlines()[1][:300]}")
@@ -192,6 +202,7 @@ def bench_save(work: Path, mb: float, world_sizes: list[int], *, kind: str = "li
                         full_bytes = size
                     runs.append({"fsdp": fsdp, "method": method, "world_size": ws, "model_bytes": model_bytes,
                                  "output_bytes": size, "seconds": max(r["seconds"] for r in per_rank),
+                                 "rank_mbps": rank_mbps,
                                  "written_per_rank": [r["written"] for r in per_rank],
                                  "peak_anon_per_rank": [r["peak_anon"] for r in per_rank]})
                     shutil.rmtree(out, ignore_errors=True) if out.is_dir() else out.unlink(missing_ok=True)
@@ -221,7 +232,8 @@ def report_save(rows: list[dict[str, Any]]) -> str:
             return next((o for o in rows if o["method"] == method and o["fsdp"] == r["fsdp"]
                          and o["world_size"] == r["world_size"]), None)
 
-        floor, ours = same("floor"), same("ours-model" if r["method"] in ("ours-model", "dcp+hf") else "ours")
+        floor = same("floor") or same("floor+writeback")
+        ours = same("ours-model" if r["method"] in ("ours-model", "dcp+hf") else "ours")
         share = r["output_bytes"] / r["world_size"]
         cells = [str(r["world_size"]), r["fsdp"], r["method"], f"{r['seconds']:.2f}",
                  f"{r['seconds'] / floor['seconds']:.2f}" if floor else "-",
@@ -240,12 +252,16 @@ def main() -> None:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--methods", nargs="+", help=f"subset of {METHODS} (or fsdp2:ours ...)")
+    parser.add_argument("--rank-mbps", type=float,
+                        help="cap each rank's disk reads and writes at this many MB/s in the measured run (cgroup v1"
+                             " blkio, root): a disk or link per rank, as on separate nodes")
     parser.add_argument("--workdir", help="where to write (default: a temporary directory)")
     parser.add_argument("--out", help="also write the raw results as JSON here")
     args = parser.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="fsdp_restore_save_bench_"))
     work.mkdir(parents=True, exist_ok=True)
-    rows = bench_save(work, args.mb, args.world_sizes, kind=args.model, repeat=args.repeat, only=args.methods)
+    rows = bench_save(work, args.mb, args.world_sizes, kind=args.model, repeat=args.repeat, only=args.methods,
+                      rank_mbps=args.rank_mbps)
     markdown = report_save(rows)
     if args.out:
         Path(args.out).write_text(json.dumps({"save": rows, "markdown": markdown}, indent=1))
