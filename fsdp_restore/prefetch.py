@@ -68,7 +68,11 @@ def _zero_ranges(optim_file: Path, weights_only: bool) -> Ranges:
     if not isinstance(state, dict):
         return []
     wanted = [state.get(STAGE_1_2_MASTERS), state.get(STAGE_3_MASTERS)] if weights_only else state
-    return sorted(storage_range(s, ref) for ref in storage_refs(wanted))
+    ranges = []
+    for ref in storage_refs(wanted):
+        with contextlib.suppress(ValueError, OSError):  # a record missing or compressed: the others are still read
+            ranges.append(storage_range(s, ref))
+    return sorted(ranges)
 
 
 def _read_ahead(path: Path, select: str | None, tag: str | None, budget: list[int]) -> None:

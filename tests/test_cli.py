@@ -273,6 +273,20 @@ def test_the_same_flag_twice_keeps_the_last(src, tmp_path, monkeypatch):
     assert calls[0]["thread_count"] == 2
 
 
+@pytest.mark.parametrize("argv,config", [(["--select", "model"], None), (["select=model", "tag=t1"], None),
+                                         ([], "select: model\ntag: t1\n")])
+def test_the_read_ahead_gets_select_and_tag_from_every_layer(src, tmp_path, monkeypatch, argv, config):
+    """The read-ahead starts before the options are checked (that imports torch), from the same merged options
+    convert gets: a flag, an override or the config file."""
+    calls = _spy(monkeypatch, "prefetch", "start_prefetch")
+    if config is not None:
+        (tmp_path / "c.yaml").write_text(config)
+        argv = [*argv, "--config", str(tmp_path / "c.yaml")]
+    main(["convert", str(src), str(tmp_path / "out.safetensors"), *argv])  # its outcome is not the point here
+    assert calls and calls[0]["select"] == "model"
+    assert calls[0]["tag"] == (None if argv[:1] == ["--select"] else "t1")
+
+
 def test_convert_default_thread_count_is_left_to_convert(src, tmp_path, monkeypatch):
     calls = _spy(monkeypatch, "convert", "convert")
     assert main(["convert", str(src), str(tmp_path / "out.safetensors")]) == 0

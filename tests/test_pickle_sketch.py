@@ -4,6 +4,7 @@ The oracle for where the bytes lie is torch itself: each tensor's own bytes must
 from __future__ import annotations
 
 import collections
+import io
 import os
 import pickle
 import subprocess
@@ -100,3 +101,90 @@ def test_an_archive_without_a_pickle_is_an_error(tmp_path):
         z.writestr("archive/other", b"x")
     with pytest.raises(ValueError, match="data.pkl"):
         sketch(tmp_path / "x.pt")
+
+
+class _Marker:
+    pass
+
+
+def _pickle_with_storage(obj, pid) -> bytes:
+    """``obj`` pickled with every `_Marker` in it saved as the persistent id ``pid``."""
+    class P(pickle.Pickler):
+        def persistent_id(self, o):
+            return pid if isinstance(o, _Marker) else None
+
+    buf = io.BytesIO()
+    P(buf, protocol=2).dump(obj)
+    return buf.getvalue()
+
+
+def _archive(path, pkl: bytes, records=(), *, zip64=False, compress=zipfile.ZIP_STORED):
+    with zipfile.ZipFile(path, "w", compress) as z:
+        for name, data in [("archive/data.pkl", pkl), *records]:
+            with z.open(name, "w", force_zip64=zip64) as f:
+                f.write(data)
+    return path
+
+
+# Every opcode that makes the C unpickler look up a global or call something, hand-built, each naming os.system
+# with a command: the sketch must hand back a stand-in holding the arguments, and never run the command.
+_CALLING_OPCODES = {
+    "GLOBAL+REDUCE": b"\x80\x02cposix\nsystem\nX\x0b\x00\x00\x00touch PWNED\x85R.",
+    "STACK_GLOBAL+REDUCE": b"\x80\x04\x8c\x05posix\x8c\x06system\x93\x8c\x0btouch PWNED\x85R.",
+    "INST": b"(S'touch PWNED'\niposix\nsystem\n.",
+    "OBJ": b"(cposix\nsystem\nS'touch PWNED'\no.",
+    "NEWOBJ": b"\x80\x02cposix\nsystem\nX\x0b\x00\x00\x00touch PWNED\x85\x81.",
+    "NEWOBJ_EX": b"\x80\x04\x8c\x05posix\x8c\x06system\x93\x8c\x0btouch PWNED\x85}\x92.",
+    "BUILD": b"\x80\x02cposix\nsystem\n)\x81}X\x03\x00\x00\x00cmdX\x0b\x00\x00\x00touch PWNEDsb.",
+}
+
+
+@pytest.mark.parametrize("opcode", sorted(_CALLING_OPCODES))
+def test_no_opcode_reaches_a_real_global(tmp_path, monkeypatch, opcode):
+    monkeypatch.chdir(tmp_path)
+    root = sketch(_archive(tmp_path / "x.pt", _CALLING_OPCODES[opcode])).root
+    assert isinstance(root, Call) and root.name == "posix.system"
+    assert "touch PWNED" in repr((root.args, root.state))
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_extension_codes_are_refused_when_registered(tmp_path):
+    """EXT opcodes are resolved through copyreg's process-wide registry, around find_class: with no codes
+    registered they fail; with some, the sketch refuses to run at all."""
+    path = _archive(tmp_path / "x.pt", b"\x80\x02\x82\xf0)R.")  # EXT1 240, then a call
+    with pytest.raises(ValueError, match="unregistered extension code"):
+        sketch(path)
+    script = ("import copyreg, sys; copyreg.add_extension('posix', 'system', 240);"
+              "from fsdp_restore.pickle_sketch import sketch\n"
+              f"try: sketch({str(path)!r})\nexcept ValueError as e: print('refused', e)")
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout.startswith("refused"), res.stdout + res.stderr[-2000:]
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_a_hostile_persistent_id_is_refused_without_printing_it(tmp_path):
+    """A persistent id whose key is a list shared many times over (its repr doubles with each level) is refused
+    at once, not turned into text."""
+    nested: list = []
+    for _ in range(40):
+        nested = [nested, nested]
+    pkl = _pickle_with_storage({"t": _Marker()}, ("storage", None, nested, "cpu", 1))
+    assert len(pkl) < 2000
+    with pytest.raises(pickle.UnpicklingError, match="persistent id"):
+        sketch(_archive(tmp_path / "x.pt", pkl))
+
+
+def test_a_compressed_pickle_is_not_inflated(tmp_path):
+    path = _archive(tmp_path / "x.pt", pickle.dumps({"a": 1}), compress=zipfile.ZIP_DEFLATED)
+    with pytest.raises(ValueError, match="compressed"):
+        sketch(path)
+
+
+def test_a_zip64_record_is_found_where_its_bytes_are(tmp_path):
+    data = bytes(range(256)) * 3
+    pkl = _pickle_with_storage({"t": _Marker()}, ("storage", None, "0", "cpu", len(data)))
+    path = _archive(tmp_path / "x.pt", pkl, [("archive/data/0", data)], zip64=True)
+    s = sketch(path)
+    (ref,) = storage_refs(s.root)
+    offset, nbytes = storage_range(s, ref)
+    assert nbytes == len(data) and _bytes_at(path, offset, nbytes) == data

@@ -279,6 +279,8 @@ def test_the_cli_reads_ahead_what_the_conversion_reads(wide_root, stage, select)
 
     tag = wide_root / f"wide-z{stage}" / "global_step1"
     optim_files = sorted(tag.glob("*optim_states.pt"))
+    where = {f: _byte_ranges(f) for f in optim_files}  # read whole: before the eviction
+    wanted = {f: where[f]["masters"] + ([] if select == "model" else where[f]["moments"]) for f in optim_files}
     for f in tag.glob("*.pt"):
         _evict(f)
     if any(any(_resident_pages(f)) for f in optim_files):
@@ -286,20 +288,24 @@ def test_the_cli_reads_ahead_what_the_conversion_reads(wide_root, stage, select)
     thread = start_prefetch(tag.parent, select=select)
     assert thread is not None
     thread.join(60)
-    count = -1
-    for _ in range(100):  # POSIX_FADV_WILLNEED only queues the reads: wait until no more pages arrive
-        resident = {f: _resident_pages(f) for f in optim_files}  # before _byte_ranges reads the files whole
-        count, before = sum(map(sum, resident.values())), count
-        if count == before:
+    assert not thread.is_alive()
+
+    def share_cached(pages, ranges):
+        wanted_pages = [pages[i] for lo, hi in ranges for i in range(-(-lo // PAGE), hi // PAGE)]
+        return sum(wanted_pages) / len(wanted_pages)
+
+    # POSIX_FADV_WILLNEED only queues the reads, and is a hint: the kernel's readahead allocates its pages without
+    # retrying, and here skipped ~2% of them in some runs (scattered single pages); the conversion reads those
+    deadline = time.monotonic() + 30
+    while True:
+        resident = {f: _resident_pages(f) for f in optim_files}
+        if all(share_cached(resident[f], wanted[f]) > 0.9 for f in optim_files) or time.monotonic() > deadline:
             break
-        time.sleep(0.2)
+        time.sleep(0.1)
     for f in optim_files:
-        ranges, pages = _byte_ranges(f), resident[f]
-        for lo, hi in ranges["masters"]:
-            assert all(pages[-(-lo // PAGE):hi // PAGE]), f"{f.name}: masters not read ahead"
-        for lo, hi in ranges["moments"]:
-            inner = pages[-(-lo // PAGE):hi // PAGE]
-            if select == "model":
+        pages = resident[f]
+        assert share_cached(pages, wanted[f]) > 0.9, f"{f.name}: not read ahead"
+        if select == "model":
+            for lo, hi in where[f]["moments"]:
+                inner = pages[-(-lo // PAGE):hi // PAGE]
                 assert not any(inner[1:-1]), f"{f.name}: {sum(inner)} pages of Adam's moments read ahead"
-            else:
-                assert all(inner), f"{f.name}: moments not read ahead for a full conversion"
