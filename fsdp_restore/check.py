@@ -38,7 +38,7 @@ from torch import nn
 
 from .plan import OptimizerPlan, ReadItem, ReadPlan
 from .read import Checkpoint
-from .shards import _fsdp1_units, _join, clean_name, local_tensor
+from .shards import _fsdp1_units, _join, clean_name, local_tensor, module_walk, named_parameters_of
 
 CHECK_CHUNK_BYTES = 16 * 1024 * 1024
 DIGEST_PRIME = 2**31 - 1  # modulus of the coverage digest: sums of world_size of them stay within int64
@@ -109,7 +109,8 @@ def model_storages(model: nn.Module) -> list[Storage]:
         seen.add(flat.data_ptr())
 
     fsdp1 = False  # FlatParameter's isinstance is a Python metaclass hook: skipped where no FSDP1 unit exists
-    for unit_prefix, handle in _fsdp1_units(model):
+    modules = module_walk(model)
+    for unit_prefix, handle in _fsdp1_units(model, modules):
         fsdp1 = True
         flat = handle.flat_param
         local = flat.data
@@ -121,7 +122,7 @@ def model_storages(model: nn.Module) -> list[Storage]:
             i = bisect.bisect_right(flat_starts, start)
             flat_starts.insert(i, start)
             flat_ends.insert(i, start + local.numel() * local.element_size())
-    for raw, param in model.named_parameters(remove_duplicate=False):
+    for raw, param in named_parameters_of(modules):
         if fsdp1 and isinstance(param, FlatParameter):
             continue
         local = local_tensor(param)
@@ -129,7 +130,7 @@ def model_storages(model: nn.Module) -> list[Storage]:
             continue
         add(local.view(-1) if local.is_contiguous() else local.reshape(-1),
             [Region(clean_name(raw.removeprefix(top)), 0, local.numel())])
-    for mod_name, module in model.named_modules(remove_duplicate=False):
+    for mod_name, module in modules:
         for buf_name, buf in module._buffers.items():
             if buf is None or buf_name in module._non_persistent_buffers_set:
                 continue

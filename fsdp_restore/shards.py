@@ -16,6 +16,7 @@ starts. Restoring is then "read these element ranges into these views", whatever
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import product
 from math import prod
@@ -81,15 +82,33 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, _dtensor_class())
 
 
-def _fsdp1_units(model: nn.Module):
-    """(clean prefix, FlatParamHandle) for every FSDP1 unit that owns parameters."""
+def module_walk(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``model.named_modules(remove_duplicate=False)``, walked once for a caller that needs the model's FSDP1
+    units, parameters and buffers (`named_parameters_of`): each of those is otherwise a walk of its own, a
+    cost per module in every restore's plan (BENCHMARKS.md)."""
+    return list(model.named_modules(remove_duplicate=False))
+
+
+def named_parameters_of(modules: list[tuple[str, nn.Module]]) -> Iterator[tuple[str, nn.Parameter]]:
+    """What ``model.named_parameters(remove_duplicate=False)`` yields, from `module_walk`'s list."""
+    for prefix, module in modules:
+        for name, param in module._parameters.items():
+            if param is not None:
+                yield (f"{prefix}.{name}" if prefix else name), param
+
+
+def _fsdp1_units(model: nn.Module, modules: list[tuple[str, nn.Module]] | None = None):
+    """(clean prefix, FlatParamHandle) for every FSDP1 unit that owns parameters (``modules``: `module_walk`'s
+    list, when the caller has it)."""
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     except ImportError:  # pragma: no cover
         return
-    for name, module in model.named_modules():
+    seen: set[int] = set()  # a module reachable under two names: its first, as named_modules() gives it
+    for name, module in model.named_modules() if modules is None else modules:
         handle = getattr(module, "_handle", None) if isinstance(module, FSDP) else None
-        if handle is not None:
+        if handle is not None and id(module) not in seen:
+            seen.add(id(module))
             yield clean_name(name), handle
 
 
@@ -106,7 +125,8 @@ def local_targets(model: nn.Module) -> tuple[list[Target], dict[str, str]]:
 
     managed: dict[int, str] = {}  # FSDP1 original parameters (use_orig_params=True views) -> their name
     fsdp1 = False  # FlatParameter's isinstance is a Python metaclass hook: skipped where no FSDP1 unit exists
-    for prefix, handle in _fsdp1_units(model):
+    modules = module_walk(model)
+    for prefix, handle in _fsdp1_units(model, modules):
         fsdp1 = True
         flat = handle.flat_param
         for fqn, param in zip(flat._fqns, getattr(flat, "_params", None) or []):
@@ -126,7 +146,7 @@ def local_targets(model: nn.Module) -> tuple[list[Target], dict[str, str]]:
     from torch.distributed.fsdp._flat_param import FlatParameter
 
     seen: dict[int, str] = {}
-    for raw_name, param in model.named_parameters(remove_duplicate=False):
+    for raw_name, param in named_parameters_of(modules):
         name = clean(raw_name)
         if (fsdp1 and isinstance(param, FlatParameter)) or name in done:
             continue
@@ -138,7 +158,7 @@ def local_targets(model: nn.Module) -> tuple[list[Target], dict[str, str]]:
             continue
         seen[id(param)] = name
         targets.append(_tensor_target(name, param, "param"))
-    for mod_name, module in model.named_modules(remove_duplicate=False):
+    for mod_name, module in modules:
         for buf_name, buf in module._buffers.items():
             if buf is None or buf_name in module._non_persistent_buffers_set:
                 continue
