@@ -35,9 +35,13 @@ MAX_GLOBALS = 10_000  # distinct global names: a checkpoint names a few dozen
 
 
 class StorageRef(NamedTuple):
-    """A storage record the pickle refers to (torch's persistent id: ``('storage', type, key, location, numel)``)."""
+    """A storage record the pickle refers to (torch's persistent id: ``('storage', type, key, location, numel)``):
+    its key, the storage type's global name (``"torch.FloatStorage"``; empty when the id names none) and its
+    element count (-1 when the id gives none)."""
 
     key: str
+    storage_type: str = ""
+    numel: int = -1
 
 
 class Call:
@@ -47,28 +51,30 @@ class Call:
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Call:
         self = super().__new__(cls)
-        self.args, self.state, self.items = args + tuple(kwargs.values()), None, []
+        self.args, self.kwargs, self.state, self.builds = args, kwargs, None, 0
+        self.items, self.appended = [], []
         return self
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def __setstate__(self, state: Any) -> None:
+    def __setstate__(self, state: Any) -> None:  # the pickle's BUILD; ``builds`` counts them (a second updates again)
         self.state = state
+        self.builds += 1
 
-    def __setitem__(self, key: Any, value: Any) -> None:
+    def __setitem__(self, key: Any, value: Any) -> None:  # SETITEM(S): ``(key, value)`` pairs in ``items``
         self.items.append((key, value))
 
-    def append(self, value: Any) -> None:
-        self.items.append(value)
+    def append(self, value: Any) -> None:  # APPEND(S): values in ``appended``
+        self.appended.append(value)
 
     def extend(self, values: Any) -> None:
-        self.items.extend(values)
+        self.appended.extend(values)
 
 
 class _InertUnpickler(pickle.Unpickler):
     def __init__(self, data: bytes) -> None:
-        super().__init__(io.BytesIO(data))
+        super().__init__(io.BytesIO(data), encoding="utf-8")  # as torch.load decodes protocol-2 byte strings
         self._stand_ins: dict[str, type[Call]] = {}
 
     def find_class(self, module: str, name: str) -> Any:
@@ -83,7 +89,9 @@ class _InertUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> StorageRef:
         if isinstance(pid, tuple) and len(pid) >= 3 and pid[0] == "storage" and isinstance(pid[2], str):
-            return StorageRef(pid[2])
+            kind = pid[1].name if isinstance(pid[1], type) and issubclass(pid[1], Call) else ""
+            numel = pid[4] if len(pid) == 5 and type(pid[4]) is int else -1
+            return StorageRef(pid[2], kind, numel)
         raise pickle.UnpicklingError(f"unexpected persistent id (a {type(pid).__name__}): not torch's")
 
 
@@ -100,8 +108,6 @@ def sketch(path: str | os.PathLike[str]) -> Sketch:
     """The sketch of a zip-format ``torch.save`` file; `ValueError`, `zipfile.BadZipFile`, `pickle.UnpicklingError`
     or `OSError` where it is not one."""
     path = Path(path)
-    if copyreg._inverted_registry:  # type: ignore[attr-defined]  # EXT codes would bypass find_class (module doc)
-        raise ValueError("pickle extension codes are registered in this process (copyreg.add_extension)")
     with open(path, "rb") as f:
         if hasattr(os, "posix_fadvise"):  # no readahead past the directory and the pickle: into the tensors' bytes
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
@@ -114,8 +120,20 @@ def sketch(path: str | os.PathLike[str]) -> Sketch:
             if info.compress_type != zipfile.ZIP_STORED or info.file_size > MAX_PICKLE_BYTES:
                 raise ValueError(f"{path}: its pickle record is compressed or over {MAX_PICKLE_BYTES} bytes")
             data = z.read(info)
-    root = _InertUnpickler(data).load()
-    return Sketch(path, root, records, pickles[0].rsplit("/", 1)[0])
+    return Sketch(path, inert_load(data), records, pickles[0].rsplit("/", 1)[0])
+
+
+def inert_load(data: bytes) -> Any:
+    """The sketch of one pickle's bytes (module doc): containers as they are, a `Call` where the pickle calls a
+    global, the global's stand-in class where it only names one, a `StorageRef` where it names a storage.
+    `ValueError` for a pickle over `MAX_PICKLE_BYTES` or while extension codes are registered; what the C
+    unpickler raises for a malformed one. Pause the cyclic garbage collector around it for a big pickle: its
+    passes over the growing sketch cost more than the unpickling (BENCHMARKS.md)."""
+    if copyreg._inverted_registry:  # type: ignore[attr-defined]  # EXT codes would bypass find_class (module doc)
+        raise ValueError("pickle extension codes are registered in this process (copyreg.add_extension)")
+    if len(data) > MAX_PICKLE_BYTES:
+        raise ValueError(f"a pickle of {len(data)} bytes, over {MAX_PICKLE_BYTES}")
+    return _InertUnpickler(data).load()
 
 
 def storage_refs(node: Any) -> Iterator[StorageRef]:
@@ -138,7 +156,7 @@ def storage_refs(node: Any) -> Iterator[StorageRef]:
         elif isinstance(item, (list, tuple)):
             children = list(item)
         elif isinstance(item, Call):
-            children = [*item.args, item.state, *item.items]
+            children = [*item.args, *item.kwargs.values(), item.state, *item.items, *item.appended]
         else:
             continue
         stack.extend(reversed(children))
