@@ -10,6 +10,7 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import sys
 import warnings
@@ -479,5 +480,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def run() -> NoReturn:
+    """The ``fsdp-restore`` command: `main`, then exit with its code. After a command that imported torch, the
+    process ends without Python's teardown of the interpreter (exit handlers run and the output is flushed, then
+    ``os._exit``): tearing torch's modules down takes a large part of a short command's time (BENCHMARKS.md),
+    and a command has fsynced, closed and renamed everything it writes before it returns."""
+    code = main()
+    if "torch" not in sys.modules:
+        sys.exit(code)
+    run_exit_handlers = getattr(atexit, "_run_exitfuncs", None)
+    if run_exit_handlers is not None:
+        run_exit_handlers()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (`| head`): what was written is all the reader wanted
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -20,6 +20,24 @@ def src(tmp_path):
     return path
 
 
+def test_a_command_that_imports_torch_still_exits_with_its_code_and_all_its_output(src, tmp_path):
+    """`python -m fsdp_restore` ends a command that imported torch without the interpreter's teardown
+    (`cli.run`): its output is still whole and flushed, its exit code is main's, and what it wrote is complete
+    (read back by safetensors' own reader)."""
+    from safetensors.torch import load_file
+
+    dst = tmp_path / "ck.safetensors"
+    ok = run("convert", src, dst)
+    assert ok.returncode == 0, ok.stderr
+    assert "converted" in ok.stdout and ok.stdout.rstrip().endswith("┘"), ok.stdout  # the report's last line
+    assert torch.equal(load_file(dst)["model.w"], torch.load(src)["model"]["w"])
+    bad = run("convert", tmp_path / "missing.pt", tmp_path / "out.safetensors")
+    assert bad.returncode == 1 and "error:" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+    assert not (tmp_path / "out.safetensors").exists()
+    checked = run("verify", dst, "--against", src)
+    assert checked.returncode == 0 and checked.stdout.strip(), checked.stderr
+
+
 def test_convert_verify_inspect(src, tmp_path):
     dst = tmp_path / "ck.safetensors"
     res = run("convert", src, dst, "--dtype", "bf16", "cast_exclude=[optim.*]")
