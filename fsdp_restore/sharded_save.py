@@ -55,8 +55,8 @@ from .jobs import parse_size
 from .restore import _no_cyclic_gc, _refuse_unsharded_fsdp1, _reshard_fsdp2
 from .save_plan import WriteItem, WritePlan
 from .verdict import _LABELS, _collective, _device, _rank, agree, new_problems
-from .write import (CHUNK_BYTES, _fsync_dir, _remove, _replace, _write_small_file, file_header, index_bytes,
-                    remove_stale_temporaries, tensor_bytes)
+from .write import (CHUNK_BYTES, _fsync_dir, _remove, _replace, _write_small_file, index_bytes,
+                    remove_stale_temporaries, tensor_bytes, with_checksums)
 
 __all__ = ["SaveReport", "save_sharded"]
 
@@ -302,10 +302,7 @@ def _commit(dst: Path, tmp: Path, plan: WritePlan, sharded: bool, checksums: dic
     """Rank 0, once every rank has written and fsynced: the real checksums into the header(s), fsync,
     the index of a sharded set, then the temporary in place of the destination."""
     for f, fd in zip(plan.files, fds):
-        header, _ = file_header(f.jobs, f.metadata, checksums)
-        if len(header) != f.data_start:
-            raise FsdpRestoreError("the checksum patch changed the header length (a bug)")
-        _pwrite_all(fd, header, 0)
+        _pwrite_all(fd, with_checksums(f.header, f.jobs, checksums), 0)
         os.fsync(fd)
     if sharded:
         _write_small_file(tmp / DEFAULT_INDEX_NAME, index_bytes(plan.output_files(), structure_json=plan.structure_json,

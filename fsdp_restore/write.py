@@ -37,8 +37,8 @@ import numpy as np
 import torch
 
 from .checksum import combine_segments
-from .format import (DEFAULT_INDEX_NAME, FORMAT_VERSION, META_CAST, META_CHECKSUMS, META_FORMAT, META_SET_ID,
-                     META_STRUCTURE, META_VERSION, build_header, build_index, torch_dtype_name)
+from .format import (DEFAULT_INDEX_NAME, FORMAT_VERSION, HEADER_SEAL_PREFIX, META_CAST, META_CHECKSUMS, META_FORMAT,
+                     META_SET_ID, META_STRUCTURE, META_VERSION, build_header, build_index, seal, torch_dtype_name)
 from .mapped import pread_exactly
 
 CHUNK_BYTES = 16 * 1024 * 1024  # per-thread working set when casting or copying non-contiguous data
@@ -123,6 +123,24 @@ def file_header(jobs: Sequence[TensorJob], metadata: dict[str, str],
     if cast:
         meta[META_CAST] = json.dumps(cast, separators=(",", ":"))
     return build_header([(j.key, j.dtype, tuple(j.source.shape)) for j in jobs], meta)
+
+
+def with_checksums(header: bytes, jobs: Sequence[TensorJob], checksums: dict[str, str]) -> bytes:
+    """The bytes of ``file_header(jobs, metadata, checksums)``, made from ``header``, which is ``file_header(jobs,
+    metadata)`` (the placeholders): the checksums' digits are the only difference and keep their length, so
+    they are put in place and the header's own crc32 computed again, instead of laying out and serialising every
+    entry a second time (a cost per tensor: BENCHMARKS.md)."""
+    def field(sums: dict[str, str]) -> bytes:  # the checksum field's value as it stands in the header's JSON
+        text = json.dumps({j.key: sums.get(j.key, _PLACEHOLDER) for j in jobs}, separators=(",", ":"))
+        return json.dumps(text, ensure_ascii=False).encode("utf-8")
+
+    name = json.dumps(META_CHECKSUMS).encode()
+    old, new = name + b":" + field({}), name + b":" + field(checksums)
+    head, body = header[:8], header[8:]
+    at = body.find(old)
+    if len(old) != len(new) or at < 0 or body.find(old, at + 1) >= 0:
+        raise AssertionError("the checksum field is not where the placeholder header has it (a bug)")
+    return head + seal(head, body[:at] + new + body[at + len(old):], HEADER_SEAL_PREFIX)
 
 
 BLOCK_BYTES = 32 * 1024 * 1024  # one thread's piece of an output file per task (and its buffer)
@@ -305,8 +323,7 @@ class _FileWriter:
         """Join each tensor's segment checksums, patch them into the header, fsync and close."""
         for key, segments in self._segment_crcs.items():
             self.checksums[key] = f"{combine_segments(segments[s] for s in sorted(segments)):08x}"
-        header, _ = file_header(self.jobs, self.metadata, self.checksums)
-        assert len(header) == self.data_start, "checksum patch changed the header length"
+        header = with_checksums(self.header, self.jobs, self.checksums)
         if self.direct:  # whole pages from an aligned buffer: the patched header, then the data that shared its page
             page = mmap.mmap(-1, _round_up(len(header)))
             page[:] = (header + self._head_tail).ljust(len(page), b"\0")  # past the file's end: cut below

@@ -71,7 +71,9 @@ def _child(src: str, dst: str) -> None:
         if hasattr(torch_zip, "_load_plain"):
             part(torch_zip, "_load_plain", "  plain path: C unpickler on an inert sketch, then the objects built")
             part(torch_zip, "inert_load", "    C unpickler on the inert sketch")
-    part(write, "file_header", "  header, built twice")
+    part(write, "file_header", "  header, built (twice before with_checksums)")
+    if hasattr(write, "with_checksums"):
+        part(write, "with_checksums", "  checksums patched into the header")
     part(write, "combine_segments", "  crc32 joins")
 
     def step(label: str, fn: object) -> object:

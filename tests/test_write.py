@@ -148,3 +148,21 @@ def test_direct_writes_refused_after_the_open_go_on_through_the_page_cache(tmp_p
     _check_stored(dst, tensors)
     if not refused:
         pytest.skip("this file system refused O_DIRECT at the open already")
+
+
+_KEYS = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1, max_size=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(_KEYS, st.tuples(st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.bool]),
+                                        st.integers(0, 5), st.integers(0, 2**32 - 1)), max_size=8),
+       st.dictionaries(_KEYS, _KEYS, max_size=3))
+def test_the_checksums_patched_into_a_header_give_the_header_built_with_them(entries, metadata):
+    """`with_checksums` (the digits put in place, the header's own crc32 again) is `file_header` built anew with
+    the checksums: the same bytes, for any key (quotes, backslashes, non-ASCII) and cast."""
+    jobs = [write.TensorJob(key, torch.empty((n,), dtype=dtype, device="meta"),
+                            torch.float16 if dtype == torch.float32 and crc % 2 else dtype)
+            for key, (dtype, n, crc) in entries.items()]
+    sums = {key: f"{crc:08x}" for key, (_, _, crc) in entries.items()}
+    placeholder, _ = write.file_header(jobs, metadata)
+    assert write.with_checksums(placeholder, jobs, sums) == write.file_header(jobs, metadata, sums)[0]
