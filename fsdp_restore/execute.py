@@ -18,11 +18,13 @@ The executor knows nothing of the check: the check poisons and screens the memor
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -34,6 +36,36 @@ DEFAULT_READ_THREADS = 4
 READ_CHUNK_BYTES = 16 * 1024 * 1024  # items above this are split so that several threads share them
 GROUP_MAX_PARTS = 512  # small chunks stored back to back are read together, up to READ_CHUNK_BYTES
 PINNED_BUFFERS_PER_THREAD = 3  # reads run up to this many chunks ahead of the host-to-device copies
+CACHE_CHUNK_FALLBACK_BYTES = 4 * 1024 * 1024  # `cache_chunk_bytes` where the machine does not say its cache size
+MIN_CHUNK_BYTES = 1024 * 1024  # below this, Python per chunk costs more than the cache saves (BENCHMARKS.md)
+
+
+def cache_chunk_bytes(threads: int) -> int:
+    """A chunk size for reads whose destinations are also filled and screened on the read thread (the check's
+    ledger): every thread's chunk twice over fits the last-level cache, so that the fill, the read and the sum
+    of a chunk meet it there rather than in DRAM (measured: BENCHMARKS.md); at most `READ_CHUNK_BYTES`."""
+    cache = last_level_cache_bytes()
+    if cache <= 0:
+        return CACHE_CHUNK_FALLBACK_BYTES
+    return max(MIN_CHUNK_BYTES, min(READ_CHUNK_BYTES, cache // (2 * max(1, threads))))
+
+
+@functools.cache
+def last_level_cache_bytes() -> int:
+    """The size of CPU 0's largest (last-level) data or unified cache, from Linux's sysfs; 0 where unknown."""
+    best = (0, 0)
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            level = int((index / "level").read_text())
+            text = (index / "size").read_text().strip().upper()
+            scale = {"K": 1024, "M": 1024**2, "G": 1024**3}.get(text[-1:], 1)
+            size = int(text.rstrip("KMG")) * scale
+        except (OSError, ValueError):
+            continue
+        best = max(best, (level, size))
+    return best[1]
 
 
 _pool: ThreadPoolExecutor | None = None
@@ -235,8 +267,10 @@ class Chunk(NamedTuple):
     rows: int
 
 
-def chunked(items: Sequence[ReadItem], ckpt: Checkpoint) -> list[Chunk]:
-    """Every item cut into chunks of at most `READ_CHUNK_BYTES` (whole runs of a column block), in file order."""
+def chunked(items: Sequence[ReadItem], ckpt: Checkpoint, chunk_bytes: int | None = None) -> list[Chunk]:
+    """Every item cut into chunks of at most ``chunk_bytes`` (default `READ_CHUNK_BYTES`; whole runs of a column
+    block), in file order."""
+    chunk_bytes = chunk_bytes or READ_CHUNK_BYTES
     entries = ckpt.entries
     # files in name order (the order the disks see), ranked once: comparing Paths per item cost more than the rest
     files = {entries[item.key].file for item in items}
@@ -250,7 +284,7 @@ def chunked(items: Sequence[ReadItem], ckpt: Checkpoint) -> list[Chunk]:
     chunks: list[Chunk] = []
     for item in order:
         n = item.dest.numel()
-        step = max(1, READ_CHUNK_BYTES // max(1, entries[item.key].itemsize))
+        step = max(1, chunk_bytes // max(1, entries[item.key].itemsize))
         if item.rows <= 1 and 0 < n <= step:  # most items: one chunk, no generator
             chunks.append(Chunk(item, 0, n, item.src_start, 1))
             continue
@@ -258,10 +292,11 @@ def chunked(items: Sequence[ReadItem], ckpt: Checkpoint) -> list[Chunk]:
     return chunks
 
 
-def grouped(chunks: Sequence[Chunk], ckpt: Checkpoint) -> list[list[Chunk]]:
+def grouped(chunks: Sequence[Chunk], ckpt: Checkpoint, chunk_bytes: int | None = None) -> list[list[Chunk]]:
     """Consecutive chunks (in file order) whose bytes lie back to back in one file, plain ranges into
-    memory on one device, together at most `READ_CHUNK_BYTES`: one positional read each group (a model
-    of thousands of small tensors paid more per read call than per byte)."""
+    memory on one device, together at most ``chunk_bytes`` (default `READ_CHUNK_BYTES`): one positional read
+    each group (a model of thousands of small tensors paid more per read call than per byte)."""
+    chunk_bytes = chunk_bytes or READ_CHUNK_BYTES
     entries = ckpt.entries
     groups: list[list[Chunk]] = []
     end_file: object = None
@@ -276,7 +311,7 @@ def grouped(chunks: Sequence[Chunk], ckpt: Checkpoint) -> list[list[Chunk]]:
         device = c.item.dest.device
         if (groups and c.rows == 1 and last_rows == 1 and start == end
                 and (entry.file is end_file or entry.file == end_file)
-                and size + nbytes <= READ_CHUNK_BYTES and len(groups[-1]) < GROUP_MAX_PARTS
+                and size + nbytes <= chunk_bytes and len(groups[-1]) < GROUP_MAX_PARTS
                 and size % itemsize == 0  # its place in a staging buffer can be viewed as its dtype
                 and device == last_device):
             groups[-1].append(c)
@@ -290,18 +325,20 @@ def grouped(chunks: Sequence[Chunk], ckpt: Checkpoint) -> list[list[Chunk]]:
 
 def execute_reads(ckpt: Checkpoint, items: Sequence[ReadItem], threads: int = DEFAULT_READ_THREADS, *,
                   before: Callable[[list[torch.Tensor]], None] | None = None,
-                  after: Callable[[list[torch.Tensor]], None] | None = None, poison_staging: bool = False) -> None:
+                  after: Callable[[list[torch.Tensor]], None] | None = None, poison_staging: bool = False,
+                  chunk_bytes: int | None = None) -> None:
     """Run every read of ``items`` on ``threads`` threads; positional reads release the GIL, so reads
     overlap each other and the copies into device memory. Marks each item done once all its
     chunks were read; the first failed read raises. ``before`` / ``after`` are called with the
     destinations of each read (a group of chunks, `grouped`) on the thread that reads it, just before and
     right after the read (the check's ledger: host memory only, where the read is complete when it
     returns). ``poison_staging``: keep staging buffers NaN between uses (the check is on), so that no
-    stale bytes can pass for a read."""
-    chunks = chunked(items, ckpt)
+    stale bytes can pass for a read. ``chunk_bytes``: the most one read (a chunk, a group) takes, default
+    `READ_CHUNK_BYTES` (the ledger's caller passes `cache_chunk_bytes`)."""
+    chunks = chunked(items, ckpt, chunk_bytes)
     if not chunks:
         return
-    groups = grouped(chunks, ckpt)
+    groups = grouped(chunks, ckpt, chunk_bytes)
     devices = {chunk.item.dest.device for chunk in chunks}
     device = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
     cuda = device.type == "cuda"

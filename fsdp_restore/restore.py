@@ -29,7 +29,7 @@ from torch import nn
 from . import check as checks
 from .buffers import buffer_problems
 from .errors import thread_count_argument
-from .execute import DEFAULT_READ_THREADS, execute_reads
+from .execute import DEFAULT_READ_THREADS, cache_chunk_bytes, execute_reads
 from .key_map import KeyMap
 from .plan import ReadPlan, RestoreReport, build_plan, default_prefix
 from .read import Checkpoint, open_checkpoint
@@ -172,7 +172,7 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
                                      else "", threads=threads)
                 elif ledger is not None:
                     execute_reads(ckpt, plan.items, threads, before=ledger.before, after=ledger.after,
-                                  poison_staging=True)
+                                  poison_staging=True, chunk_bytes=cache_chunk_bytes(threads))
                 else:
                     execute_reads(ckpt, plan.items, threads, poison_staging=check)
                 t2 = time.perf_counter()

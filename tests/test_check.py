@@ -69,7 +69,8 @@ def _inject(fault: str, rank: int) -> None:
         Checkpoint.read_contiguous = read_nothing_for_victim
     if fault == "skipped-chunk" and rank == 1:  # the executor drops the victim's chunks, yet marks it done
         real_chunked = execute.chunked
-        execute.chunked = lambda items, ckpt: [c for c in real_chunked(items, ckpt) if c[0].name != VICTIM]
+        execute.chunked = lambda items, ckpt, *rest: [c for c in real_chunked(items, ckpt, *rest)
+                                                      if c[0].name != VICTIM]
 
 
 def _restore_with_fault(rank, world_size, path, how, fault):

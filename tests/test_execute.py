@@ -54,6 +54,33 @@ def test_back_to_back_chunks_are_grouped_within_the_limits(stored, monkeypatch):
             assert len(g) <= 7 and (len(g) == 1 or sum(c.count * ckpt.entries[c.item.key].itemsize for c in g) <= 4096)
 
 
+def test_a_chunk_size_of_its_own_cuts_and_groups_within_it(stored):
+    """``chunk_bytes`` (the checked restore's cache-sized reads) bounds chunks and groups as `READ_CHUNK_BYTES` does,
+    and every element is still in exactly one chunk."""
+    model = Mixed()
+    with Checkpoint(stored) as ckpt:
+        plan = build_plan(model, ckpt, prefix="")
+        chunks = chunked(plan.items, ckpt, 4096)
+        for c in chunks:
+            assert c.count * ckpt.entries[c.item.key].itemsize <= 4096
+        for item in plan.items:
+            mine = sorted((c.first, c.count) for c in chunks if c.item is item)
+            assert sum(n for _, n in mine) == item.dest.numel() and all(
+                a + n == b for (a, n), (b, _) in zip(mine, mine[1:]))
+        for g in grouped(chunks, ckpt, 4096):
+            assert len(g) == 1 or sum(c.count * ckpt.entries[c.item.key].itemsize for c in g) <= 4096
+
+
+def test_the_cache_sized_chunk_stays_within_its_bounds(monkeypatch):
+    for cache in (0, 256 * 1024, 32 * 2**20, 2**31):
+        monkeypatch.setattr(execute, "last_level_cache_bytes", lambda cache=cache: cache)
+        for threads in (1, 4, 64):
+            size = execute.cache_chunk_bytes(threads)
+            assert execute.MIN_CHUNK_BYTES <= size <= execute.READ_CHUNK_BYTES
+            assert size == (execute.CACHE_CHUNK_FALLBACK_BYTES if cache == 0 else
+                            max(execute.MIN_CHUNK_BYTES, min(execute.READ_CHUNK_BYTES, cache // (2 * threads))))
+
+
 @pytest.mark.parametrize("dtype", [None, torch.float64])  # reads straight into memory / through staging + cast
 @pytest.mark.parametrize("threads", [1, 3])
 def test_grouped_reads_restore_exactly(stored, dtype, threads):
