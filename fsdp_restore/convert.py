@@ -84,7 +84,7 @@ def _pickle_protocol(path: Path) -> int | None:
         else:  # legacy format: the file opens with a pickled magic number, in the same protocol
             with open(path, "rb") as f:
                 head = f.read(2)
-    except (OSError, zipfile.BadZipFile, EOFError):
+    except Exception:  # noqa: BLE001 - only for a hint (a name that is not UTF-8, a bad member): the load says why
         return None
     return head[1] if len(head) == 2 and head[0] == 0x80 else None
 

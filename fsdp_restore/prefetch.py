@@ -10,13 +10,23 @@ optimizer files' storages (which ones, from an inert sketch of their pickles: `f
 and for a weights-only conversion (``select`` of ``model``) only the fp32 master partitions, a third of those
 files, so that the moments are no more read from disk than without this. Imports nothing heavy: it runs
 before torch is loaded.
+
+The sketches run in a child process of their own (`_sketch_child`), with its address space capped and a time
+limit: the files are untrusted, and Python's C unpickler, which the sketch runs, can be made to allocate memory
+out of proportion to a pickle's size (a memo index of 2**32 zeroes a 64 GiB table) or to exhaust the C stack (a
+hash of a tuple nested millions deep). Either ends the child; this process then reads nothing ahead, and the
+conversion's own loader (torch's) refuses the file as it would have.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import subprocess
+import sys
 import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from .pickle_sketch import sketch, storage_range, storage_refs
@@ -26,6 +36,8 @@ from .zero_files import STAGE_1_2_MASTERS, STAGE_3_MASTERS, is_zero_checkpoint, 
 # at most max(read_ahead_kb, max_sectors_kb) of the device per POSIX_FADV_WILLNEED call (force_page_cache_ra) and
 # drops the rest of the range, so that larger steps left most of the source unread (BENCHMARKS.md).
 _STEP = 512 * 1024
+CHILD_MEMORY_BYTES = 1 << 30  # the sketching child's address space: a ZeRO pickle's sketch takes megabytes
+CHILD_SECONDS = 60  # the sketching child's time limit (it ends itself)
 
 
 def available_memory() -> int:
@@ -75,6 +87,41 @@ def _zero_ranges(optim_file: Path, weights_only: bool) -> Ranges:
     return sorted(ranges)
 
 
+def _sketch_child(argv: Sequence[str]) -> None:
+    """The child's work (``argv``: "1" for weights only, else "0", then the optimizer files): one JSON line per
+    file, ``[file, ranges]``, as soon as it is sketched; no ranges for a file it cannot sketch."""
+    import resource
+    import signal
+
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_AS, (CHILD_MEMORY_BYTES, CHILD_MEMORY_BYTES))
+    signal.alarm(CHILD_SECONDS)
+    weights_only = argv[0] == "1"
+    for name in argv[1:]:
+        try:
+            ranges = _zero_ranges(Path(name), weights_only)
+        except Exception:  # noqa: BLE001 - MemoryError included: nothing to read ahead for this file
+            ranges = []
+        print(json.dumps([name, ranges]), flush=True)
+
+
+def _isolated_zero_ranges(files: Sequence[Path], weights_only: bool) -> Iterator[tuple[Path, Ranges]]:
+    """`_zero_ranges` of each file, computed in a child process (module doc), as the child finishes each."""
+    root = str(Path(__file__).resolve().parent.parent)  # where this package is imported from
+    code = "import sys; sys.path.insert(0, sys.argv[1]); from fsdp_restore.prefetch import _sketch_child; " \
+           "_sketch_child(sys.argv[2:])"
+    proc = subprocess.Popen([sys.executable, "-I", "-c", code, root, "1" if weights_only else "0", *map(str, files)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            name, ranges = json.loads(line)
+            yield Path(name), [(int(start), int(nbytes)) for start, nbytes in ranges]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def _read_ahead(path: Path, select: str | None, tag: str | None, budget: list[int]) -> None:
     if path.is_file():
         with contextlib.suppress(OSError):  # gone meanwhile: the command itself reports it
@@ -82,8 +129,8 @@ def _read_ahead(path: Path, select: str | None, tag: str | None, budget: list[in
         return
     weights_only = select is not None and (select == "model" or select.startswith("model."))
     try:  # what a ZeRO conversion will read, file by file, each asked for as soon as its pickle is sketched
-        for f in optim_files(resolve_tag(path, tag)):
-            _advise(f, _zero_ranges(f, weights_only), budget)
+        for f, ranges in _isolated_zero_ranges(optim_files(resolve_tag(path, tag)), weights_only):
+            _advise(f, ranges, budget)
     except Exception:  # noqa: BLE001 - any unreadable file: the conversion itself says what is wrong with it
         return
 

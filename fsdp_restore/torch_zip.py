@@ -14,19 +14,6 @@ its ``persistent_load`` is ours, and it only builds storages. That unpickler nev
 looked up in torch's table of allowed objects or refused (``pickle.UnpicklingError``), so no global outside
 torch's defaults and the allowlist is ever imported or called.
 
-A pickle of plain training-checkpoint objects (dicts, lists, tuples, ``OrderedDict``, numbers, strings, bytes,
-dtypes, tensors and parameters that ``_rebuild_tensor_v2`` / ``_rebuild_parameter`` rebuild) is read faster still:
-Python's C unpickler runs it with every global an inert stand-in (`pickle_sketch.inert_load`: nothing is imported
-or called), then `_PlainBuilder` turns that sketch into the objects torch's unpickler would have made, calling
-only torch's two rebuild functions (with arguments of checked types), ``OrderedDict`` and ``str.encode``.
-Anything else in the sketch (another global, a state or items where torch's unpickler treats them otherwise, a
-malformed argument, a cycle through a tuple) drops the sketch, and torch's unpickler runs the pickle as above:
-what is refused, and how, stays torch's. One difference, on hand-made pickles only: the C unpickler reads the
-opcodes of every protocol where torch's reads those of protocols 2 and 3, so a pickle that mixes in later opcodes
-(torch.save never writes them) under a protocol 2 or 3 header loads here and is refused by torch.load; nothing
-in it is imported or called either way. Why: torch's unpickler is a Python loop per opcode, several times the C
-unpickler's cost for a checkpoint of thousands of tensors (BENCHMARKS.md).
-
 Whatever this module does not reproduce exactly raises `NotHandled`, and the caller loads the file with
 torch.load instead: big-endian data or a load byte order set by the user, compressed or encrypted records,
 TorchScript archives, pickle protocols other than 2 and 3, fake tensor mode or ``skip_data``, a torch without
@@ -41,7 +28,6 @@ import mmap
 import os
 import struct
 import sys
-from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -50,7 +36,6 @@ import torch
 from torch._weights_only_unpickler import Unpickler as _TorchUnpickler
 
 from .errors import FormatError
-from .pickle_sketch import Call, StorageRef, inert_load
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # zip local file header: 30 bytes, then name and extra field
 _LOCAL_SIGNATURE = b"PK\x03\x04"
@@ -100,13 +85,11 @@ def load(path: str | os.PathLike[str], safe_globals: Sequence[Any]) -> Any:
         # torch.load(mmap=True) maps the whole file once, privately unless the user chose MAP_SHARED
         shared = torch.serialization.get_default_mmap_options() == getattr(mmap, "MAP_SHARED", None)
         whole = torch.UntypedStorage.from_file(os.fspath(path), shared, size)
-        storage_of = _storage_builder(path, whole, records)
+        unpickler = _Unpickler(data, _storage_builder(path, whole, records))
         tls.map_location = "cpu"  # as torch.load sets it: read by torch's rebuild functions (numpy-backed tensors)
         try:
-            result = _load_plain(data, storage_of)
-            if result is _NOT_PLAIN:
-                with torch.serialization.safe_globals(list(safe_globals)):
-                    result = _Unpickler(data, storage_of).load()
+            with torch.serialization.safe_globals(list(safe_globals)):
+                result = unpickler.load()
         except BaseException:
             torch._utils._sparse_tensors_to_validate.clear()  # a failed load's are not validated by the next load
             raise
@@ -231,143 +214,3 @@ class _Unpickler(_TorchUnpickler):
 
     def persistent_load(self, pid: Any) -> torch.storage.TypedStorage:
         return self._persistent_load(pid)
-
-
-_NOT_PLAIN = object()  # `_load_plain`'s answer for a pickle that is not made of plain objects only
-_BUILDING = object()  # a tuple or call being built: met again inside itself, it is a cycle `_PlainBuilder` leaves alone
-_ATOMS = frozenset({int, float, str, bytes, bool, type(None)})
-_MAX_DEPTH = 200  # nesting of containers: a checkpoint's is a handful; deeper goes to torch's unpickler
-
-
-class _NotPlain(Exception):
-    pass
-
-
-def _load_plain(data: bytes, storage_of: Callable[[Any], torch.storage.TypedStorage]) -> Any:
-    """The pickle's objects built from its inert sketch (module doc), or `_NOT_PLAIN` where they are not all plain
-    or anything fails (torch's unpickler then runs it, and reports what it refuses as it always has)."""
-    try:
-        root = inert_load(data)
-        return _PlainBuilder(storage_of).build(root)
-    except Exception:  # noqa: BLE001 - any doubt: torch's unpickler decides
-        return _NOT_PLAIN
-
-
-class _PlainBuilder:
-    """A sketch's nodes as torch's weights-only unpickler would have built them, each node once (the pickle's memo:
-    an object it names twice is one object), or `_NotPlain`."""
-
-    def __init__(self, storage_of: Callable[[Any], torch.storage.TypedStorage]) -> None:
-        self.storage_of = storage_of
-        self.built: dict[int, Any] = {}
-        self.depth = 0
-        # the storage types and dtypes torch's unpickler allows, as it resolves them (its own table)
-        allowed = _allowed_globals()
-        self.storage_types = {k: v for k, v in allowed.items()
-                              if isinstance(v, torch.serialization.StorageType) or v is torch.UntypedStorage}
-        self.dtypes = {k: v for k, v in allowed.items() if isinstance(v, torch.dtype)}
-
-    def build(self, node: Any) -> Any:
-        if type(node) in _ATOMS:
-            return node
-        done = self.built.get(id(node))  # never None: atoms returned above
-        if done is not None:
-            if done is _BUILDING:
-                raise _NotPlain
-            return done
-        self.depth += 1
-        if self.depth > _MAX_DEPTH:
-            raise _NotPlain
-        try:
-            return self._build(node)
-        finally:
-            self.depth -= 1
-
-    def _build(self, node: Any) -> Any:
-        key, kind = id(node), type(node)
-        if kind is dict:
-            out: Any = {}
-            self.built[key] = out  # first, as the unpickler makes it: a dict may hold itself
-            for k, v in node.items():
-                out[self.build(k)] = self.build(v)
-            return out
-        if kind is list:
-            out = []
-            self.built[key] = out
-            out.extend([self.build(v) for v in node])
-            return out
-        if kind is tuple:
-            self.built[key] = _BUILDING
-            out = tuple([self.build(v) for v in node])
-        elif isinstance(node, Call):
-            self.built[key] = _BUILDING
-            out = self._call(node)
-        elif isinstance(node, type) and issubclass(node, Call):  # a global named, not called: a dtype only
-            out = self._dtype(node.name)
-        else:  # a bare storage, a set, or anything the C unpickler made that torch's would not
-            raise _NotPlain
-        self.built[key] = out
-        return out
-
-    def _dtype(self, name: str) -> torch.dtype:
-        value = self.dtypes.get(name)
-        if value is None:
-            raise _NotPlain
-        return value
-
-    def _call(self, call: Call) -> Any:
-        name, args = call.name, call.args
-        if call.kwargs or call.appended:
-            raise _NotPlain
-        if name == "collections.OrderedDict":  # OrderedDict(), its items set, its attributes (``_metadata``) built
-            if args or call.builds > 1 or (call.state is not None and type(call.state) is not dict):
-                raise _NotPlain
-            out = OrderedDict()
-            self.built[id(call)] = out
-            for k, v in call.items:
-                out[self.build(k)] = self.build(v)
-            if call.state is not None:
-                out.__dict__.update(self.build(call.state))
-            return out
-        if call.items or call.builds:  # torch's unpickler sets items on dicts and builds tensors otherwise
-            raise _NotPlain
-        if name == "torch._utils._rebuild_tensor_v2" and len(args) in (6, 7):
-            ref, offset, size, stride, requires_grad, hooks = args[:6]
-            metadata = self.build(args[6]) if len(args) == 7 else None
-            if (type(ref) is not StorageRef or type(offset) is not int or not _ints(size) or not _ints(stride)
-                    or type(requires_grad) is not bool or not _empty_hooks(hooks)
-                    or not (metadata is None or type(metadata) is dict)):
-                raise _NotPlain
-            extra = (metadata,) if len(args) == 7 else ()
-            return torch._utils._rebuild_tensor_v2(self._storage(ref), offset, size, stride, requires_grad,
-                                                   self.build(hooks), *extra)
-        if name == "_codecs.encode" and len(args) == 2 and type(args[0]) is str and args[1] == "latin1":
-            return args[0].encode("latin1")  # how protocol 2 pickles bytes
-        if name == "torch._utils._rebuild_parameter" and len(args) == 3:
-            data, requires_grad, hooks = self.build(args[0]), args[1], args[2]
-            if type(data) is not torch.Tensor or type(requires_grad) is not bool or not _empty_hooks(hooks):
-                raise _NotPlain
-            return torch._utils._rebuild_parameter(data, requires_grad, self.build(hooks))
-        raise _NotPlain
-
-    def _storage(self, ref: StorageRef) -> torch.storage.TypedStorage:
-        storage_type = self.storage_types.get(ref.storage_type)
-        if storage_type is None or ref.numel < 0:
-            raise _NotPlain
-        return self.storage_of(("storage", storage_type, ref.key, "cpu", ref.numel))
-
-
-def _allowed_globals() -> dict[str, Any]:
-    from torch import _weights_only_unpickler
-
-    return _weights_only_unpickler._get_allowed_globals()
-
-
-def _ints(value: Any) -> bool:
-    return type(value) is tuple and all(type(v) is int for v in value)
-
-
-def _empty_hooks(node: Any) -> bool:
-    """An ``OrderedDict()`` with nothing set on it: the backward hooks torch.save writes for every tensor."""
-    return (isinstance(node, Call) and node.name == "collections.OrderedDict" and not node.args and not node.kwargs
-            and not node.items and not node.appended and not node.builds)

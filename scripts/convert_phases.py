@@ -9,8 +9,8 @@ fsdp_restore | tar -x -C /tmp/old``); each run is a fresh process with that dire
 two versions alternate so that drift on a shared machine hits both alike. The steps are run as ``convert()`` runs
 them (with its garbage-collector pause where the version has one); the indented rows are parts of the step above
 them, timed by wrapping the functions that do them where the version has them: the zip directory, the scan of
-the pickle's globals and torch.load of the older loader; the unpickler of `torch_zip` (torch's, or its plain
-path); the writer's header and crc joins. Results are in BENCHMARKS.md ("Convert at the disk's speed").
+the pickle's globals and torch.load of the older loader; the unpickler of `torch_zip`; the writer's header, its
+checksum patch and crc joins. Results are in BENCHMARKS.md ("Convert at the disk's speed").
 """
 
 from __future__ import annotations
@@ -68,9 +68,6 @@ def _child(src: str, dst: str) -> None:
     torch_zip = sys.modules.get("fsdp_restore.torch_zip")
     if torch_zip is not None:
         part(torch_zip._Unpickler, "load", "  torch's unpickler, with the storages and the tensors' rebuild")
-        if hasattr(torch_zip, "_load_plain"):
-            part(torch_zip, "_load_plain", "  plain path: C unpickler on an inert sketch, then the objects built")
-            part(torch_zip, "inert_load", "    C unpickler on the inert sketch")
     part(write, "file_header", "  header, built (twice before with_checksums)")
     if hasattr(write, "with_checksums"):
         part(write, "with_checksums", "  checksums patched into the header")

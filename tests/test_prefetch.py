@@ -84,3 +84,55 @@ def test_nothing_to_do_for_a_directory_or_a_missing_file(tmp_path):
     assert start_prefetch(tmp_path) is None
     assert start_prefetch(tmp_path / "missing.pt") is None
     assert start_prefetch(_evicted_file(tmp_path, PAGE), max_bytes=0) is None
+
+
+# ---- a ZeRO directory's pickles are sketched in a child process ---------------------------------------------------
+
+_HUGE_MEMO = b"\x80\x02K\x01r\xff\xff\xff\xff."  # PUT at index 2**32 - 1: the C unpickler zeroes a 64 GiB memo table
+_DEEP_KEY = b"\x80\x02}N" + b"\x85" * 3_000_000 + b"K\x01s."  # a tuple nested 3M deep as a dict key: its hash
+#                                                              exhausts the C stack
+
+
+def _zero_dir(tmp_path, pickles: dict[str, bytes | None]):
+    """A DeepSpeed-shaped directory: ``latest`` and one optimizer file per entry (name -> its pickle, or None
+    for a real torch.save of fp32 masters)."""
+    import zipfile
+
+    import torch
+
+    tag = tmp_path / "ckpt" / "global_step1"
+    tag.mkdir(parents=True)
+    (tmp_path / "ckpt" / "latest").write_text("global_step1")
+    files = {}
+    for rank, (name, pkl) in enumerate(pickles.items()):
+        path = tag / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+        if pkl is None:
+            torch.save({"optimizer_state_dict": {"single_partition_of_fp32_groups": [torch.ones(4096)]}}, path)
+        else:
+            with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+                z.writestr("archive/data.pkl", pkl)
+        files[name] = path
+    return tmp_path / "ckpt", files
+
+
+def test_a_hostile_pickle_ends_the_sketching_child_not_this_process(tmp_path):
+    """A memo index that would zero 64 GiB, and a key whose hash exhausts the C stack: the sketching child dies
+    (its address space is capped; a crash is its own), the real file beside them still gets its ranges, and
+    this process neither grows nor crashes (run in a fresh process to read its peak memory)."""
+    import subprocess
+
+    from fsdp_restore.prefetch import _isolated_zero_ranges
+
+    ckpt, files = _zero_dir(tmp_path, {"memo": _HUGE_MEMO, "real": None})
+    got = dict(_isolated_zero_ranges([files["memo"], files["real"]], weights_only=True))
+    assert got[files["memo"]] == [] and len(got[files["real"]]) == 1  # the masters' storage, and only it
+    _, deep = _zero_dir(tmp_path / "deep", {"deep": _DEEP_KEY})
+    assert dict(_isolated_zero_ranges([deep["deep"]], weights_only=False)) == {}  # the child crashed: no line
+    script = ("import sys; from fsdp_restore.prefetch import start_prefetch;"
+              f"t = start_prefetch({str(ckpt)!r}, select='model'); t.join(120); assert not t.is_alive();"
+              f"t = start_prefetch({str(deep['deep'].parent.parent)!r}); t.join(120); assert not t.is_alive();"
+              "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')][0])")
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    # this process's peak (VmHWM, KiB: ru_maxrss would count the forking parent's memory before exec)
+    assert int(res.stdout.strip()) < 200 * 1024, res.stdout
