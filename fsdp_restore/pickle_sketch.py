@@ -35,13 +35,9 @@ MAX_GLOBALS = 10_000  # distinct global names: a checkpoint names a few dozen
 
 
 class StorageRef(NamedTuple):
-    """A storage record the pickle refers to (torch's persistent id: ``('storage', type, key, location, numel)``):
-    its key, the storage type's global name (``"torch.FloatStorage"``; empty when the id names none) and its
-    element count (-1 when the id gives none)."""
+    """A storage record the pickle refers to (torch's persistent id: ``('storage', type, key, location, numel)``)."""
 
     key: str
-    storage_type: str = ""
-    numel: int = -1
 
 
 class Call:
@@ -51,30 +47,28 @@ class Call:
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Call:
         self = super().__new__(cls)
-        self.args, self.kwargs, self.state, self.builds = args, kwargs, None, 0
-        self.items, self.appended = [], []
+        self.args, self.state, self.items = args + tuple(kwargs.values()), None, []
         return self
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def __setstate__(self, state: Any) -> None:  # the pickle's BUILD; ``builds`` counts them (a second updates again)
+    def __setstate__(self, state: Any) -> None:
         self.state = state
-        self.builds += 1
 
-    def __setitem__(self, key: Any, value: Any) -> None:  # SETITEM(S): ``(key, value)`` pairs in ``items``
+    def __setitem__(self, key: Any, value: Any) -> None:
         self.items.append((key, value))
 
-    def append(self, value: Any) -> None:  # APPEND(S): values in ``appended``
-        self.appended.append(value)
+    def append(self, value: Any) -> None:
+        self.items.append(value)
 
     def extend(self, values: Any) -> None:
-        self.appended.extend(values)
+        self.items.extend(values)
 
 
 class _InertUnpickler(pickle.Unpickler):
     def __init__(self, data: bytes) -> None:
-        super().__init__(io.BytesIO(data), encoding="utf-8")  # as torch.load decodes protocol-2 byte strings
+        super().__init__(io.BytesIO(data))
         self._stand_ins: dict[str, type[Call]] = {}
 
     def find_class(self, module: str, name: str) -> Any:
@@ -89,9 +83,7 @@ class _InertUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> StorageRef:
         if isinstance(pid, tuple) and len(pid) >= 3 and pid[0] == "storage" and isinstance(pid[2], str):
-            kind = pid[1].name if isinstance(pid[1], type) and issubclass(pid[1], Call) else ""
-            numel = pid[4] if len(pid) == 5 and type(pid[4]) is int else -1
-            return StorageRef(pid[2], kind, numel)
+            return StorageRef(pid[2])
         raise pickle.UnpicklingError(f"unexpected persistent id (a {type(pid).__name__}): not torch's")
 
 
@@ -108,6 +100,8 @@ def sketch(path: str | os.PathLike[str]) -> Sketch:
     """The sketch of a zip-format ``torch.save`` file; `ValueError`, `zipfile.BadZipFile`, `pickle.UnpicklingError`
     or `OSError` where it is not one."""
     path = Path(path)
+    if copyreg._inverted_registry:  # type: ignore[attr-defined]  # EXT codes would bypass find_class (module doc)
+        raise ValueError("pickle extension codes are registered in this process (copyreg.add_extension)")
     with open(path, "rb") as f:
         if hasattr(os, "posix_fadvise"):  # no readahead past the directory and the pickle: into the tensors' bytes
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
@@ -120,20 +114,8 @@ def sketch(path: str | os.PathLike[str]) -> Sketch:
             if info.compress_type != zipfile.ZIP_STORED or info.file_size > MAX_PICKLE_BYTES:
                 raise ValueError(f"{path}: its pickle record is compressed or over {MAX_PICKLE_BYTES} bytes")
             data = z.read(info)
-    return Sketch(path, inert_load(data), records, pickles[0].rsplit("/", 1)[0])
-
-
-def inert_load(data: bytes) -> Any:
-    """The sketch of one pickle's bytes (module doc): containers as they are, a `Call` where the pickle calls a
-    global, the global's stand-in class where it only names one, a `StorageRef` where it names a storage.
-    `ValueError` for a pickle over `MAX_PICKLE_BYTES` or while extension codes are registered; what the C
-    unpickler raises for a malformed one. Pause the cyclic garbage collector around it for a big pickle: its
-    passes over the growing sketch cost more than the unpickling (BENCHMARKS.md)."""
-    if copyreg._inverted_registry:  # type: ignore[attr-defined]  # EXT codes would bypass find_class (module doc)
-        raise ValueError("pickle extension codes are registered in this process (copyreg.add_extension)")
-    if len(data) > MAX_PICKLE_BYTES:
-        raise ValueError(f"a pickle of {len(data)} bytes, over {MAX_PICKLE_BYTES}")
-    return _InertUnpickler(data).load()
+    root = _InertUnpickler(data).load()
+    return Sketch(path, root, records, pickles[0].rsplit("/", 1)[0])
 
 
 def storage_refs(node: Any) -> Iterator[StorageRef]:
@@ -156,7 +138,7 @@ def storage_refs(node: Any) -> Iterator[StorageRef]:
         elif isinstance(item, (list, tuple)):
             children = list(item)
         elif isinstance(item, Call):
-            children = [*item.args, *item.kwargs.values(), item.state, *item.items, *item.appended]
+            children = [*item.args, item.state, *item.items]
         else:
             continue
         stack.extend(reversed(children))
