@@ -460,7 +460,9 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = make_parser()
     warnings.simplefilter("default")  # before parsing: a deprecated flag's warning is shown
-    warnings.showwarning = lambda msg, cat, *a, **k: err.print(f"[yellow]warning:[/] {msg}")
+    # unwrapped, as errors are: a path cut across lines cannot be copied (and no markup is read from the message)
+    warnings.showwarning = lambda msg, cat, *a, **k: err.print(Text.assemble(("warning: ", "yellow"), str(msg)),
+                                                               highlight=False, soft_wrap=True)
     args, extra = parser.parse_known_args(argv)
     # key=value overrides may sit anywhere among the flags (argparse cannot interleave them).
     args.overrides = [a for a in extra if "=" in a and not a.startswith("-")]
