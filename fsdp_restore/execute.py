@@ -38,6 +38,26 @@ GROUP_MAX_PARTS = 512  # small chunks stored back to back are read together, up 
 PINNED_BUFFERS_PER_THREAD = 3  # reads run up to this many chunks ahead of the host-to-device copies
 CACHE_CHUNK_FALLBACK_BYTES = 4 * 1024 * 1024  # `cache_chunk_bytes` where the machine does not say its cache size
 MIN_CHUNK_BYTES = 1024 * 1024  # below this, Python per chunk costs more than the cache saves (BENCHMARKS.md)
+PAGE_BYTES = 4096
+ALIGN_SLACK = PAGE_BYTES  # spare bytes per staging buffer, to place a read at the source's page offset
+ALIASED_MIN_BYTES = 256 * 1024  # a smaller read costs more in the detour through staging than it saves
+
+
+def aliased(dest_ptr: int, file_offset: int) -> bool:
+    """Whether the kernel's copy of file bytes at ``file_offset`` into memory at ``dest_ptr`` falls in the band
+    where the destination lies 1-31 bytes after the source modulo the page (4K aliasing): such a copy ran 1.5-2.7x
+    slower than a page-aligned one here, and a detour through a staging buffer placed like the source plus one copy
+    in memory beats it (BENCHMARKS.md). Other placements cost at most ~15% and are read directly."""
+    return 0 < (dest_ptr - file_offset) % PAGE_BYTES < 32
+
+
+def staging_shift(buffer_ptr: int, file_offset: int, itemsize: int = 1) -> int:
+    """Where in a staging buffer to put a read of file bytes from ``file_offset`` so that the kernel copies them
+    to the same offset within a page as they have in the file (the fastest placement); rounded down to a multiple
+    of ``itemsize`` so that the bytes can be viewed as their dtype (a placement a few bytes before the source's,
+    outside the aliased band)."""
+    shift = (file_offset - buffer_ptr) % PAGE_BYTES
+    return shift - shift % max(1, itemsize)
 
 
 def cache_chunk_bytes(threads: int) -> int:
@@ -153,7 +173,7 @@ class _Worker:
         """A staging buffer of at least ``nbytes`` that no copy in flight still reads."""
         count = self.pinned_buffers if self.device.type == "cuda" else 1
         if not self.host:
-            size = max(nbytes, self.chunk_bytes)
+            size = max(nbytes, self.chunk_bytes) + ALIGN_SLACK
             pin = self.device.type == "cuda"
             self.host = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(count)]
             self.on_device = [None] * count
@@ -167,8 +187,8 @@ class _Worker:
         if event is not None:
             event.synchronize()
             self.events[i] = None
-        if self.host[i].numel() < nbytes:  # a chunk larger than the pool's buffers (read_piece's one-offs)
-            self.host[i] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        if self.host[i].numel() < nbytes + ALIGN_SLACK:  # larger than the pool's buffers (read_piece's one-offs)
+            self.host[i] = torch.empty(nbytes + ALIGN_SLACK, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
             self.on_device[i] = None
             if self.poison:
                 self.host[i].fill_(0xFF)
@@ -177,7 +197,8 @@ class _Worker:
     def read(self, key: str, src_start: int, dest: torch.Tensor, rows: int = 1, stride: int = 0) -> None:
         """Read ``dest.numel()`` elements (``rows`` runs ``stride`` apart) of ``key`` from ``src_start``."""
         entry = self.ckpt.entries[key]
-        if dest.device.type == "cpu" and dest.dtype == entry.dtype:
+        if dest.device.type == "cpu" and dest.dtype == entry.dtype and not (
+                rows <= 1 and self._detour(dest, entry.offset + src_start * entry.itemsize)):
             self.ckpt.read_rows(key, src_start, dest, rows, stride)
             return
         step = max(1, self.chunk_bytes // entry.itemsize)
@@ -191,11 +212,30 @@ class _Worker:
             c = group[0]
             self.read(c.item.key, c.src_start, c.item.dest[c.first:c.first + c.count], c.rows, c.item.stride)
             return
+        entries = self.ckpt.entries
         reads = [(c.item.key, c.src_start, c.item.dest[c.first:c.first + c.count], 1, 0) for c in group]
-        if all(d.device.type == "cpu" and d.dtype == self.ckpt.entries[k].dtype for k, _, d, _, _ in reads):
-            self.ckpt.read_contiguous([(k, start, d) for k, start, d, _, _ in reads])
+        if not all(d.device.type == "cpu" and d.dtype == entries[k].dtype for k, _, d, _, _ in reads):
+            self._staged(reads)
             return
-        self._staged(reads)
+        # straight into memory, but an aliased part (see `aliased`) through staging: runs of the others in one read
+        run: list[tuple[str, int, torch.Tensor]] = []
+        for key, start, dest, _, _ in reads:
+            entry = entries[key]
+            if self._detour(dest, entry.offset + start * entry.itemsize):
+                if run:
+                    self.ckpt.read_contiguous(run)
+                    run = []
+                self._staged([(key, start, dest, 1, 0)])
+            else:
+                run.append((key, start, dest))
+        if run:
+            self.ckpt.read_contiguous(run)
+
+    def _detour(self, dest: torch.Tensor, file_offset: int) -> bool:
+        """Whether a direct read into ``dest`` would be an aliased copy worth the detour through staging (which
+        also needs room: a chunk of at most the staging size)."""
+        nbytes = dest.numel() * dest.element_size()
+        return (ALIASED_MIN_BYTES <= nbytes <= self.chunk_bytes and aliased(dest.data_ptr(), file_offset))
 
     def _staged(self, reads: Sequence[tuple[str, int, torch.Tensor, int, int]]) -> None:
         """Reads ``(key, stored start, dest, rows, stride)`` through one staging buffer: one read (a column
@@ -203,7 +243,10 @@ class _Worker:
         entries = [self.ckpt.entries[key] for key, *_ in reads]
         sizes = [dest.numel() * e.itemsize for (_, _, dest, _, _), e in zip(reads, entries)]
         i = self._slot(sum(sizes))
-        raw_bytes = self.host[i][:sum(sizes)]
+        first_start = reads[0][1]
+        shift = staging_shift(self.host[i].data_ptr(), entries[0].offset + first_start * entries[0].itemsize,
+                              max(e.itemsize for e in entries))
+        raw_bytes = self.host[i][shift:shift + sum(sizes)]
         staged, at = [], 0
         for size, e in zip(sizes, entries):
             staged.append(raw_bytes[at:at + size].view(e.dtype))

@@ -169,3 +169,49 @@ def test_the_kept_read_threads_work_again_in_a_forked_child(stored, monkeypatch)
     os.kill(pid, 9)
     os.waitpid(pid, 0)
     pytest.fail("the forked child's restore hung: its read threads were never started")
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_a_read_into_memory_aliased_with_its_source_takes_the_detour_exactly(tmp_path, monkeypatch, check):
+    """Parameters placed 8 bytes after their stored bytes modulo the page (the slow 4K-aliased copy) are read
+    through a staging buffer, the others of the same group straight in, and every byte lands (the oracle:
+    safetensors' reader)."""
+    torch.manual_seed(0)
+    shapes = {"a": (300, 1000), "b": (250, 1000), "c": (70_001,), "d": (90_000,)}
+    path = tmp_path / "aliased.safetensors"
+    fsdp_restore.save({k: torch.randn(s) for k, s in shapes.items()}, path)
+    with Checkpoint(path) as ckpt:
+        offsets = {k: ckpt.entries[k].offset for k in shapes}
+    arena = torch.zeros(sum(torch.Size(s).numel() * 4 for s in shapes.values()) + 5 * 8192, dtype=torch.uint8)
+    base, at = arena.data_ptr(), 0
+    model = torch.nn.Module()
+    for name, shape in shapes.items():
+        placement = 8 if name in ("a", "c") else 64  # a and c aliased, b and d not
+        at += (offsets[name] + placement - (base + at)) % execute.PAGE_BYTES
+        nbytes = torch.Size(shape).numel() * 4
+        setattr(model, name, torch.nn.Parameter(arena[at:at + nbytes].view(torch.float32).view(shape)))
+        assert execute.aliased(getattr(model, name).data_ptr(), offsets[name]) == (name in ("a", "c"))
+        at += nbytes
+    staged: list[str] = []
+    real = execute._Worker._staged
+
+    def spy(self, reads):
+        staged.extend(key for key, *_ in reads)
+        real(self, reads)
+
+    monkeypatch.setattr(execute._Worker, "_staged", spy)
+    fsdp_restore.restore_model(model, path, check=check, thread_count=1)
+    assert sorted(staged) == ["a", "c"]
+    assert _restored_exactly(model, path)
+
+
+def test_a_staged_read_lands_at_its_source_page_offset():
+    """The staging placement: at the source's page offset or up to ``itemsize - 1`` bytes before it (never in the
+    aliased band after it), at a multiple of the itemsize (the dtype can view it), inside the buffer's slack."""
+    for buffer_ptr in (0, 64, 4096 * 7 + 48, 123_456_784):
+        for offset in range(0, 3 * 4096, 34):
+            for itemsize in (1, 2, 4, 8, 16):
+                shift = execute.staging_shift(buffer_ptr, offset, itemsize)
+                assert 0 <= shift < execute.ALIGN_SLACK and shift % itemsize == 0
+                assert (offset - buffer_ptr - shift) % execute.PAGE_BYTES < itemsize
+                assert not execute.aliased(buffer_ptr + shift, offset)

@@ -149,3 +149,30 @@ def test_restore_refuses_a_modified_header(tmp_path):
     with pytest.raises(fsdp_restore.FsdpRestoreError, match=r"run\.safetensors.*header.*modified"):
         fsdp_restore.restore_model(model, dst)
     assert torch.equal(model.w.detach(), torch.zeros(2, 3))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.text("abcxyz._", min_size=1, max_size=40), st.sampled_from(["float32", "bfloat16", "int8"]),
+                          st.lists(st.integers(0, 5), max_size=3)), min_size=1, max_size=12, unique_by=lambda t: t[0]))
+def test_the_data_section_starts_page_aligned_and_safetensors_reads_it(tmp_path, specs):
+    """Whatever the header's length, our files' data start at a `DATA_ALIGNMENT` boundary (the header is padded
+    with spaces, as the format allows), and safetensors' own reader gives back every tensor bit for bit."""
+    import torch
+    from safetensors.torch import load_file
+
+    from fsdp_restore.convert import save
+    from fsdp_restore.format import DATA_ALIGNMENT
+
+    g = torch.Generator().manual_seed(len(specs))
+    tensors = {name: torch.randint(-100, 100, shape, generator=g).to(getattr(torch, dtype)) for name, dtype, shape in specs}
+    path = tmp_path / "aligned.safetensors"
+    path.unlink(missing_ok=True)
+    save(tensors, path)
+    raw = path.read_bytes()
+    data_start = 8 + int.from_bytes(raw[:8], "little")
+    assert data_start % DATA_ALIGNMENT == 0
+    assert raw[data_start - 1:data_start] in (b" ", b"}")
+    theirs = load_file(path)
+    assert theirs.keys() == tensors.keys()
+    for name, t in tensors.items():
+        assert theirs[name].dtype == t.dtype and torch.equal(theirs[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
