@@ -45,9 +45,10 @@ ALIASED_MIN_BYTES = 256 * 1024  # a smaller read costs more in the detour throug
 
 def aliased(dest_ptr: int, file_offset: int) -> bool:
     """Whether the kernel's copy of file bytes at ``file_offset`` into memory at ``dest_ptr`` falls in the band
-    where the destination lies 1-31 bytes after the source modulo the page (4K aliasing): such a copy ran 1.5-2.7x
-    slower than a page-aligned one here, and a detour through a staging buffer placed like the source plus one copy
-    in memory beats it (BENCHMARKS.md). Other placements cost at most ~15% and are read directly."""
+    where the destination lies 1-31 bytes after the source modulo the page (4K aliasing): such a copy is several
+    times slower than a page-aligned one, and a detour through a staging buffer placed like the source plus one
+    copy in memory beats it. Other placements cost far less than the detour would, and are read directly
+    (BENCHMARKS.md, "Where the memory lies")."""
     return 0 < (dest_ptr - file_offset) % PAGE_BYTES < 32
 
 

@@ -281,10 +281,10 @@ def _validate_header(path: Path, header: dict[str, Any], data_start: int, file_s
 
 
 # The data section starts on a page boundary (the format allows the header to be padded with spaces). The
-# kernel copies file bytes into memory at the speed the pair of addresses allows: a copy whose destination lies
-# 1-63 bytes before its source modulo 4096 runs several times slower (4K aliasing), one not 32-byte aligned to
-# its source ~15% slower (BENCHMARKS.md). Tensors whose sizes are multiples of 64 bytes, as in most models, then
-# all lie at offsets aligned like the memory torch allocates for them.
+# kernel copies file bytes into memory at a speed that depends on where the two lie relative to each other
+# within a page: several times slower in the 4K-aliasing band, slower whenever not 32-byte aligned
+# (BENCHMARKS.md, "Where the memory lies"). Tensors whose sizes are multiples of 64 bytes, as in most models,
+# then all lie at offsets aligned like the memory torch allocates for them.
 DATA_ALIGNMENT = 4096
 
 
