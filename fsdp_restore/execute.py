@@ -40,6 +40,7 @@ CACHE_CHUNK_FALLBACK_BYTES = 4 * 1024 * 1024  # `cache_chunk_bytes` where the ma
 MIN_CHUNK_BYTES = 1024 * 1024  # below this, Python per chunk costs more than the cache saves (BENCHMARKS.md)
 PAGE_BYTES = 4096
 ALIGN_SLACK = PAGE_BYTES  # spare bytes per staging buffer, to place a read at the source's page offset
+PINNED_ALIGNMENT = 64  # a read into pinned memory starts on a cache line, as the copy engine saw it before placement
 ALIASED_MIN_BYTES = 256 * 1024  # a smaller read costs more in the detour through staging than it saves
 
 
@@ -52,13 +53,20 @@ def aliased(dest_ptr: int, file_offset: int) -> bool:
     return 0 < (dest_ptr - file_offset) % PAGE_BYTES < 32
 
 
-def staging_shift(buffer_ptr: int, file_offset: int, itemsize: int = 1) -> int:
+def staging_shift(buffer_ptr: int, file_offset: int, alignment: int = 1) -> int:
     """Where in a staging buffer to put a read of file bytes from ``file_offset`` so that the kernel copies them
     to the same offset within a page as they have in the file (the fastest placement); rounded down to a multiple
-    of ``itemsize`` so that the bytes can be viewed as their dtype (a placement a few bytes before the source's,
-    outside the aliased band)."""
+    of ``alignment`` (at least the itemsize, so that the bytes can be viewed as their dtype): a placement a few
+    bytes before the source's, never in the aliased band after it."""
     shift = (file_offset - buffer_ptr) % PAGE_BYTES
-    return shift - shift % max(1, itemsize)
+    return shift - shift % max(1, alignment)
+
+
+def _read_bytes(device: torch.device, chunk_bytes: int) -> int:
+    """The most one read may take for a staging buffer of ``chunk_bytes`` on ``device``: pinned buffers are kept at
+    the chunk size (torch's pinned allocator rounds a request up to a power of two), so a read leaves them the
+    placement slack; host buffers are allocated with the slack added."""
+    return chunk_bytes - ALIGN_SLACK if device.type == "cuda" else chunk_bytes
 
 
 def cache_chunk_bytes(threads: int) -> int:
@@ -121,7 +129,8 @@ def read_piece(ckpt: Checkpoint, key: str, src_start: int, dest: torch.Tensor, r
     """Read into ``dest`` (1-D, contiguous) on the calling thread, wherever it lives, and wait for it
     (a one-off staging buffer when it is not CPU memory of the stored dtype). The executor uses `_Worker`."""
     caller_stream = torch.cuda.current_stream(dest.device) if dest.device.type == "cuda" else None
-    worker = _Worker(ckpt, dest.device, after=caller_stream, pinned_buffers=1)
+    worker = _Worker(ckpt, dest.device, after=caller_stream, pinned_buffers=1,
+                     chunk_bytes=_read_bytes(dest.device, READ_CHUNK_BYTES))
     try:
         worker.read(key, src_start, dest, rows, stride)
     finally:
@@ -156,7 +165,7 @@ class _Worker:
     after: torch.cuda.Stream | None = None  # the caller's stream: its work (the NaN fill) comes first
     poison: bool = False  # keep staging buffers all-ones bytes (NaN in every float dtype) between uses
     pinned_buffers: int = PINNED_BUFFERS_PER_THREAD
-    chunk_bytes: int = READ_CHUNK_BYTES
+    chunk_bytes: int = READ_CHUNK_BYTES  # the most one read takes; each staging buffer has `ALIGN_SLACK` more
     host: list[torch.Tensor] = field(default_factory=list)
     on_device: list[torch.Tensor | None] = field(default_factory=list)
     events: list[torch.cuda.Event | None] = field(default_factory=list)
@@ -188,7 +197,7 @@ class _Worker:
         if event is not None:
             event.synchronize()
             self.events[i] = None
-        if self.host[i].numel() < nbytes + ALIGN_SLACK:  # larger than the pool's buffers (read_piece's one-offs)
+        if self.host[i].numel() < nbytes + ALIGN_SLACK:  # a read larger than the chunk size (not from the executor)
             self.host[i] = torch.empty(nbytes + ALIGN_SLACK, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
             self.on_device[i] = None
             if self.poison:
@@ -246,7 +255,7 @@ class _Worker:
         i = self._slot(sum(sizes))
         first_start = reads[0][1]
         shift = staging_shift(self.host[i].data_ptr(), entries[0].offset + first_start * entries[0].itemsize,
-                              max(e.itemsize for e in entries))
+                              PINNED_ALIGNMENT if self.stream is not None else max(e.itemsize for e in entries))
         raw_bytes = self.host[i][shift:shift + sum(sizes)]
         staged, at = [], 0
         for size, e in zip(sizes, entries):
@@ -379,13 +388,14 @@ def execute_reads(ckpt: Checkpoint, items: Sequence[ReadItem], threads: int = DE
     returns). ``poison_staging``: keep staging buffers NaN between uses (the check is on), so that no
     stale bytes can pass for a read. ``chunk_bytes``: the most one read (a chunk, a group) takes, default
     `READ_CHUNK_BYTES` (the ledger's caller passes `cache_chunk_bytes`)."""
+    devices = {item.dest.device for item in items}
+    device = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
+    cuda = device.type == "cuda"
+    chunk_bytes = _read_bytes(device, chunk_bytes or READ_CHUNK_BYTES)
     chunks = chunked(items, ckpt, chunk_bytes)
     if not chunks:
         return
     groups = grouped(chunks, ckpt, chunk_bytes)
-    devices = {chunk.item.dest.device for chunk in chunks}
-    device = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
-    cuda = device.type == "cuda"
     caller_stream = torch.cuda.current_stream(device) if cuda else None
     local = threading.local()
     workers: list[_Worker] = []
@@ -394,7 +404,7 @@ def execute_reads(ckpt: Checkpoint, items: Sequence[ReadItem], threads: int = DE
     def worker() -> _Worker:
         w = getattr(local, "worker", None)
         if w is None:
-            w = local.worker = _Worker(ckpt, device, after=caller_stream, poison=poison_staging)
+            w = local.worker = _Worker(ckpt, device, after=caller_stream, poison=poison_staging, chunk_bytes=chunk_bytes)
             with lock:
                 workers.append(w)
         return w
