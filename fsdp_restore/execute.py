@@ -66,7 +66,7 @@ def _read_bytes(device: torch.device, chunk_bytes: int) -> int:
     """The most one read may take for a staging buffer of ``chunk_bytes`` on ``device``: pinned buffers are kept at
     the chunk size (torch's pinned allocator rounds a request up to a power of two), so a read leaves them the
     placement slack; host buffers are allocated with the slack added."""
-    return chunk_bytes - ALIGN_SLACK if device.type == "cuda" else chunk_bytes
+    return max(chunk_bytes // 2, chunk_bytes - ALIGN_SLACK) if device.type == "cuda" else chunk_bytes
 
 
 def cache_chunk_bytes(threads: int) -> int:
@@ -388,7 +388,7 @@ def execute_reads(ckpt: Checkpoint, items: Sequence[ReadItem], threads: int = DE
     returns). ``poison_staging``: keep staging buffers NaN between uses (the check is on), so that no
     stale bytes can pass for a read. ``chunk_bytes``: the most one read (a chunk, a group) takes, default
     `READ_CHUNK_BYTES` (the ledger's caller passes `cache_chunk_bytes`)."""
-    devices = {item.dest.device for item in items}
+    devices = {item.dest.device for item in items if item.dest.numel()}
     device = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
     cuda = device.type == "cuda"
     chunk_bytes = _read_bytes(device, chunk_bytes or READ_CHUNK_BYTES)

@@ -97,3 +97,26 @@ def test_scale_simulation_runs_and_proves_coverage(tmp_path):
         replicas = r["world"] // 128 if r["layout"] == "hsdp" else 1  # (TP's replicated norms: < 0.1%)
         share = results["bytes"] * replicas / r["world"]
         assert share * 0.98 <= r["bytes"] <= share * 1.02 or r["rank"] == r["world"] - 1, r
+
+
+def test_the_alignment_and_read_benchmarks_run_every_method(tmp_path):
+    """scripts/benchmark_alignment.py and scripts/benchmark_read.py at a tiny size: every placement and file, every
+    read method (the restores inside them restore for real; nothing here asserts on seconds)."""
+    scripts = SCRIPT.parent
+    out = tmp_path / "align.json"
+    res = subprocess.run([sys.executable, str(scripts / "benchmark_alignment.py"), "--work", str(tmp_path / "a"),
+                          "--mb", "8", "--chunk-mb", "1", "--rounds", "1", "--restore-mb", "9", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert all(p["direct_s"] > 0 and (p["detour_s"] is not None) == p["aliased"] for p in results["placements"])
+    files = {r["file"] for r in results["restores"]}
+    assert "fsdp_restore.save" in files and len(files) >= 5
+    assert next(r for r in results["restores"] if r["file"] == "fsdp_restore.save")["data_start"] % 4096 == 0
+    out = tmp_path / "read.json"
+    res = subprocess.run([sys.executable, str(scripts / "benchmark_read.py"), "--work", str(tmp_path / "r"), "--mb", "6",
+                          "--world-sizes", "2", "--repeat", "1", "--out", str(out)], capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    ranks = json.loads(out.read_text())["world_sizes"]["2"]
+    assert all(set(r["seconds"]) == {"bare", "bare-model", "ours-nocheck", "ours"} for r in ranks)
