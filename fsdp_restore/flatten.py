@@ -9,7 +9,6 @@ tag. Tensor nodes name their key in the flat dict; keys are readable dotted path
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import pathlib
 import warnings
@@ -362,36 +361,34 @@ def validate_structure(structure: Any, where: object, keys: Mapping[str, Any] | 
     stack: list[tuple[Any, str, int, bool]] = [(structure["root"], "", 0, False)]
     while stack:
         node, path, depth, is_key = stack.pop()
-        bad = functools.partial(_bad_node, where, path)
-
         if depth > MAX_DEPTH:
-            raise bad(f"nested deeper than {MAX_DEPTH} levels")
+            raise _bad_node(where, path, f"nested deeper than {MAX_DEPTH} levels")
         if node is None or type(node) in (str, bool):
             continue
         if type(node) is int:
             if not _INT64[0] <= node <= _INT64[1]:
-                raise bad("a bare integer outside int64 (those are {'type': 'int'} nodes)")
+                raise _bad_node(where, path, "a bare integer outside int64 (those are {'type': 'int'} nodes)")
             continue
         if not isinstance(node, dict) or not isinstance(node.get("type"), str):
-            raise bad(f"not a node: {str(node)[:60]}")
+            raise _bad_node(where, path, f"not a node: {str(node)[:60]}")
         kind = node["type"]
         if is_key and kind not in ("int", "float", "tuple", "dtype"):
-            raise bad(f"a {kind} node cannot be a dict key")
+            raise _bad_node(where, path, f"a {kind} node cannot be a dict key")
         if kind in _MAPPINGS or kind in _CONTAINERS or kind == "Size":
             items = node.get("items")
             if not isinstance(items, list):
-                raise bad(f"{kind} node without an 'items' list")
+                raise _bad_node(where, path, f"{kind} node without an 'items' list")
             if kind == "Size":
                 if not all(_is_json_int(i) and i >= 0 for i in items):
-                    raise bad("Size items must be non-negative integers")
+                    raise _bad_node(where, path, "Size items must be non-negative integers")
                 continue
             for i, item in enumerate(items):
                 if kind in _MAPPINGS:
                     if not (isinstance(item, list) and len(item) == 2):
-                        raise bad(f"{kind} item {i} is not a [key, value] pair")
+                        raise _bad_node(where, path, f"{kind} item {i} is not a [key, value] pair")
                     key, value = item
                     if kind == "Namespace" and not isinstance(key, str):
-                        raise bad(f"Namespace item {i} has a non-string name")
+                        raise _bad_node(where, path, f"Namespace item {i} has a non-string name")
                     label = key if isinstance(key, (str, int)) and not isinstance(key, bool) else f"<key {i}>"
                     stack.append((key, _join(path, label), depth + 1, True))
                     stack.append((value, _join(path, label), depth + 1, False))
@@ -400,11 +397,12 @@ def validate_structure(structure: Any, where: object, keys: Mapping[str, Any] | 
         elif kind in _STORED:
             key = node.get("key")
             if not isinstance(key, str) or (keys is not None and key not in keys):
-                raise bad(f"names tensor {str(key)[:60]!r}, which the file does not hold")
+                raise _bad_node(where, path, f"names tensor {str(key)[:60]!r}, which the file does not hold")
             if kind == "ndarray" and not isinstance(node.get("dtype"), str):
-                raise bad("ndarray node without a dtype string")
-            if not {type(node.get(flag, False)) for flag in _FLAGS} <= _BOOL_ONLY:
-                raise bad("conj, neg, param and requires_grad must be true or false")
+                raise _bad_node(where, path, "ndarray node without a dtype string")
+            if (type(node.get("conj", False)) is not bool or type(node.get("neg", False)) is not bool
+                    or type(node.get("param", False)) is not bool or type(node.get("requires_grad", False)) is not bool):
+                raise _bad_node(where, path, "conj, neg, param and requires_grad must be true or false")
             view = node.get("view")
             if view is not None:
                 if not (isinstance(view, dict) and _is_json_int(view.get("offset")) and view["offset"] >= 0
@@ -412,18 +410,14 @@ def validate_structure(structure: Any, where: object, keys: Mapping[str, Any] | 
                         and len(view["shape"]) == len(view["stride"])
                         and all(_is_json_int(d) and d >= 0 for d in view["shape"])
                         and all(_is_json_int(d) for d in view["stride"])):
-                    raise bad("view must be {'offset': int >= 0, 'shape': [ints >= 0], 'stride': [ints]} of equal"
+                    raise _bad_node(where, path, "view must be {'offset': int >= 0, 'shape': [ints >= 0], 'stride': [ints]} of equal"
                               " lengths")
         elif kind in _STRING_FIELDS:
             missing = [f for f in _STRING_FIELDS[kind] if not isinstance(node.get(f), str)]
             if missing:
-                raise bad(f"{kind} node needs string field(s) {', '.join(missing)}")
+                raise _bad_node(where, path, f"{kind} node needs string field(s) {', '.join(missing)}")
         else:
-            raise bad(f"unknown node type {kind[:40]!r}")
-
-
-_FLAGS = ("conj", "neg", "param", "requires_grad")
-_BOOL_ONLY = {bool}
+            raise _bad_node(where, path, f"unknown node type {kind[:40]!r}")
 
 
 def _bad_node(where: object, path: str, problem: str) -> FormatError:
