@@ -404,7 +404,8 @@ def execute_reads(ckpt: Checkpoint, items: Sequence[ReadItem], threads: int = DE
     def worker() -> _Worker:
         w = getattr(local, "worker", None)
         if w is None:
-            w = local.worker = _Worker(ckpt, device, after=caller_stream, poison=poison_staging, chunk_bytes=chunk_bytes)
+            w = local.worker = _Worker(ckpt, device, after=caller_stream, poison=poison_staging,
+                                       chunk_bytes=chunk_bytes)
             with lock:
                 workers.append(w)
         return w

@@ -410,8 +410,8 @@ def validate_structure(structure: Any, where: object, keys: Mapping[str, Any] | 
                         and len(view["shape"]) == len(view["stride"])
                         and all(_is_json_int(d) and d >= 0 for d in view["shape"])
                         and all(_is_json_int(d) for d in view["stride"])):
-                    raise _bad_node(where, path, "view must be {'offset': int >= 0, 'shape': [ints >= 0], 'stride': [ints]} of equal"
-                              " lengths")
+                    raise _bad_node(where, path, "view must be {'offset': int >= 0, 'shape': [ints >= 0],"
+                                    " 'stride': [ints]} of equal lengths")
         elif kind in _STRING_FIELDS:
             missing = [f for f in _STRING_FIELDS[kind] if not isinstance(node.get(f), str)]
             if missing:

@@ -11,11 +11,12 @@ Why it matters: a restore reads straight into the model's memory, whose placemen
 not choose; a file written with its data on a page boundary and tensor sizes that are multiples of 64 bytes is
 read at ``d`` = 64 (the offset of torch's large allocations in their page).
 
-Then (``--restore``, on by default) whole restores of the same weights (``Linear(1024, 1024)`` layers, sizes
+Then (``--restore-mb``, 0 to skip) whole restores of the same weights (``Linear(1024, 1024)`` layers, sizes
 multiples of 64 bytes) from files that differ only in where their data section starts: written by
-``fsdp_restore.save`` (on a page boundary) and by ``safetensors.torch.save_file``, its header padded with spaces to
-start the data at page offsets the sweep above tells apart (where another writer's header length may put it); alternating
-round by round, `restore_model(check=False)` into a plain model, medians.
+``fsdp_restore.save`` (on a page boundary) and by ``safetensors.torch.save_file``, its header padded with spaces
+to start the data at page offsets the sweep above tells apart (where another writer's header length may put it),
+each aliased one also read with the detour switched off; alternating round by round,
+`restore_model(check=False)` into a plain model, medians.
 """
 
 from __future__ import annotations

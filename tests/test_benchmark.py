@@ -114,9 +114,9 @@ def test_the_alignment_and_read_benchmarks_run_every_method(tmp_path):
     assert "fsdp_restore.save" in files and len(files) >= 5
     assert next(r for r in results["restores"] if r["file"] == "fsdp_restore.save")["data_start"] % 4096 == 0
     out = tmp_path / "read.json"
-    res = subprocess.run([sys.executable, str(scripts / "benchmark_read.py"), "--work", str(tmp_path / "r"), "--mb", "6",
-                          "--world-sizes", "2", "--repeat", "1", "--out", str(out)], capture_output=True, text=True,
-                         timeout=600)
+    res = subprocess.run([sys.executable, str(scripts / "benchmark_read.py"), "--work", str(tmp_path / "r"),
+                          "--mb", "6", "--world-sizes", "2", "--repeat", "1", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     ranks = json.loads(out.read_text())["world_sizes"]["2"]
     assert all(set(r["seconds"]) == {"bare", "bare-model", "ours-nocheck", "ours"} for r in ranks)

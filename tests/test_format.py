@@ -152,8 +152,9 @@ def test_restore_refuses_a_modified_header(tmp_path):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(st.tuples(st.text("abcxyz._", min_size=1, max_size=40), st.sampled_from(["float32", "bfloat16", "int8"]),
-                          st.lists(st.integers(0, 5), max_size=3)), min_size=1, max_size=12, unique_by=lambda t: t[0]))
+@given(st.lists(st.tuples(st.text("abcxyz._", min_size=1, max_size=40),
+                          st.sampled_from(["float32", "bfloat16", "int8"]), st.lists(st.integers(0, 5), max_size=3)),
+                min_size=1, max_size=12, unique_by=lambda t: t[0]))
 def test_the_data_section_starts_page_aligned_and_safetensors_reads_it(tmp_path, specs):
     """Whatever the header's length, our files' data start at a `DATA_ALIGNMENT` boundary (the header is padded
     with spaces, as the format allows), and safetensors' own reader gives back every tensor bit for bit."""
@@ -166,7 +167,8 @@ def test_the_data_section_starts_page_aligned_and_safetensors_reads_it(tmp_path,
     from fsdp_restore.read import Checkpoint
 
     g = torch.Generator().manual_seed(len(specs))
-    tensors = {name: torch.randint(-100, 100, shape, generator=g).to(getattr(torch, dtype)) for name, dtype, shape in specs}
+    tensors = {name: torch.randint(-100, 100, shape, generator=g).to(getattr(torch, dtype))
+               for name, dtype, shape in specs}
     path = tmp_path / "aligned.safetensors"
     path.unlink(missing_ok=True)
     save(tensors, path)
@@ -177,7 +179,8 @@ def test_the_data_section_starts_page_aligned_and_safetensors_reads_it(tmp_path,
     theirs = load_file(path)
     assert theirs.keys() == tensors.keys()
     for name, t in tensors.items():
-        assert theirs[name].dtype == t.dtype and torch.equal(theirs[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+        assert theirs[name].dtype == t.dtype
+        assert torch.equal(theirs[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
     with Checkpoint(path) as ours:  # and our reader: the header's seal and checksums hold over the padding
         for name, t in tensors.items():
             dest = torch.empty(t.numel(), dtype=t.dtype)
