@@ -8,8 +8,9 @@ cache (a warm-up run of each method first): ``bare``: a loop of 16 MB ``os.pread
 threads, reading the rank's share of the file's bytes into one preallocated buffer (the floor: no plan, no
 placement, no check); ``bare-model``: the same loop reading the rank's own tensor bytes straight into the
 model's memory, as the restore's plan places them (precomputed once: no plan, no check; it shows what the
-placement of the model's memory against the file costs, see scripts/benchmark_alignment.py); ``ours-nocheck``: `restore_model(check=False)`; ``ours``: `restore_model` with the NaN check.
-The three alternate run by run (``repeat`` rounds) and the medians are reported, with the restore's own phase
+placement of the model's memory against the file costs, see scripts/benchmark_alignment.py);
+``ours-nocheck``: `restore_model(check=False)`; ``ours``: `restore_model` with the NaN check.
+The four alternate run by run (``repeat`` rounds) and the medians are reported, with the restore's own phase
 timings (plan / read / check / agree) and the plan time per tensor.
 """
 
@@ -103,22 +104,16 @@ def worker(rank: int, world_size: int, path: str, mb: float, repeat: int, thread
 def _model_reads(model: torch.nn.Module, path: str) -> list[tuple[int, list[memoryview]]]:
     """(file offset, destination views) of 16 MB reads of the rank's tensor bytes into the model's memory, where
     the restore's plan puts them (a benchmark's shortcut, not an oracle: the plan and grouping are ours)."""
-    import ctypes
-
     from fsdp_restore.execute import chunked, grouped
     from fsdp_restore.plan import build_plan
-    from fsdp_restore.read import open_checkpoint
+    from fsdp_restore.read import _writable_bytes, open_checkpoint
 
     reads = []
     with open_checkpoint(path) as ckpt:
         plan = build_plan(model, ckpt, prefix="")
         for group in grouped(chunked(plan.items, ckpt), ckpt):
             entry = ckpt.entries[group[0].item.key]
-            views = []
-            for c in group:
-                dest = c.item.dest[c.first:c.first + c.count]
-                nbytes = dest.numel() * dest.element_size()
-                views.append(memoryview((ctypes.c_char * nbytes).from_address(dest.data_ptr())).cast("B"))
+            views = [_writable_bytes(c.item.dest[c.first:c.first + c.count]) for c in group]
             reads.append((entry.offset + group[0].src_start * entry.itemsize, views))
     return reads
 

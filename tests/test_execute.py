@@ -171,27 +171,36 @@ def test_the_kept_read_threads_work_again_in_a_forked_child(stored, monkeypatch)
     pytest.fail("the forked child's restore hung: its read threads were never started")
 
 
-@pytest.mark.parametrize("check", [True, False])
-def test_a_read_into_memory_aliased_with_its_source_takes_the_detour_exactly(tmp_path, monkeypatch, check):
-    """Parameters placed 8 bytes after their stored bytes modulo the page (the slow 4K-aliased copy) are read
-    through a staging buffer, the others of the same group straight in, and every byte lands (the oracle:
-    safetensors' reader)."""
+ALIASED_SHAPES = {"a": (300, 1000), "b": (250, 1000), "c": (70_001,), "d": (90_000,)}
+
+
+def _aliased_model(tmp_path) -> tuple[torch.nn.Module, object]:
+    """A file of four tensors and a model whose parameters ``a`` and ``c`` lie 8 bytes after their stored bytes
+    modulo the page (the slow 4K-aliased copy), ``b`` and ``d`` 64 bytes after (read straight in)."""
     torch.manual_seed(0)
-    shapes = {"a": (300, 1000), "b": (250, 1000), "c": (70_001,), "d": (90_000,)}
     path = tmp_path / "aliased.safetensors"
-    fsdp_restore.save({k: torch.randn(s) for k, s in shapes.items()}, path)
+    fsdp_restore.save({k: torch.randn(s) for k, s in ALIASED_SHAPES.items()}, path)
     with Checkpoint(path) as ckpt:
-        offsets = {k: ckpt.entries[k].offset for k in shapes}
-    arena = torch.zeros(sum(torch.Size(s).numel() * 4 for s in shapes.values()) + 5 * 8192, dtype=torch.uint8)
+        offsets = {k: ckpt.entries[k].offset for k in ALIASED_SHAPES}
+    arena = torch.zeros(sum(torch.Size(s).numel() * 4 for s in ALIASED_SHAPES.values()) + 5 * 8192,
+                        dtype=torch.uint8)
     base, at = arena.data_ptr(), 0
     model = torch.nn.Module()
-    for name, shape in shapes.items():
-        placement = 8 if name in ("a", "c") else 64  # a and c aliased, b and d not
+    for name, shape in ALIASED_SHAPES.items():
+        placement = 8 if name in ("a", "c") else 64
         at += (offsets[name] + placement - (base + at)) % execute.PAGE_BYTES
         nbytes = torch.Size(shape).numel() * 4
         setattr(model, name, torch.nn.Parameter(arena[at:at + nbytes].view(torch.float32).view(shape)))
         assert execute.aliased(getattr(model, name).data_ptr(), offsets[name]) == (name in ("a", "c"))
         at += nbytes
+    return model, path
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_a_read_into_memory_aliased_with_its_source_takes_the_detour_exactly(tmp_path, monkeypatch, check):
+    """The aliased parameters are read through a staging buffer, the others of the same group straight in, and
+    every byte lands (the oracle: safetensors' reader)."""
+    model, path = _aliased_model(tmp_path)
     staged: list[str] = []
     real = execute._Worker._staged
 
@@ -202,8 +211,24 @@ def test_a_read_into_memory_aliased_with_its_source_takes_the_detour_exactly(tmp
     monkeypatch.setattr(execute._Worker, "_staged", spy)
     report = fsdp_restore.restore_model(model, path, check=check, thread_count=1)
     assert set(staged) == {"a", "c"}  # each in one read or several (the checked restore's chunks are cache-sized)
-    assert report.bytes_read == sum(torch.Size(s).numel() * 4 for s in shapes.values())  # nothing read twice
+    assert report.bytes_read == sum(torch.Size(s).numel() * 4 for s in ALIASED_SHAPES.values())  # nothing read twice
     assert _restored_exactly(model, path)
+
+
+def test_a_detour_that_never_lands_is_caught_by_the_check(tmp_path, monkeypatch):
+    """Fault injection: the detour reads into staging but drops the copy into place. The check names the aliased
+    tensors as not restored, on the restore that took the detour."""
+    model, path = _aliased_model(tmp_path)
+    real = execute._Worker._staged
+
+    def drop_copy(self, reads):
+        real(self, [(key, start, torch.empty_like(dest), rows, stride) for key, start, dest, rows, stride in reads])
+
+    monkeypatch.setattr(execute._Worker, "_staged", drop_copy)
+    # exactly the two detoured tensors, whole: b and d, read straight in from the same group, are restored
+    with pytest.raises(fsdp_restore.RestoreError,
+                       match=r"not restored.*\(2\): a \(300000 elements\), c \(70001 elements\)"):
+        fsdp_restore.restore_model(model, path, thread_count=1)
 
 
 def test_a_staged_read_lands_at_its_source_page_offset():
