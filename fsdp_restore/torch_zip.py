@@ -60,7 +60,8 @@ def load(path: str | os.PathLike[str], safe_globals: Sequence[Any]) -> Any:
     path = Path(path)
     reader_type = getattr(torch._C, "PyTorchFileReader", None)
     tls = getattr(torch.serialization, "_serialization_tls", None)
-    if reader_type is None or tls is None or not hasattr(reader_type, "get_record_header_offset"):
+    if reader_type is None or tls is None or not all(
+            hasattr(reader_type, call) for call in ("get_record_header_offset", "get_record_size")):
         raise NotHandled("this torch lacks the zip reader calls this loader uses")
     if sys.byteorder != "little" or getattr(tls, "skip_data", False) or torch._guards.detect_fake_mode(None):
         raise NotHandled("big-endian host, skip_data or fake tensor mode: torch.load builds those storages")

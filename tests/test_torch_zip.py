@@ -327,6 +327,31 @@ def test_files_it_does_not_reproduce_go_to_torch_load(tmp_path):
     assert_exactly(load_pt(big), _torch_load(big))  # big-endian records: what torch.load(mmap=True) makes of them
 
 
+def test_a_torch_whose_zip_reader_lacks_a_call_goes_to_torch_load(tmp_path, monkeypatch):
+    """torch 2.11's reader has no ``get_record_size`` (found on a GPU machine, where every conversion of a .pt
+    failed): such a torch reads the file with torch.load, and the result is the same."""
+    obj = {"w": torch.randn(5), "i": torch.arange(4, dtype=torch.int32)}
+    torch.save(obj, tmp_path / "src.pt")
+    real = torch._C.PyTorchFileReader
+
+    class OlderReader:  # torch 2.11's calls, the one it lacks left out
+        def __init__(self, path: str) -> None:
+            self._reader = real(path)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._reader, name)
+
+        get_record_header_offset = real.get_record_header_offset
+        get_all_records = real.get_all_records
+
+    monkeypatch.setattr(torch._C, "PyTorchFileReader", OlderReader)
+    with pytest.raises(torch_zip.NotHandled, match="zip reader"):
+        torch_zip.load(tmp_path / "src.pt", ALLOWED)
+    back = load_pt(tmp_path / "src.pt")  # torch.load, through the same reader
+    monkeypatch.undo()
+    assert_exactly(back, _torch_load(tmp_path / "src.pt"))
+
+
 def test_a_compressed_storage_record_found_while_unpickling_goes_to_torch_load(tmp_path):
     """Storage records are looked at when the pickle asks for them: a compressed one stops the unpickler (which
     has called allowed globals only) and torch.load reads the file, unmapped, as before."""
