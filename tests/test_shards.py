@@ -49,7 +49,7 @@ def _restore_parallel(rank, world_size, path, how):
     model = wrap(build("llama", seed=1234), how, world_size)
     placements = {type(p).__name__ for param in model.parameters() for p in getattr(param, "placements", ())}
     report = restore_model(model, path)
-    source = build("llama", seed=0).state_dict()  # the checkpoint's model, rebuilt: the oracle
+    source = build("llama", seed=0, device="cpu").state_dict()  # the checkpoint's model, rebuilt: the oracle
     for name, param in model.state_dict().items():  # gathered by DTensor itself
         assert torch.equal(_full_tensor(param), source[name]), f"{name} differs after restore"
     return {"bytes": report.bytes_read, "placements": placements}
@@ -130,7 +130,7 @@ def _restore_offloaded(rank, world_size, path, how):
             fully_shard(layer, mesh=mesh, offload_policy=policy)
         fully_shard(model, mesh=mesh, offload_policy=policy)
     restore_model(model, path)
-    source = build("llama", seed=0).state_dict()
+    source = build("llama", seed=0, device="cpu").state_dict()
     got = full_state(model, "fsdp1" if how.startswith("fsdp1") else "fsdp2")
     return [name for name, tensor in source.items() if not torch.equal(got[name].cpu(), tensor)]
 
