@@ -339,10 +339,30 @@ def _run(fn, chunks: list[torch.Tensor], threads: int) -> list:
             return list(pool.map(fn, chunks))
 
 
+# torch's multi-tensor (foreach) kernels take these on a GPU: one kernel covers many chunks
+_FOREACH_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _batched(chunks: Sequence[torch.Tensor]) -> tuple[list[list[int]], list[int]]:
+    """Indices of GPU chunks by (device, dtype) where torch's multi-tensor kernels take them, and the rest: a
+    model of thousands of tensors paid more in kernel launches (one per chunk) than the passes themselves."""
+    batches: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    rest: list[int] = []
+    for i, c in enumerate(chunks):
+        if c.device.type == "cuda" and c.dtype in _FOREACH_DTYPES:
+            batches.setdefault((c.device, c.dtype), []).append(i)
+        else:
+            rest.append(i)
+    return list(batches.values()), rest
+
+
 def poison(storages: Sequence[Storage], threads: int) -> int:
     """NaN-fill every real element of every floating storage; returns the element count."""
     chunks = _chunks(storages)
-    _run(lambda c: c.fill_(float("nan")), chunks, threads)
+    batches, rest = _batched(chunks)
+    for batch in batches:  # x * NaN is NaN for every x (inf, NaN, any bits): a NaN fill, many chunks per kernel
+        torch._foreach_mul_([chunks[i] for i in batch], float("nan"))
+    _run(lambda c: c.fill_(float("nan")), [chunks[i] for i in rest], threads)
     return sum(c.numel() for c in chunks)
 
 
@@ -351,13 +371,18 @@ def screen(storages: Sequence[Storage], plan: ReadPlan, ckpt: Checkpoint, thread
     NaN, by name; items not read to the end."""
     chunks = _chunks(storages)
     # A sum per chunk: one vectorized pass with no temporary (several times cheaper than isnan().any()),
-    # and any NaN makes it NaN (so does inf - inf: a false alarm that the exact look below clears).
-    sums = _run(lambda c: c.sum(), chunks, threads)
-    flagged = []
+    # and any NaN makes it NaN (so does inf - inf: a false alarm that the exact look below clears). On a GPU
+    # the 1-norms of many chunks per kernel: NaN as well for any NaN (inf stays inf).
+    batches, rest = _batched(chunks)
+    found: list[tuple[list[int], torch.Tensor]] = []
+    for batch in batches:
+        norms = torch._foreach_norm([chunks[i] for i in batch], 1)
+        found.append((batch, torch.isnan(torch.stack(norms))))
+    sums = _run(lambda c: c.sum(), [chunks[i] for i in rest], threads)
     if sums:
-        suspicious = torch.isnan(torch.stack([(s.real + s.imag if s.is_complex() else s).float()
-                                              for s in sums])).tolist()  # one device sync
-        flagged = [c for c, f in zip(chunks, suspicious) if f]
+        found.append((rest, torch.isnan(torch.stack([(s.real + s.imag if s.is_complex() else s).float()
+                                                     for s in sums]))))
+    flagged = [chunks[i] for batch, nan in found for i, f in zip(batch, nan.tolist()) if f]  # a sync per batch
     return _verdict(_StorageIndex(storages), plan, ckpt, flagged, {}, sum(c.numel() for c in chunks))
 
 

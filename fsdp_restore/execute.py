@@ -32,7 +32,7 @@ import torch
 from .plan import ReadItem
 from .read import Checkpoint
 
-DEFAULT_READ_THREADS = 4
+DEFAULT_READ_THREADS = 4  # past 4, more threads read no faster on the GPU path (BENCHMARKS.md, "GPU")
 READ_CHUNK_BYTES = 16 * 1024 * 1024  # items above this are split so that several threads share them
 GROUP_MAX_PARTS = 512  # small chunks stored back to back are read together, up to READ_CHUNK_BYTES
 PINNED_BUFFERS_PER_THREAD = 3  # reads run up to this many chunks ahead of the host-to-device copies
@@ -180,29 +180,41 @@ class _Worker:
                 self.stream.wait_stream(self.after)
 
     def _slot(self, nbytes: int) -> int:
-        """A staging buffer of at least ``nbytes`` that no copy in flight still reads."""
-        count = self.pinned_buffers if self.device.type == "cuda" else 1
+        """A staging buffer of at least ``nbytes`` that no copy in flight still reads. Pinned buffers are
+        allocated one at a time, another only when every one so far is still being uploaded (up to
+        ``pinned_buffers``): pinning host memory costs time in proportion to its size, and an upload is
+        usually done long before the next read is (BENCHMARKS.md, "GPU")."""
+        cuda = self.device.type == "cuda"
         if not self.host:
-            size = max(nbytes, self.chunk_bytes) + ALIGN_SLACK
-            pin = self.device.type == "cuda"
-            self.host = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(count)]
-            self.on_device = [None] * count
-            self.events = [None] * count
-            if self.poison:
-                for buf in self.host:
-                    buf.fill_(0xFF)
+            self._add_buffer(nbytes)
         i = self.turn
-        self.turn = (i + 1) % count
         event = self.events[i]
+        if event is not None and cuda and len(self.host) < self.pinned_buffers and not event.query():
+            i = self._add_buffer(nbytes)
+            event = None
+        self.turn = (i + 1) % len(self.host)
         if event is not None:
             event.synchronize()
             self.events[i] = None
         if self.host[i].numel() < nbytes + ALIGN_SLACK:  # a read larger than the chunk size (not from the executor)
-            self.host[i] = torch.empty(nbytes + ALIGN_SLACK, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+            self.host[i] = self._buffer(nbytes)
             self.on_device[i] = None
-            if self.poison:
-                self.host[i].fill_(0xFF)
         return i
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        """A staging buffer for reads of up to ``max(nbytes, chunk_bytes)`` bytes, placed anywhere within it
+        (`ALIGN_SLACK`); pinned for a GPU; all 0xFF (NaN) with the check on."""
+        size = max(nbytes, self.chunk_bytes) + ALIGN_SLACK
+        buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        if self.poison:
+            buf.fill_(0xFF)
+        return buf
+
+    def _add_buffer(self, nbytes: int) -> int:
+        self.host.append(self._buffer(nbytes))
+        self.on_device.append(None)
+        self.events.append(None)
+        return len(self.host) - 1
 
     def read(self, key: str, src_start: int, dest: torch.Tensor, rows: int = 1, stride: int = 0) -> None:
         """Read ``dest.numel()`` elements (``rows`` runs ``stride`` apart) of ``key`` from ``src_start``."""
@@ -279,8 +291,10 @@ class _Worker:
             return
         with torch.cuda.stream(self.stream):
             if all(d.dtype == e.dtype for d, e in zip(dests, entries)):
-                for d, v in zip(dests, staged):
-                    d.copy_(v, non_blocking=True)
+                if len(dests) == 1:
+                    dests[0].copy_(staged[0], non_blocking=True)
+                else:  # one call for the group: Python per copy held the GIL that the other readers wait for
+                    torch._foreach_copy_(dests, staged, non_blocking=True)
             else:  # to the device as stored in one copy, then cast there
                 buf = self.on_device[i]
                 if buf is None or buf.numel() < self.host[i].numel():
