@@ -6,8 +6,10 @@
 Per rank (world size = the GPUs present, NCCL): the rank's share of the model in GB/s for
 - h2d: a raw pinned ``cudaMemcpyAsync`` of the same number of bytes, already in pinned host memory (the
   link's ceiling);
-- read: positional reads of the same bytes into pinned memory, 4 threads, no copy (the host side's ceiling);
+- read: positional reads of the same bytes into pinned memory, 16 MB each on ``--threads`` threads, no copy
+  (the host side's ceiling); read-direct: the same with ``O_DIRECT`` (page-aligned, past the page cache: cold);
 - ours / ours-nocheck: `restore_model` into an FSDP2 model on the GPU, with and without the NaN check;
+  ours-profile: ours, with the read threads' time summed per kind of work (`_profile_read_threads`);
 - dcp: ``dcp.load`` with ``HuggingFaceStorageReader``; broadcast: ``set_model_state_dict`` with
   ``broadcast_from_rank0`` from a memory-mapped load on rank 0.
 Warm: from the page cache (the warm-up run left it there). Cold: the cache is dropped before the
@@ -35,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmark import build_model, console, describe_model, drop_caches, wrap_units  # noqa: E402
 
-METHODS = ["h2d", "read", "ours", "ours-nocheck", "dcp", "broadcast"]
+METHODS = ["h2d", "read", "read-direct", "ours", "ours-nocheck", "ours-profile", "dcp", "broadcast"]
 
 
 def _sharded_model(kind: str, mb: float) -> torch.nn.Module:
@@ -59,7 +61,7 @@ def _rank_bytes(model: torch.nn.Module) -> int:
 
 
 def worker(rank: int, world_size: int, method: str, kind: str, mb: float, path: str, cold: bool,
-           threads: int) -> dict[str, Any]:
+           threads: int, repeat: int = 1) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
     import fsdp_restore
@@ -77,14 +79,18 @@ def worker(rank: int, world_size: int, method: str, kind: str, mb: float, path: 
                 state["dst"] = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
             state["dst"].copy_(state["src"], non_blocking=True)
             torch.cuda.synchronize()
-        elif method == "read":
+        elif method in ("read", "read-direct"):
             from concurrent.futures import ThreadPoolExecutor
 
-            if "buf" not in state:
-                state["buf"] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            fd = os.open(path, os.O_RDONLY)
+            page = 4096
+            if "buf" not in state:  # pinned memory starts on a page: O_DIRECT's alignment
+                state["buf"] = torch.empty(-(-nbytes // page) * page, dtype=torch.uint8, pin_memory=True)
+            direct = method == "read-direct"
+            fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
             step = 16 * 2**20
             start = (ckpt_bytes - nbytes) // max(1, world_size) * rank  # this rank's stretch of the file
+            if direct:
+                start -= start % page
             view = memoryview(state["buf"].numpy())
 
             def one(off: int) -> None:
@@ -93,10 +99,17 @@ def worker(rank: int, world_size: int, method: str, kind: str, mb: float, path: 
             with ThreadPoolExecutor(threads) as pool:
                 list(pool.map(one, range(0, nbytes, step)))
             os.close(fd)
-        elif method in ("ours", "ours-nocheck"):
-            report = fsdp_restore.restore_model(model, path, check=method == "ours", thread_count=threads)
+        elif method in ("ours", "ours-nocheck", "ours-profile"):
+            if method == "ours-profile" and "profile" not in state:
+                state["profile"] = _profile_read_threads()
+            totals = state.get("profile")
+            if totals is not None:
+                totals.clear()
+            report = fsdp_restore.restore_model(model, path, check=method != "ours-nocheck", thread_count=threads)
             torch.cuda.synchronize()
             state["timings"] = {k: round(v, 4) for k, v in report.timings.items()}
+            if totals is not None:  # seconds summed over the read threads, and counts
+                state["timings"].update({k: round(v, 4) for k, v in totals.items()})
         elif method == "dcp":
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint import HuggingFaceStorageReader
@@ -119,22 +132,60 @@ def worker(rank: int, world_size: int, method: str, kind: str, mb: float, path: 
 
     run()  # warm-up: CUDA context, kernels, allocator pools, the page cache (warm runs)
     torch.cuda.synchronize()
-    if hasattr(torch._C, "_host_emptyCache") and method not in ("h2d", "read"):
-        torch._C._host_emptyCache()  # pinned buffers are allocated again in the measured run: counted
-    dist.barrier()
-    if rank == 0 and cold:
-        drop_caches()
-    dist.barrier()
-    base_gpu = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    with PeakAnonMemory(interval=0.002, field="VmRSS") as host:
-        t0 = time.perf_counter()
-        run()
-        seconds = time.perf_counter() - t0
-    dist.barrier()
-    return {"method": method, "threads": threads, "timings": state.get("timings"), "seconds": seconds,
-            "bytes": nbytes, "gbps": nbytes / seconds / 1e9,
-            "host_peak": host.peak - host.start, "gpu_extra": torch.cuda.max_memory_allocated() - base_gpu}
+    results = []
+    for _ in range(repeat):  # measured runs in this process: one process start per method, not per run
+        if hasattr(torch._C, "_host_emptyCache") and method not in ("h2d", "read"):
+            torch._C._host_emptyCache()  # pinned buffers are allocated again in the measured run: counted
+        dist.barrier()
+        if rank == 0 and cold:
+            drop_caches()
+        dist.barrier()
+        base_gpu = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with PeakAnonMemory(interval=0.002, field="VmRSS") as host:
+            t0 = time.perf_counter()
+            run()
+            seconds = time.perf_counter() - t0
+        dist.barrier()
+        results.append({"method": method, "threads": threads, "timings": state.get("timings"), "seconds": seconds,
+                        "bytes": nbytes, "gbps": nbytes / seconds / 1e9, "host_peak": host.peak - host.start,
+                        "gpu_extra": torch.cuda.max_memory_allocated() - base_gpu})
+    return results
+
+
+def _profile_read_threads() -> dict[str, float]:
+    """Time what the read threads do (summed over threads): positional reads (``io``), waits for a staging
+    buffer whose upload is still in flight (``wait``), the rest of a staged read (copies launched, events:
+    ``staged - io - wait``); and count reads and groups. Wraps the executor's methods in this process only."""
+    import threading
+
+    from fsdp_restore import execute, read
+
+    totals: dict[str, float] = {}
+    lock = threading.Lock()
+
+    def timed(owner: Any, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                seconds = time.perf_counter() - t0
+                with lock:
+                    totals[label] = totals.get(label, 0.0) + seconds
+                    totals[label + "_n"] = totals.get(label + "_n", 0) + 1
+
+        setattr(owner, name, wrapper)
+
+    timed(read.Checkpoint, "read_rows", "io")
+    timed(read.Checkpoint, "read_contiguous", "io_group")
+    timed(execute._Worker, "_slot", "wait")
+    timed(execute._Worker, "_staged", "staged")
+    timed(execute._Worker, "read_group", "group")
+    timed(execute._Worker, "finish", "finish")
+    return totals
 
 
 def dd_rate(path: str) -> float:
@@ -181,22 +232,24 @@ def main() -> None:
         if cache == "cold":
             info["dd_cold_gbps"] = dd_rate(str(path))
             console.print(f"dd, cold: {info['dd_cold_gbps']:.2f} GB/s")
-        for method, threads in [(m, t) for m in args.methods for t in (args.threads if m.startswith("ours") or m == "read"
+        for method, threads in [(m, t) for m in args.methods for t in (args.threads if m.startswith(("ours", "read"))
                                                                        else args.threads[:1])]:
-            runs = []
-            for _ in range(args.repeat):
-                try:
-                    per_rank = run_ranks(worker, gpus, method, args.model, args.restore_mb, str(path), cache == "cold",
-                                         threads, backend="nccl", timeout=600)
-                except RankFailure as e:
-                    console.print(f"[red]{method} {cache} failed[/]: {str(e)[:2000]}")
-                    break
-                runs.append(min(per_rank, key=lambda r: r["gbps"]))  # the slowest rank
+            try:
+                per_rank = run_ranks(worker, gpus, method, args.model, args.restore_mb, str(path), cache == "cold",
+                                     threads, args.repeat, backend="nccl", timeout=600)
+            except RankFailure as e:
+                console.print(f"[red]{method} {cache} failed[/]: {str(e)[:2000]}")
+                continue
+            # each run's slowest rank
+            runs = [min((r[i] for r in per_rank), key=lambda r: r["gbps"]) for i in range(args.repeat)]
             if not runs:
                 continue
             row = sorted(runs, key=lambda r: r["gbps"])[len(runs) // 2]
-            row = {**row, "cache": cache, "runs_gbps": sorted(round(r["gbps"], 2) for r in runs)}
+            row = {**row, "cache": cache, "runs_gbps": sorted(round(r["gbps"], 2) for r in runs),
+                   "runs_timings": [r["timings"] for r in runs]}
             rows.append(row)
+            if args.out:  # after every row: a run cut short still leaves what it measured
+                Path(args.out).write_text(json.dumps({"info": info, "rows": rows}, indent=2))
             console.print(f"  {cache} {method} t={threads}: {row['runs_gbps']} GB/s per rank, {row['seconds']:.3f} s,"
                           f" host +{row['host_peak'] / 1e6:.0f} MB, GPU +{row['gpu_extra'] / 1e6:.0f} MB"
                           f"{', phases ' + str(row['timings']) if row.get('timings') else ''}")
