@@ -243,7 +243,8 @@ def test_strict_false_leaves_accepted_missing_names_untouched(tmp_path):
     assert report.missing == ["blocks.1.weight"] and torch.equal(model.blocks[1].weight, before)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.complex64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.complex64,
+                                   torch.float8_e4m3fn, torch.float8_e5m2])
 def test_screen_sees_one_nan_in_any_floating_dtype(tmp_path, dtype):
     t = torch.ones(1000, dtype=dtype)
     torch.save({"model": {"t": t}}, tmp_path / "t.pt")
@@ -263,8 +264,39 @@ def test_screen_sees_one_nan_in_any_floating_dtype(tmp_path, dtype):
     assert screen(storages, plan, ckpt, threads=1).unrestored == []
     model.t[17] = float("nan")
     assert screen(storages, plan, ckpt, threads=1).unrestored == ["t (1 elements)"]
-    model.t[17], model.t[0], model.t[1] = 1, float("inf"), float("-inf")  # inf - inf: a false alarm, cleared
+    model.t[17] = 1
+    if torch.tensor(float("inf")).to(dtype).float().isinf():  # (float8_e4m3fn has no inf)
+        model.t[0], model.t[1] = float("inf"), float("-inf")  # inf - inf: a false alarm, cleared
     assert screen(storages, plan, ckpt, threads=1).unrestored == []
+
+
+@pytest.mark.parametrize("method", ["read", "apply"])
+def test_a_float8_model_restores_checked_and_a_silent_read_is_named(tmp_path, monkeypatch, method):
+    """float8 weights (which torch cannot sum) restore exactly with the check on, and a read that writes nothing
+    into one of them is named (the screen uses isnan for them)."""
+    from safetensors.torch import load_file
+
+    from fsdp_restore.read import Checkpoint
+
+    def model(seed):
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+        m[0].weight.data = m[0].weight.data.to(torch.float8_e4m3fn)
+        m[1].weight.data = m[1].weight.data.to(torch.float8_e5m2)
+        return m
+
+    torch.save(model(0).state_dict(), tmp_path / "f8.pt")
+    fsdp_restore.convert(tmp_path / "f8.pt", tmp_path / "f8.safetensors")
+    oracle = load_file(tmp_path / "f8.safetensors")
+    restored = model(1)
+    fsdp_restore.restore_model(restored, tmp_path / "f8.safetensors", method=method)
+    for name, tensor in restored.state_dict().items():
+        assert tensor.dtype == oracle[name].dtype and torch.equal(tensor.view(torch.uint8), oracle[name].view(torch.uint8))
+    real_read = Checkpoint.read_contiguous
+    monkeypatch.setattr(Checkpoint, "read_contiguous",
+                        lambda self, parts: real_read(self, [p for p in parts if p[0] != "1.weight"]))
+    with pytest.raises(RestoreError, match=re.escape("1.weight (512 elements)")):
+        fsdp_restore.restore_model(model(1), tmp_path / "f8.safetensors", method=method)
 
 
 @pytest.fixture(scope="module")
