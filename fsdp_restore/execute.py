@@ -186,11 +186,11 @@ class _Worker:
         usually done long before the next read is (BENCHMARKS.md, "GPU")."""
         cuda = self.device.type == "cuda"
         if not self.host:
-            self._add_buffer(nbytes)
-        i = self.turn
+            self._add_buffer(0, nbytes)
+        i = self.turn  # the buffer used longest ago
         event = self.events[i]
         if event is not None and cuda and len(self.host) < self.pinned_buffers and not event.query():
-            i = self._add_buffer(nbytes)
+            self._add_buffer(i, nbytes)  # the new buffer takes its turn: the oldest stays next in line
             event = None
         self.turn = (i + 1) % len(self.host)
         if event is not None:
@@ -210,11 +210,10 @@ class _Worker:
             buf.fill_(0xFF)
         return buf
 
-    def _add_buffer(self, nbytes: int) -> int:
-        self.host.append(self._buffer(nbytes))
-        self.on_device.append(None)
-        self.events.append(None)
-        return len(self.host) - 1
+    def _add_buffer(self, at: int, nbytes: int) -> None:
+        self.host.insert(at, self._buffer(nbytes))
+        self.on_device.insert(at, None)
+        self.events.insert(at, None)
 
     def read(self, key: str, src_start: int, dest: torch.Tensor, rows: int = 1, stride: int = 0) -> None:
         """Read ``dest.numel()`` elements (``rows`` runs ``stride`` apart) of ``key`` from ``src_start``."""

@@ -241,3 +241,50 @@ def test_a_staged_read_lands_at_its_source_page_offset():
                 assert 0 <= shift < execute.ALIGN_SLACK and shift % alignment == 0
                 assert (offset - buffer_ptr - shift) % execute.PAGE_BYTES < alignment
                 assert not execute.aliased(buffer_ptr + shift, offset)
+
+
+def test_pinned_staging_grows_only_while_every_buffer_is_in_flight_and_reuses_the_oldest(monkeypatch):
+    """The GPU path's staging ring (CPU buffers and hand-made events stand in for pinned memory and CUDA
+    events, which need a GPU): a buffer is added only while every one is still being uploaded, up to the
+    limit; then the host waits for the one used longest ago, and buffers are used in turn."""
+    class Upload:  # an event recorded after a buffer's upload
+        def __init__(self, name, done=False):
+            self.name, self.done, self.waited = name, done, False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.waited = self.done = True
+
+    worker = execute._Worker(None, torch.device("cpu"), pinned_buffers=3, chunk_bytes=64)
+    worker.device = torch.device("cuda")  # the ring's GPU rules, without a stream
+    monkeypatch.setattr(worker, "_buffer", lambda nbytes: torch.empty(64 + execute.ALIGN_SLACK, dtype=torch.uint8))
+    used = []
+
+    def stage(name, done=False):
+        i = worker._slot(64)
+        used.append(worker.host[i].data_ptr())
+        worker.events[i] = Upload(name, done)
+        return worker.events[i]
+
+    a = stage("a")
+    b = stage("b")  # a still uploading: a second buffer
+    a.done = True
+    c = stage("c")  # next in line is a's buffer, free again: reused
+    assert len(worker.host) == 2 and used[2] == used[0]
+    d = stage("d")  # next in line is b's buffer, still uploading: a third
+    assert len(worker.host) == 3 and len(set(used)) == 3
+    stage("e")  # at the limit: waits for the upload started longest ago (b), not the newer c
+    assert b.waited and not c.waited and not d.waited and used[4] == used[1]
+    stage("f")  # then c, then d: in the order they were used
+    assert c.waited and not d.waited and used[5] == used[2]
+
+    fresh = execute._Worker(None, torch.device("cpu"), pinned_buffers=3, chunk_bytes=64)
+    fresh.device = torch.device("cuda")
+    monkeypatch.setattr(fresh, "_buffer", lambda nbytes: torch.empty(64 + execute.ALIGN_SLACK, dtype=torch.uint8))
+    worker, used = fresh, []
+    stage("x", done=True)
+    stage("y", done=True)  # the upload before it is done: its buffer again, nothing more pinned
+    assert len(worker.host) == 1 and used[0] == used[1]
+    assert len(worker.on_device) == len(worker.events) == len(worker.host)
