@@ -143,6 +143,8 @@ def test_the_kept_read_threads_work_again_in_a_forked_child(stored, monkeypatch)
     import time
 
     monkeypatch.setattr(execute, "READ_CHUNK_BYTES", 4096)  # many reads: the threads are used
+    monkeypatch.setattr(execute, "MIN_CHUNK_BYTES", 4096)  # (the checked path's chunk too)
+    monkeypatch.setattr(execute, "_pool", None)  # no pool from an earlier test: this restore must start it
     model = Mixed()
     fsdp_restore.restore_model(model, stored, prefix="", thread_count=3)
     assert execute._pool is not None  # the threads are kept now
