@@ -300,6 +300,9 @@ def build_header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
     with placeholder checksums, then again with the real ones, and patch it in place. Returns the header
     bytes and each key's offset inside the data section.
     """
+    if any(key == "__metadata__" for key, _, _ in entries):  # the header's own field: the file would be unreadable
+        raise ValueError("a tensor named '__metadata__' cannot be stored in safetensors (the header's metadata"
+                         " field has that name): rename it")
     order = sorted(range(len(entries)), key=lambda i: -entries[i][1].itemsize)
     if sealed:
         metadata = {META_HEADER_CRC: "0" * _SEAL_DIGITS, **{k: v for k, v in metadata.items() if k != META_HEADER_CRC}}

@@ -187,3 +187,14 @@ def test_the_data_section_starts_page_aligned_and_safetensors_reads_it(tmp_path,
             ours.read_range(name, 0, dest)
             assert torch.equal(dest.view(torch.uint8), t.reshape(-1).view(torch.uint8))
     assert verify(path).ok
+
+
+def test_a_tensor_named_like_the_metadata_field_is_refused():
+    """safetensors keeps its metadata under "__metadata__": a tensor of that name would make the file unreadable
+    (flatten never names one so; a model's parameter could be)."""
+    import torch
+
+    from fsdp_restore.format import build_header
+
+    with pytest.raises(ValueError, match="__metadata__.*rename it"):
+        build_header([("w", torch.float32, (2,)), ("__metadata__", torch.float32, (2,))], {})
