@@ -154,9 +154,10 @@ def worker(rank: int, world_size: int, method: str, kind: str, mb: float, path: 
 
 
 def _profile_read_threads() -> dict[str, float]:
-    """Time what the read threads do (summed over threads): positional reads (``io``), waits for a staging
-    buffer whose upload is still in flight (``wait``), the rest of a staged read (copies launched, events:
-    ``staged - io - wait``); and count reads and groups. Wraps the executor's methods in this process only."""
+    """Time what the read threads do (summed over threads): positional reads (``io``), getting a staging
+    buffer (``wait``: waiting for one whose upload is still in flight, or pinning a new one), the rest of a
+    staged read (copies launched, events: ``staged - io - wait``); and count reads and groups. Wraps the
+    executor's methods in this process only."""
     import threading
 
     from fsdp_restore import execute, read
@@ -204,7 +205,7 @@ def main() -> None:
     parser.add_argument("--cache", choices=["warm", "cold"], nargs="+", default=["warm", "cold"])
     parser.add_argument("--methods", nargs="+", default=METHODS)
     parser.add_argument("--threads", type=int, nargs="+", default=[4], help="read threads (ours: one row each)")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=3, help="measured runs per method (>= 1)")
     parser.add_argument("--workdir")
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -242,9 +243,7 @@ def main() -> None:
                 continue
             # each run's slowest rank
             runs = [min((r[i] for r in per_rank), key=lambda r: r["gbps"]) for i in range(args.repeat)]
-            if not runs:
-                continue
-            row = sorted(runs, key=lambda r: r["gbps"])[len(runs) // 2]
+            row = sorted(runs, key=lambda r: r["gbps"])[(len(runs) - 1) // 2]  # the median; of two, the slower
             row = {**row, "cache": cache, "runs_gbps": sorted(round(r["gbps"], 2) for r in runs),
                    "runs_timings": [r["timings"] for r in runs]}
             rows.append(row)

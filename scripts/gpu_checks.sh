@@ -4,8 +4,8 @@
 # Each step has a time limit and writes its log and JSON under $OUT as it goes, so a run cut short keeps what
 # it measured. The numbers go to BENCHMARKS.md ("GPU").
 set -u
+OUT=$(realpath -m "${OUT:-gpu-out}")  # from the caller's directory
 cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu-out}
 PY=${PYTHON:-python3}
 WORK=${WORK:-/tmp/fsdp_restore_gpu}
 THREADS=${THREADS:-4 8 16}  # the sweep of read threads (ours and the bare read)
@@ -32,35 +32,38 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log
   local name=$1 limit=$2; shift 2
   echo "== $name (limit ${limit}s): $*"
   local t0=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout -k 15 "$limit" "$@" > "$OUT/$name.log" 2>&1  # (-k: a rank that ignores SIGTERM is killed)
   echo "== $name: exit $?, $((SECONDS - t0)) s"
   tail -25 "$OUT/$name.log"
 }
 
 best() {  # ours' fastest thread count in the warm sweep
   $PY -c 'import json, sys; rows = [r for r in json.load(open(sys.argv[1]))["rows"] if r["method"] == "ours"]
-print(max(rows, key=lambda r: r["gbps"])["threads"] if rows else 8)' "$OUT/warm-sweep.json" 2>/dev/null || echo 8
+print(max(rows, key=lambda r: r["gbps"])["threads"] if rows else 4)' "$OUT/warm-sweep.json" 2>/dev/null || echo 4
 }
 
 for s in $STEPS; do
   [ -z "$BEST" ] && [ -f "$OUT/warm-sweep.json" ] && BEST=$(best) && echo "== threads for the other rows: $BEST"
   case $s in
     warm)
+      rm -f "$OUT/warm-sweep.json"  # not an earlier run's
       # shellcheck disable=SC2086
       step warm-sweep ${WARM_LIMIT:-110} $PY scripts/benchmark_gpu.py --restore-mb 4096 --cache warm --methods h2d read ours \
         --threads $THREADS --repeat 3 --workdir "$WORK" --out "$OUT/warm-sweep.json" ;;
     rest)
       step warm-rest 70 $PY scripts/benchmark_gpu.py --restore-mb 4096 --cache warm --methods ours-nocheck ours-profile \
-        dcp broadcast --threads "${BEST:-8}" --repeat 3 --workdir "$WORK" --out "$OUT/warm-rest.json" ;;
+        dcp broadcast --threads "${BEST:-4}" --repeat 3 --workdir "$WORK" --out "$OUT/warm-rest.json" ;;
     tests)  # the suite's GPU cases: NCCL and gloo with GPU tensors (on a machine without a GPU they skip)
-      step tests ${TESTS_LIMIT:-200} $PY -m pytest -q -n 8 -m "not slow" -k "$TESTS_K" -p no:cacheprovider \
+      parallel=$($PY -c 'import xdist' 2>/dev/null && echo "-n 8")  # pytest-xdist where installed
+      # shellcheck disable=SC2086
+      step tests ${TESTS_LIMIT:-200} $PY -m pytest -q $parallel -m "not slow" -k "$TESTS_K" -p no:cacheprovider \
         --ignore=tests/test_cli.py --junitxml="$OUT/tests.xml" tests ;;  # (the CLI has no GPU case)
     cold)
       step cold 70 $PY scripts/benchmark_gpu.py --restore-mb 4096 --cache cold --methods read ours ours-nocheck \
-        --threads "${BEST:-8}" --repeat 2 --workdir "$WORK" --out "$OUT/cold.json" ;;
+        --threads "${BEST:-4}" --repeat 2 --workdir "$WORK" --out "$OUT/cold.json" ;;
     llama)
       step llama ${LLAMA_LIMIT:-100} $PY scripts/benchmark_gpu.py --model llama --restore-mb 4096 --cache warm \
-        --methods ${LLAMA_METHODS:-h2d read ours ours-nocheck dcp} --threads "${BEST:-8}" --repeat 3 --workdir "$WORK-llama" \
+        --methods ${LLAMA_METHODS:-h2d read ours ours-nocheck dcp} --threads "${BEST:-4}" --repeat 3 --workdir "$WORK-llama" \
         --out "$OUT/llama.json" ;;
     *) echo "unknown step $s (warm tests llama cold rest)"; exit 2 ;;
   esac
