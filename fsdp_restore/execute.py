@@ -226,15 +226,16 @@ class _Worker:
         for s, m, part_start, part_rows in parts(src_start, dest.numel(), rows, stride, step):
             self._staged([(key, part_start, dest[s:s + m], part_rows, stride)])
 
-    def read_group(self, group: Sequence[Chunk]) -> None:
-        """Read chunks that lie back to back in one file (see `grouped`) with one positional read: straight
-        into CPU memory of the stored dtype, else into one staging buffer, then copied (and cast) per chunk."""
+    def read_group(self, group: Sequence[Chunk], dests: Sequence[torch.Tensor]) -> None:
+        """Read chunks that lie back to back in one file (see `grouped`) into their ``dests`` (`Chunk.dest`) with
+        one positional read: straight into CPU memory of the stored dtype, else into one staging buffer, then
+        copied (and cast) per chunk."""
         if len(group) == 1:
             c = group[0]
-            self.read(c.item.key, c.src_start, c.item.dest[c.first:c.first + c.count], c.rows, c.item.stride)
+            self.read(c.item.key, c.src_start, dests[0], c.rows, c.item.stride)
             return
         entries = self.ckpt.entries
-        reads = [(c.item.key, c.src_start, c.item.dest[c.first:c.first + c.count], 1, 0) for c in group]
+        reads = [(c.item.key, c.src_start, d, 1, 0) for c, d in zip(group, dests)]
         if not all(d.device.type == "cpu" and d.dtype == entries[k].dtype for k, _, d, _, _ in reads):
             self._staged(reads)
             return
@@ -332,6 +333,12 @@ class Chunk(NamedTuple):
     src_start: int
     rows: int
 
+    def dest(self) -> torch.Tensor:
+        """The chunk's memory: the item's own tensor when the chunk is all of it (most are; a slice is a torch
+        call, and the read threads' Python per chunk is what they queue for the GIL with)."""
+        d = self.item.dest
+        return d if self.first == 0 and self.count == d.numel() else d[self.first:self.first + self.count]
+
 
 def chunked(items: Sequence[ReadItem], ckpt: Checkpoint, chunk_bytes: int | None = None) -> list[Chunk]:
     """Every item cut into chunks of at most ``chunk_bytes`` (default `READ_CHUNK_BYTES`; whole runs of a column
@@ -424,14 +431,14 @@ def execute_reads(ckpt: Checkpoint, items: Sequence[ReadItem], threads: int = DE
         return w
 
     def read(group: list[Chunk]) -> None:
-        dests = [c.item.dest[c.first:c.first + c.count] for c in group]
+        dests = [c.dest() for c in group]
         if before is not None:
             before(dests)
         if dests[0].device != device:  # items on several devices (rare): one-off staging on this thread
             for c, dest in zip(group, dests):
                 read_piece(ckpt, c.item.key, c.src_start, dest, c.rows, c.item.stride)
         else:
-            worker().read_group(group)
+            worker().read_group(group, dests)
         if after is not None:
             after(dests)
 
