@@ -144,8 +144,9 @@ def model_storages(model: nn.Module) -> list[Storage]:
         local = local_tensor(param)
         if local.numel() == 0 or covered(local):
             continue
-        add(local.view(-1) if local.is_contiguous() else local.reshape(-1),
-            [Region(clean_name(raw.removeprefix(top)), 0, local.numel())])
+        flat = local if local.dim() == 1 and not local.requires_grad else (
+            local.view(-1) if local.is_contiguous() else local.reshape(-1))  # (a view is a torch call per tensor)
+        add(flat, [Region(clean_name(raw.removeprefix(top)), 0, local.numel())])
     for mod_name, module in modules:
         for buf_name, buf in module._buffers.items():
             if buf is None or buf_name in module._non_persistent_buffers_set:

@@ -27,7 +27,7 @@ from torch import nn
 _WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 
-@dataclass
+@dataclass(slots=True)
 class Piece:
     """A contiguous 1-D view ``dest`` in this rank's memory holding ``rows`` runs of equal length: run ``i``
     is the global flat elements ``[start + i * stride, start + i * stride + run)``. One run (``rows == 1``)
@@ -267,7 +267,8 @@ def _dtensor_target(name: str, dt: torch.Tensor, kind: str) -> Target:
         return target
     if not local.is_contiguous():
         raise ValueError(f"{name}: non-contiguous local shard is not supported")
-    flat_local = local.detach().view(-1)
+    # the local tensor itself where it is already a flat plain tensor (a bias, a norm): a view is a torch call
+    flat_local = local if local.dim() == 1 and not local.requires_grad else local.detach().view(-1)
     if len(blocks) == 1:  # most layouts: the whole local block, no slice
         block = blocks[0]
         target.pieces.append(Piece(flat_local, block.start, block.rows, block.stride if block.rows > 1 else 0))
