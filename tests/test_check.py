@@ -265,7 +265,7 @@ def test_screen_sees_one_nan_in_any_floating_dtype(tmp_path, dtype):
     model.t[17] = float("nan")
     assert screen(storages, plan, ckpt, threads=1).unrestored == ["t (1 elements)"]
     model.t[17] = 1
-    if torch.tensor(float("inf")).to(dtype).float().isinf():  # (float8_e4m3fn has no inf)
+    if dtype.is_complex or torch.tensor(float("inf")).to(dtype).float().isinf():  # (float8_e4m3fn has no inf)
         model.t[0], model.t[1] = float("inf"), float("-inf")  # inf - inf: a false alarm, cleared
     assert screen(storages, plan, ckpt, threads=1).unrestored == []
 
