@@ -259,34 +259,33 @@ def test_pinned_staging_grows_only_while_every_buffer_is_in_flight_and_reuses_th
         def synchronize(self):
             self.waited = self.done = True
 
-    worker = execute._Worker(None, torch.device("cpu"), pinned_buffers=3, chunk_bytes=64)
-    worker.device = torch.device("cuda")  # the ring's GPU rules, without a stream
-    monkeypatch.setattr(worker, "_buffer", lambda nbytes: torch.empty(64 + execute.ALIGN_SLACK, dtype=torch.uint8))
-    used = []
+    def ring():
+        worker = execute._Worker(None, torch.device("cpu"), pinned_buffers=3, chunk_bytes=64)
+        worker.device = torch.device("cuda")  # the ring's GPU rules, without a stream
+        monkeypatch.setattr(worker, "_buffer", lambda nbytes: torch.empty(64 + execute.ALIGN_SLACK, dtype=torch.uint8))
+        return worker, []
 
-    def stage(name, done=False):
+    def stage(worker, used, name, done=False):
         i = worker._slot(64)
         used.append(worker.host[i].data_ptr())
         worker.events[i] = Upload(name, done)
         return worker.events[i]
 
-    a = stage("a")
-    b = stage("b")  # a still uploading: a second buffer
+    worker, used = ring()
+    a = stage(worker, used, "a")
+    b = stage(worker, used, "b")  # a still uploading: a second buffer
     a.done = True
-    c = stage("c")  # next in line is a's buffer, free again: reused
+    c = stage(worker, used, "c")  # next in line is a's buffer, free again: reused
     assert len(worker.host) == 2 and used[2] == used[0]
-    d = stage("d")  # next in line is b's buffer, still uploading: a third
+    d = stage(worker, used, "d")  # next in line is b's buffer, still uploading: a third
     assert len(worker.host) == 3 and len(set(used)) == 3
-    stage("e")  # at the limit: waits for the upload started longest ago (b), not the newer c
+    stage(worker, used, "e")  # at the limit: waits for the upload started longest ago (b), not the newer c
     assert b.waited and not c.waited and not d.waited and used[4] == used[1]
-    stage("f")  # then c, then d: in the order they were used
+    stage(worker, used, "f")  # then c, then d: in the order they were used
     assert c.waited and not d.waited and used[5] == used[2]
 
-    fresh = execute._Worker(None, torch.device("cpu"), pinned_buffers=3, chunk_bytes=64)
-    fresh.device = torch.device("cuda")
-    monkeypatch.setattr(fresh, "_buffer", lambda nbytes: torch.empty(64 + execute.ALIGN_SLACK, dtype=torch.uint8))
-    worker, used = fresh, []
-    stage("x", done=True)
-    stage("y", done=True)  # the upload before it is done: its buffer again, nothing more pinned
+    worker, used = ring()
+    stage(worker, used, "x", done=True)
+    stage(worker, used, "y", done=True)  # the upload before it is done: its buffer again, nothing more pinned
     assert len(worker.host) == 1 and used[0] == used[1]
     assert len(worker.on_device) == len(worker.events) == len(worker.host)
