@@ -407,8 +407,12 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
+    # --debug also after the command (a flag typed last); SUPPRESS: a command without it keeps the top level's
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
 
-    p = sub.add_parser("convert", help="stream a torch.save .pt file, a DeepSpeed ZeRO or a DCP checkpoint"
+    p = sub.add_parser("convert", parents=[debug],
+                       help="stream a torch.save .pt file, a DeepSpeed ZeRO or a DCP checkpoint"
                                        " directory into safetensors")
     p.add_argument("src", help="a torch.save file, a DeepSpeed checkpoint directory (ZeRO 1-3) or a DCP directory")
     p.add_argument("dst", help="a .safetensors file, or a directory with --max-shard-size")
@@ -426,13 +430,14 @@ def make_parser() -> argparse.ArgumentParser:
     p.epilog = "Any option of configs/convert.yaml can also be given as key=value, e.g. cast_exclude=[optim.*]"
     p.set_defaults(func=cmd_convert)
 
-    p = sub.add_parser("inspect", help="show what a checkpoint holds")
+    p = sub.add_parser("inspect", parents=[debug], help="show what a checkpoint holds")
     p.add_argument("path")
     p.add_argument("--json", action="store_true")
     p.add_argument("--depth", type=_int_at_least(0), default=3, help="tree depth shown (totals include everything below)")
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("verify", help="check a converted checkpoint (checksums; --against the source .pt)",
+    p = sub.add_parser("verify", parents=[debug],
+                       help="check a converted checkpoint (checksums; --against the source .pt)",
                        description="Exit 0: identical (bit for bit, or every checksum verified) or identical up to"
                                    " the casts the file declares; 1: a problem; 3: only the header could be"
                                    " checked (no checksums, no --against)")
@@ -444,7 +449,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-pickle", action="store_true")
     p.set_defaults(func=cmd_verify)
 
-    p = sub.add_parser("check-restore", help="restore into your sharded model on N local ranks and check it")
+    p = sub.add_parser("check-restore", parents=[debug],
+                       help="restore into your sharded model on N local ranks and check it")
     p.add_argument("path")
     p.add_argument("--model", required=True, metavar="MODULE:FUNCTION",
                    help="a function returning the (unsharded) model, e.g. mypkg.models:build or train.py:build")

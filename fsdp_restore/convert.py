@@ -32,7 +32,7 @@ from .jobs import ConvertReport, cast_groups, cast_target, parse_size, plan_jobs
 from .mapped import MappedFile
 from .measure import PeakAnonMemory, Stopwatch
 from .provenance import source_identity
-from .write import ProgressFn, default_io_threads, write_safetensors
+from .write import ProgressFn, check_destination, default_io_threads, write_safetensors
 
 def _allowlist() -> list[Any]:
     """Globals a weights_only unpickler may resolve in a checkpoint: data types, never callables
@@ -258,8 +258,7 @@ def _convert_directory(src: str | os.PathLike[str], dst: str | os.PathLike[str],
     if not (is_zero_checkpoint(src) or is_dcp_checkpoint(src)):
         raise FormatError(src, "a directory, but neither a DeepSpeed ZeRO checkpoint ('latest', or a global_step*"
                           " tag with *_optim_states.pt files) nor a DCP checkpoint (.metadata + *.distcp)")
-    if Path(dst).exists() and not force:
-        raise FileExistsError(f"{dst} already exists; pass force=True (CLI: --force) to replace it")
+    check_destination(dst, force=force, sources=[src])
     threads = threads or default_io_threads()
     with PeakAnonMemory() as mem, Stopwatch() as clock:
         if is_dcp_checkpoint(src):
@@ -334,8 +333,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
                                   on_unsupported=on_unsupported, progress=progress, tag=tag)
     if not Path(src).is_file():
         raise FormatError(src, "no such file")
-    if Path(dst).exists() and not force:
-        raise FileExistsError(f"{dst} already exists; pass force=True (CLI: --force) to replace it")
+    check_destination(dst, force=force, sources=[src])
     threads = thread_count or default_io_threads()
     with PeakAnonMemory() as mem, Stopwatch() as clock, _gc_paused():
         identity = source_identity(src)  # before reading: a source rewritten meanwhile will not match it

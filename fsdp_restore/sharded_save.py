@@ -55,7 +55,7 @@ from .jobs import parse_size
 from .restore import _no_cyclic_gc, _refuse_unsharded_fsdp1, _reshard_fsdp2
 from .save_plan import WriteItem, WritePlan
 from .verdict import _LABELS, _collective, _device, _rank, agree, new_problems
-from .write import (CHUNK_BYTES, _fsync_dir, _remove, _replace, _write_small_file, index_bytes,
+from .write import (CHUNK_BYTES, _fsync_dir, _remove, _replace, _write_small_file, check_destination, index_bytes,
                     remove_stale_temporaries, tensor_bytes, with_checksums)
 
 __all__ = ["SaveReport", "save_sharded"]
@@ -398,6 +398,7 @@ def _check_arguments(model: Any, path: Any, optimizer: Any, extra: Any, process_
     size = parse_size(max_shard_size)
     if size is not None and size <= 0:
         raise ValueError(f"max_shard_size must be positive, not {max_shard_size!r}")
+    check_destination(path, force=True)  # an existing checkpoint is replaced, never a directory of other files
     return size
 
 

@@ -23,6 +23,7 @@ import glob
 import json
 import mmap
 import os
+import re
 import shutil
 import threading
 import uuid
@@ -430,8 +431,7 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
     shards of a set and its index also share a set id (`file_layout`).
     """
     dst = Path(dst)
-    if dst.exists() and not force:
-        raise FileExistsError(f"{dst} already exists; pass force=True (CLI: --force) to replace it")
+    check_destination(dst, force=force)
     dst.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(dst)
     tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -474,6 +474,35 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
         else:
             tmp.unlink(missing_ok=True)
         raise
+
+
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # `file_layout`'s names, and Hugging Face's
+
+
+def check_destination(dst: str | os.PathLike[str], *, force: bool, sources: Sequence[str | os.PathLike[str]] = ()
+                      ) -> None:
+    """Refuse, before anything is read or written, a destination whose replacement would lose what it is not:
+    an existing ``dst`` without ``force``; with ``force``, a ``dst`` that is one of ``sources`` or a directory
+    holding one, and a directory holding anything but a sharded checkpoint (shards and their index), since
+    replacing a directory removes all of it. `FileExistsError` naming the path and what to do."""
+    dst = Path(dst)
+    if not (dst.exists() or dst.is_symlink()):
+        return
+    if not force:
+        raise FileExistsError(f"{dst} already exists; pass force=True (CLI: --force) to replace it")
+    target = dst.resolve()
+    for src in sources:
+        where = Path(src).resolve()
+        if where == target or target in where.parents:
+            what = "is the source" if where == target else f"is a directory holding the source {src}"
+            raise FileExistsError(f"{dst} {what}: replacing it would delete the source; write to another path")
+    if dst.is_dir() and not dst.is_symlink():
+        others = sorted(p.name for p in dst.iterdir()
+                        if not (p.is_file() and (p.name == DEFAULT_INDEX_NAME or _SHARD_NAME.fullmatch(p.name))))
+        if others:
+            listed = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+            raise FileExistsError(f"{dst} is a directory holding more than a sharded checkpoint ({listed}); replacing"
+                                  " it would delete them: write to a new path, or move them out first")
 
 
 def remove_stale_temporaries(dst: Path) -> list[Path]:

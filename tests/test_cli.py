@@ -60,8 +60,15 @@ def test_errors_are_one_line_and_nonzero(tmp_path, src):
     assert res.returncode == 1 and "too short" in res.stderr and "Traceback" not in res.stderr
     res = run("convert", src, tmp_path / "y.safetensors", "nonsense=1")
     assert res.returncode == 1 and "unknown option" in res.stderr
-    res = run("--debug", "inspect", bad)
-    assert res.returncode != 0 and "Traceback" in res.stderr
+    for args in (("--debug", "inspect", bad), ("inspect", bad, "--debug")):  # before or after the command
+        res = run(*args)
+        assert res.returncode != 0 and "Traceback" in res.stderr, args
+    run_dir = tmp_path / "run"  # --force replaces a checkpoint, never a directory of the user's files
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("keep")
+    res = run("convert", src, run_dir, "--force")
+    assert res.returncode == 1 and "Traceback" not in res.stderr and "notes.txt" in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and (run_dir / "notes.txt").read_text() == "keep"
 
 
 def test_verify_fails_with_exit_1_on_damage(src, tmp_path):

@@ -414,6 +414,15 @@ def _bad_arguments(rank, world_size, path):
     with pytest.raises(TypeError):
         save_sharded(model, path, None)  # options are keyword-only
     assert not os.path.exists(path) and not _leftovers(path)
+    run_dir = os.path.join(os.path.dirname(path), "run")  # a directory of the user's files: never replaced
+    if rank == 0:
+        os.makedirs(run_dir)
+        open(os.path.join(run_dir, "notes.txt"), "w").write("keep")
+    torch.distributed.barrier()
+    with pytest.raises(SaveError) as info:
+        save_sharded(model, run_dir)
+    texts.append(str(info.value))
+    assert open(os.path.join(run_dir, "notes.txt")).read() == "keep" and os.listdir(run_dir) == ["notes.txt"]
     return texts
 
 
@@ -421,6 +430,7 @@ def test_arguments_are_checked_at_the_door(tmp_path):
     results = run_ranks(_bad_arguments, 2, str(tmp_path / "x.safetensors"))
     assert results[0] == results[1]
     assert "thread_count" in results[0][0] and "extra must be a dict" in results[0][1] and "size" in results[0][2]
+    assert "holding more than a sharded checkpoint (notes.txt)" in results[0][3]
     assert not any("could not be pickled" in text for text in results[0])  # one problem, not a false second one
 
 

@@ -210,3 +210,45 @@ def test_without_exchange_a_killed_replacement_is_undone_by_the_next_run(tmp_pat
     dst.rename(parked)  # as a writer killed between its two renames leaves it
     assert write.remove_stale_temporaries(dst) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
     assert fsdp_restore.load(dst)["step"] == 2
+
+
+def _user_directory(root) -> tuple:
+    run = root / "run"
+    run.mkdir()
+    (run / "notes.txt").write_text("keep")
+    src = run / "step3.pt"
+    torch.save({"w": torch.arange(6.0)}, src)
+    return run, src
+
+
+def test_force_never_replaces_a_directory_of_other_files_or_the_source(tmp_path):
+    """--force replaces a checkpoint, not a run directory: a directory holding anything but a sharded set,
+    the source itself, or a directory holding the source is refused before anything is written."""
+    run, src = _user_directory(tmp_path)
+    before = sorted(p.name for p in run.iterdir())
+    for dst, shard, words in ((run, None, "holding the source"), (run, 100, "holding the source"),
+                              (src, None, "is the source")):
+        with pytest.raises(FileExistsError, match=words):
+            fsdp_restore.convert(src, dst, force=True, max_shard_size=shard)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep")
+    with pytest.raises(FileExistsError, match=r"holding more than a sharded checkpoint \(notes.txt\)"):
+        fsdp_restore.convert(src, other, force=True)
+    with pytest.raises(FileExistsError, match="notes.txt"):
+        save({"w": torch.ones(2)}, other)  # save's force=True by default: still not a directory of other files
+    assert sorted(p.name for p in run.iterdir()) == before and (run / "notes.txt").read_text() == "keep"
+    assert [p.name for p in other.iterdir()] == ["notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "run"]  # no temporaries
+    assert torch.equal(torch.load(src)["w"], torch.arange(6.0))
+
+
+def test_force_replaces_a_sharded_set_with_a_file_and_back(tmp_path):
+    _, src = _user_directory(tmp_path)
+    dst = tmp_path / "out"
+    fsdp_restore.convert(src, dst, max_shard_size=16)
+    assert (dst / "model.safetensors.index.json").exists()
+    fsdp_restore.convert(src, dst, force=True)  # a set of shards and its index: ours to replace
+    assert dst.is_file() and torch.equal(fsdp_restore.load(dst)["w"], torch.arange(6.0))
+    fsdp_restore.convert(src, dst, force=True, max_shard_size=16)
+    assert dst.is_dir() and torch.equal(fsdp_restore.load(dst)["w"], torch.arange(6.0))
