@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
-# Create .venv with everything fsdp_restore and its tests need. torch is pinned to the CPU build
-# first (a bare `torch` requirement would pull a multi-GB CUDA build on a machine with nothing installed).
+# Create .venv with everything fsdp_restore and its tests need. torch is installed first, pinned: on a
+# machine without an NVIDIA GPU from PyTorch's CPU index where it can be reached (PyPI's Linux wheel is the
+# multi-GB CUDA build); TORCH_INDEX=URL picks another index, TORCH_INDEX= (empty) the configured ones only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-.venv/bin/python -m pip install -q "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
+TORCH_INDEX=${TORCH_INDEX-https://download.pytorch.org/whl/cpu}
+INDEX=()
+if [ -n "$TORCH_INDEX" ] && ! command -v nvidia-smi >/dev/null 2>&1 \
+    && curl -sfI --max-time 5 "$TORCH_INDEX/torch/" >/dev/null 2>&1; then
+  INDEX=(--index-url "$TORCH_INDEX")
+fi
+.venv/bin/python -m pip install -q "torch==2.13.0" "${INDEX[@]}" 2>&1 | grep -v "is ignored" || true
 # DeepSpeed (tests only: real ZeRO checkpoints) as pure Python: no C++/CUDA ops are built
 DS_BUILD_OPS=0 .venv/bin/python -m pip install -q -e ".[dev]" 2>&1 | grep -v "is ignored" || true
 .venv/bin/python -c "import torch, safetensors, fsdp_restore; print('fsdp_restore', fsdp_restore.__version__, 'torch', torch.__version__)"
