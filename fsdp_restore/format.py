@@ -92,7 +92,7 @@ def torch_dtype_from_string(text: str) -> torch.dtype:
     key = aliases.get(key.lower(), key.lower())
     dtype = getattr(torch, key, None)
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype '{text}' (try bf16, fp16 or fp32)")
+        raise ValueError(f"unknown dtype '{text}' (try bf16, fp16, fp32 or fp64)")
     return dtype
 
 

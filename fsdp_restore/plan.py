@@ -73,8 +73,11 @@ def _plan_weights(plan: ReadPlan, targets: Sequence[Target], aliases: dict[str, 
     assert report is not None
     sources, unsupported = tensor_sources(ckpt, prefix, [t.name for t in targets])
     if not sources and prefix:
-        plan.add_problem("error", f"the checkpoint has no tensors under prefix '{prefix}'; pass prefix='' for a"
-                                  " plain weights file, or the subtree that holds the model")
+        tops = sorted({key.split(".", 1)[0] for key in ckpt.entries})
+        plan.add_problem("error", f"the checkpoint has no tensors under prefix '{prefix}' (its top-level names:"
+                                  f" {', '.join(tops[:10])}{', ...' if len(tops) > 10 else ''}); pass the subtree"
+                                  " that holds the model, or prefix='' (CLI: --prefix '') for a plain weights file")
+        plan.refused.update(t.name for t in targets)  # one problem, not one more per tensor never planned
         return
     for text in unsupported:
         plan.add_problem("unsupported", text)

@@ -118,9 +118,10 @@ class Checkpoint:
         if resolved is None:
             kind = detect(path)
             what = f"is a {kind} file, not" if kind in (TORCH_ZIP, TORCH_LEGACY) else "is not"
-            sibling = Path(path).with_suffix(".safetensors").name
-            raise FormatError(path, f"{what} a safetensors checkpoint, and no {sibling} sibling exists; convert it"
-                              f" first: fsdp-restore convert {path} DST")
+            sibling = Path(path).with_suffix(".safetensors")
+            beside = "" if sibling.name == Path(path).name else f", and no {sibling.name} sibling exists"
+            raise FormatError(path, f"{what} a safetensors checkpoint{beside}; convert it first: fsdp-restore"
+                              f" convert {path} {sibling if beside else 'DST.safetensors'}")
         self.path = resolved
         self.bytes_read = 0
         self._lock = threading.Lock()

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 from rich.tree import Tree
 
 from .errors import FsdpRestoreError, thread_count_argument
@@ -322,7 +323,8 @@ def _select(obj: Any, select: str | None) -> Any:
         if isinstance(obj, dict):
             keys = [k for k in obj if str(k) == part]
             if not keys:
-                raise KeyError(f"select='{select}': no key '{part}' at '{here}'")
+                raise KeyError(f"select='{select}': no key '{part}' at '{here}' (keys there:"
+                               f" {', '.join(str(k) for k in list(obj)[:10])}{', ...' if len(obj) > 10 else ''})")
             obj = obj[keys[0]]
         elif isinstance(obj, (list, tuple)) and part.isdigit() and int(part) < len(obj):
             obj = obj[int(part)]
@@ -383,7 +385,10 @@ class _Comparer:
         t = type(src)
         if t is not type(out) and not (path == "" and not self.structured and isinstance(src, dict)
                                        and isinstance(out, dict)):
-            self.problems.append((path or "<root>", f"{type(out).__qualname__} but the source has {t.__qualname__}"))
+            hint = ("; if the checkpoint was converted with --select, pass the same --select to verify"
+                    if path == "" and not self.select else "")
+            self.problems.append((path or "<root>",
+                                  f"{type(out).__qualname__} but the source has {t.__qualname__}{hint}"))
         elif isinstance(src, torch.Tensor):
             self._tensor(path, src, out)
         elif t is np.ndarray:
@@ -602,7 +607,7 @@ def _verify_open(ckpt: Checkpoint, report: VerifyReport, against: Any, select: s
             report.problems.append((str(against), str(e)))
             return
         except KeyError as e:
-            report.problems.append((str(against), str(e).strip("'\"")))
+            report.problems.append((str(against), str(e.args[0]) if e.args else str(e)))
             return
         except Exception as e:  # torch.load's own refusal: corrupt, or beyond the weights-only unpickler
             report.problems.append((str(against), _load_failure(e, against, trust_pickle)))
@@ -706,8 +711,8 @@ def render_verify(report: VerifyReport, console: Console) -> None:
         console.print(f"[yellow]only the header was checked[/]: {report.tensors - report.checksummed} tensors carry no"
                       " checksum (a file written by another tool?); pass --against SOURCE.pt to compare every tensor",
                       highlight=False)
-    for where, what in report.problems:
-        console.print(f"[red]FAIL[/] {where}: {what}", markup=True, highlight=False)
+    for where, what in report.problems:  # unwrapped (a path cut across lines cannot be copied), no markup read
+        console.print(Text.assemble(("FAIL", "red"), f" {where}: {what}"), highlight=False, soft_wrap=True)
 
 
 # ---------------------------------------------------------------------------------------------

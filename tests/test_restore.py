@@ -272,6 +272,19 @@ def test_dtype_policy_error_lists_every_problem_at_once(tmp_path):
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # nothing was modified
 
 
+def test_a_prefix_with_no_tensors_is_one_problem_naming_the_top_level(tmp_path):
+    torch.save({"model": build("mlp").state_dict(), "step": 3}, tmp_path / "m.pt")
+    fsdp_restore.convert(tmp_path / "m.pt", tmp_path / "m.safetensors")
+    model = build("mlp", seed=4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RestoreError) as info:
+        restore_model(model, tmp_path / "m.safetensors", prefix="modle")
+    msg = str(info.value)
+    assert "no tensors under prefix 'modle' (its top-level names: model)" in msg and "--prefix" in msg, msg
+    assert set(info.value.problems) == {"error"}, info.value.problems  # not one more per tensor never planned
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
 def test_fsdp1_tied_weight_owned_by_another_unit(tmp_path):
     """ModuleWrapPolicy({Linear}) wraps the tied head on its own: embed.weight becomes a view of the head unit's
     flat parameter, and must be treated as an alias, not as a tensor of its local size."""

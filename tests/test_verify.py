@@ -1,5 +1,6 @@
 """verify catches every kind of damage and names the key; a good file passes."""
 
+import collections
 import json
 import struct
 
@@ -54,7 +55,28 @@ def test_selected_subtree_against_source(good, tmp_path):
     changed = verify(tmp_path / "model.safetensors", against=src, select="model")
     assert [k for k, _ in changed.problems] == ["a"]
     wrong = verify(tmp_path / "model.safetensors", against=src, select="nope")
-    assert not wrong.ok and "no key 'nope'" in wrong.problems[0][1]
+    assert not wrong.ok, wrong.problems
+    assert "no key 'nope' at '<root>' (keys there: model, step)" in wrong.problems[0][1], wrong.problems
+    state = torch.load(src)  # a training checkpoint's model is often an OrderedDict: the root's type differs too
+    state["model"] = collections.OrderedDict(state["model"])
+    torch.save(state, tmp_path / "ordered.pt")
+    fsdp_restore.convert(tmp_path / "ordered.pt", tmp_path / "ordered.safetensors", select="model")
+    hinted = verify(tmp_path / "ordered.safetensors", against=tmp_path / "ordered.pt")
+    assert [m for _, m in hinted.problems if "OrderedDict" in m] == [
+        "OrderedDict but the source has dict; if the checkpoint was converted with --select, pass the same --select"
+        " to verify"], hinted.problems
+
+
+def test_a_torch_file_under_a_safetensors_name_says_how_to_convert_it(tmp_path):
+    path = tmp_path / "run.safetensors"
+    torch.save({"w": torch.ones(2)}, path)
+    with pytest.raises(fsdp_restore.FormatError) as info:
+        fsdp_restore.Checkpoint(path)
+    assert "sibling" not in str(info.value) and f"fsdp-restore convert {path} DST.safetensors" in str(info.value)
+    torch.save({"w": torch.ones(2)}, tmp_path / "x.pt")
+    with pytest.raises(fsdp_restore.FormatError,
+                       match=r"no x\.safetensors sibling exists.*convert .*x\.pt .*x\.safetensors"):
+        fsdp_restore.Checkpoint(tmp_path / "x.pt")
 
 
 def test_truncated_file(good):
