@@ -403,7 +403,7 @@ def _version() -> str:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="fsdp-restore", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="fsdp-restore", description=__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -422,8 +422,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", help="e.g. 5GB: write shards plus model.safetensors.index.json")
     p.add_argument("--select", help="only this subtree, e.g. model")
     p.add_argument("--tag", help="DeepSpeed checkpoint tag to convert, e.g. global_step1000 (default: latest)")
-    _thread_count_flags(p, "read/write threads (default: every core, at least 4)")
-    p.add_argument("--force", action="store_true", help="replace an existing destination")
+    _thread_count_flags(p, "read/write threads (default: one per core, at least 4, at most 16)")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing checkpoint at dst (never the source, nor a directory of other files)")
     p.add_argument("--trust-pickle", action="store_true", help="execute the file's pickle (trusted files only)")
     p.add_argument("--allow-global", action="append", metavar="MODULE.NAME",
                    help="let the safe unpickler build this data-only class")
@@ -432,8 +433,9 @@ def make_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", parents=[debug], help="show what a checkpoint holds")
     p.add_argument("path")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--depth", type=_int_at_least(0), default=3, help="tree depth shown (totals include everything below)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON instead of a tree")
+    p.add_argument("--depth", type=_int_at_least(0), default=3,
+                   help="tree depth shown (default: 3; totals include everything below)")
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("verify", parents=[debug],
@@ -446,7 +448,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--select", help="the subtree of the source that was converted (convert --select)")
     p.add_argument("--tag", help="a DeepSpeed source's tag, as given to convert (default: the one 'latest' names)")
     _thread_count_flags(p, "checksum/compare threads (default: every core)")
-    p.add_argument("--trust-pickle", action="store_true")
+    p.add_argument("--trust-pickle", action="store_true",
+                   help="load --against with the full unpickler, executing its pickle (trusted files only)")
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("check-restore", parents=[debug],
@@ -454,8 +457,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.add_argument("--model", required=True, metavar="MODULE:FUNCTION",
                    help="a function returning the (unsharded) model, e.g. mypkg.models:build or train.py:build")
-    p.add_argument("--nproc", type=_int_at_least(1), default=2, help="local ranks (processes) to restore on")
-    p.add_argument("--fsdp", choices=["fsdp2", "fsdp1"], default="fsdp2")
+    p.add_argument("--nproc", type=_int_at_least(1), default=2, help="local ranks (processes) to restore on"
+                                                                       " (default: 2)")
+    p.add_argument("--fsdp", choices=["fsdp2", "fsdp1"], default="fsdp2", help="how to shard it (default: fsdp2)")
     p.add_argument("--prefix", default=None, help="subtree holding the weights (default: model, or '' for plain files)")
     p.add_argument("--key-map", metavar="FILE|MODULE:ATTR", help="the checkpoint's name of each model name: a JSON/YAML"
                    " list of [regex, replacement] pairs or mapping, or a Python callable/dict/list")

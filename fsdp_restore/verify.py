@@ -723,6 +723,7 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A JSON-able description: files, totals, and the structure as a tree with sizes per subtree."""
     with Checkpoint(path) as ckpt:
         tree = _describe(ckpt.structure["root"], ckpt, "")
+        _count_stored_once(tree)
         from .jobs import cast_groups
 
         casts = {k: (v, torch_dtype_name(ckpt.entries[k].dtype)) for k, v in ckpt.cast.items() if k in ckpt.entries}
@@ -750,23 +751,33 @@ def _describe(node: Any, ckpt: Checkpoint, name: str) -> dict[str, Any]:
         pairs = items if kind in ("dict", "OrderedDict", "Namespace") else list(enumerate(items))
         children = [_describe(v, ckpt, k if isinstance(k, str) else str(k) if not isinstance(k, dict) else repr(k))
                     for k, v in pairs]
-        seen: set[str] = set()
-        for c in _leaves(children):  # aliases count once
-            if c.get("key") in seen:
-                c["bytes"] = 0
-            seen.add(c.get("key", ""))
-        return {"name": name, "kind": kind, "children": children,
-                "bytes": sum(c["bytes"] for c in children), "tensors": sum(c["tensors"] for c in children)}
+        return {"name": name, "kind": kind, "children": children}  # totals: `_count_stored_once`
     value = node.get("value", node.get("items", ""))
     return {"name": name, "kind": kind, "value": str(value)[:60], "bytes": 0, "tensors": 0}
 
 
-def _leaves(children: list[dict[str, Any]]):
-    for c in children:
-        if "children" in c:
-            yield from _leaves(c["children"])
-        else:
-            yield c
+def _count_stored_once(tree: dict[str, Any]) -> None:
+    """Each stored tensor counted (tensors and bytes) once, where it first appears in the tree: a later name for
+    the same tensor (tied weights) is marked ``alias_of`` that first path, and a view of a stored tensor counts
+    no bytes and no tensor of its own; every subtree's totals are sums of what it holds counted so. The root's
+    totals are then the file's own (its stored tensors)."""
+    owners: dict[str, str] = {}
+
+    def visit(d: dict[str, Any], path: str) -> None:
+        if "children" in d:
+            for c in d["children"]:
+                visit(c, f"{path}.{c['name']}" if path else c["name"])
+            d["bytes"] = sum(c["bytes"] for c in d["children"])
+            d["tensors"] = sum(c["tensors"] for c in d["children"])
+        elif "key" in d:
+            if "view_of" in d:
+                d["tensors"] = 0
+            elif d["key"] in owners:
+                d.update(bytes=0, tensors=0, alias_of=owners[d["key"]])
+            else:
+                owners[d["key"]] = path or "<root>"
+
+    visit(tree, "")
 
 
 def render_inspect(info: dict[str, Any], console: Console, max_depth: int = 3) -> None:
@@ -775,7 +786,8 @@ def render_inspect(info: dict[str, Any], console: Console, max_depth: int = 3) -
         if "children" in d:
             return f"[bold]{d['name'] or '<root>'}[/] {d['kind']} ({len(d['children'])} items, {d['tensors']} tensors, {size})"
         if "dtype" in d:
-            extra = f" view of {d['view_of']}" if "view_of" in d else ""
+            extra = (f" view of {d['view_of']}" if "view_of" in d else
+                     f" (the same tensor as {d['alias_of']})" if "alias_of" in d else "")
             return f"{d['name']} [cyan]{d['dtype']}[/] {d['shape']} {size}{extra}"
         return f"{d['name']} [dim]{d['kind']}[/] = {d['value']}"
 

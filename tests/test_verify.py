@@ -120,6 +120,20 @@ def test_inspect_json(good):
     json.dumps(info)
 
 
+def test_inspect_counts_each_stored_tensor_once_where_it_first_appears(tmp_path):
+    """Tied names and views count no tensor and no byte of their own, so the tree's totals are the file's."""
+    w = torch.randn(8, 4)
+    torch.save({"model": {"emb": w, "half": w[:4], "b": torch.zeros(3)}, "other": {"head": w}}, tmp_path / "t.pt")
+    fsdp_restore.convert(tmp_path / "t.pt", tmp_path / "t.safetensors")
+    info = inspect_checkpoint(tmp_path / "t.safetensors")
+    model, other = info["tree"]["children"]
+    emb, half, _ = model["children"]
+    (head,) = other["children"]
+    assert (info["tree"]["tensors"], info["tree"]["bytes"]) == (info["tensors"], info["bytes"]) == (2, 140)
+    assert (model["tensors"], model["bytes"], other["tensors"], other["bytes"]) == (2, 140, 0, 0)
+    assert head["alias_of"] == "model.emb" and half["view_of"] == emb["key"] and "alias_of" not in emb
+
+
 # ---- three verdicts, and exit codes that tell them apart --------------------------------------------------
 
 
