@@ -326,7 +326,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     with _progress() as progress:
         task = progress.add_task("verify", total=None)
         report = verify(args.path, against=args.against, select=args.select, thread_count=args.thread_count,
-                        trust_pickle=args.trust_pickle, tag=args.tag,
+                        trust_pickle=args.trust_pickle, tag=args.tag, allow_globals=args.allow_global or (),
                         progress=lambda d, t: progress.update(task, completed=d, total=t))
     render_verify(report, out)
     return report.exit_code
@@ -450,6 +450,8 @@ def make_parser() -> argparse.ArgumentParser:
     _thread_count_flags(p, "checksum/compare threads (default: every core)")
     p.add_argument("--trust-pickle", action="store_true",
                    help="load --against with the full unpickler, executing its pickle (trusted files only)")
+    p.add_argument("--allow-global", action="append", metavar="MODULE.NAME",
+                   help="let the safe unpickler build this data-only class of --against, as given to convert")
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("check-restore", parents=[debug],

@@ -208,7 +208,10 @@ def _refuse_unsafe_globals(path: Path, extra: list[Any]) -> None:
         raise UnsafePickleError(
             f"{path}: the pickle references {', '.join(sorted(refused))}, which loading would import and"
             " may call (arbitrary code execution). If you trust this file, pass --trust-pickle"
-            " (trust_pickle=True), or allow data-only classes with --allow-global MODULE.NAME")
+            " (trust_pickle=True). To convert it without running its pickle, allow data-only classes with"
+            f" --allow-global {sorted(refused)[0]} (allow_globals=[...]) and, since only plain types are stored,"
+            " drop their values with on_unsupported=skip (load() returns None there; verify --allow-global"
+            " accepts the drop the file declares)")
 
 
 def _first_line(e: BaseException) -> str:

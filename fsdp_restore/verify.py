@@ -4,12 +4,13 @@ source ``.pt`` as torch.load returns it) and `inspect` (what is inside, as a tre
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import os
 import re
 import zipfile
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,9 +37,10 @@ COMPARE_BYTES = 4 * 1024 * 1024  # a piece compared with the source: up to two c
 
 IDENTICAL = "identical"
 IDENTICAL_UP_TO_CAST = "identical up to the declared cast"
+IDENTICAL_UP_TO_DECLARED = "identical up to the declared changes"  # values dropped on conversion, and any casts
 HEADER_ONLY = "header only"
 FAILED = "failed"
-EXIT_CODES = {IDENTICAL: 0, IDENTICAL_UP_TO_CAST: 0, FAILED: 1, HEADER_ONLY: 3}
+EXIT_CODES = {IDENTICAL: 0, IDENTICAL_UP_TO_CAST: 0, IDENTICAL_UP_TO_DECLARED: 0, FAILED: 1, HEADER_ONLY: 3}
 
 
 @dataclass
@@ -69,19 +71,20 @@ class VerifyReport:
     seconds: float = 0.0
     problems: list[tuple[str, str]] = field(default_factory=list)
     casts: list[CastChange] = field(default_factory=list)
+    dropped: list[tuple[str, str]] = field(default_factory=list)  # (path, type) the file declares it dropped
 
     @property
     def verdict(self) -> str:
         if self.problems:
             return FAILED
         if self.against is not None:
-            return IDENTICAL_UP_TO_CAST if self.casts else IDENTICAL
+            return IDENTICAL_UP_TO_DECLARED if self.dropped else IDENTICAL_UP_TO_CAST if self.casts else IDENTICAL
         return IDENTICAL if self.checksummed == self.tensors else HEADER_ONLY
 
     @property
     def ok(self) -> bool:
         """The checkpoint was proven: identical, or identical up to its declared casts."""
-        return self.verdict in (IDENTICAL, IDENTICAL_UP_TO_CAST)
+        return self.verdict in (IDENTICAL, IDENTICAL_UP_TO_CAST, IDENTICAL_UP_TO_DECLARED)
 
     @property
     def exit_code(self) -> int:
@@ -166,17 +169,20 @@ def _source_mismatch(ckpt: Checkpoint, key: str, source: torch.Tensor) -> str | 
 def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | None = None,
            select: str | None = None, thread_count: int | None = None, trust_pickle: bool = False,
            tag: str | None = None, progress: Callable[[int, int], None] | None = None,
-           threads: int | None = None) -> VerifyReport:
+           threads: int | None = None, allow_globals: Sequence[str] = ()) -> VerifyReport:
     """Check a checkpoint without its source: header sanity (offsets in range, no overlaps or
     holes, sizes), index consistency, the structure metadata, and every checksum.
 
     With ``against`` a ``.pt``, also prove that `fsdp_restore.load` of the checkpoint returns what
     ``torch.load`` returns for the source (weights-only unless ``trust_pickle``; its subtree ``select``
-    when the checkpoint was converted with ``select``), sharing no code with convert: node by node, types,
+    when the checkpoint was converted with ``select``; ``allow_globals``: classes, as ``"module.Name"``, that
+    the weights-only load may build, as given to `convert`), sharing no code with convert: node by node, types,
     keys and their order, lengths, shapes, dtypes (or the declared cast), conj/neg bits, requires_grad,
     storage sharing (both ways, where the file records it: not in a plain safetensors file) and every
     value bit for bit, in pieces of at most `COMPARE_BYTES`. A name the source holds and ``load`` does not
-    return is missing, even when the file's metadata names it a tied alias (safetensors' ``save_model``).
+    return is missing, even when the file's metadata names it a tied alias (safetensors' ``save_model``); a
+    value the file declares dropped (``on_unsupported="skip"``), where the source holds that type, is a declared
+    change, reported in ``dropped``.
     With ``against`` a ZeRO or DCP directory, the structure and every tensor are compared by name (``tag``:
     the DeepSpeed tag the checkpoint was converted from, as `convert`'s; default: the one ``latest`` names).
     ``thread_count``: checksum and compare threads (default: every core); ``threads=``, its old name, still
@@ -184,6 +190,7 @@ def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | No
     (a ``thread_count`` that is not an int >= 1 is a `ValueError`: a bad argument, not a bad checkpoint).
     """
     thread_count = thread_count_argument(thread_count, threads)
+    allowed = _allowed_classes(allow_globals)
     report = VerifyReport(path=str(path), against=str(against) if against else None)
     with Stopwatch() as clock:
         try:
@@ -192,7 +199,7 @@ def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | No
             report.problems.append((getattr(e, "path", str(path)), getattr(e, "problem", str(e))))
             return report
         with ckpt:
-            _verify_open(ckpt, report, against, select, thread_count, trust_pickle, progress, tag)
+            _verify_open(ckpt, report, against, select, thread_count, (trust_pickle, allowed), progress, tag)
     report.seconds = clock.seconds
     return report
 
@@ -285,7 +292,22 @@ def _match_by_name(ckpt: Checkpoint, src_tensors: dict[str, torch.Tensor], src_s
 # with convert (no load_pt, no flatten), so a bug there cannot make both sides agree.
 
 
-def _load_pt_as_torch_does(path: str | os.PathLike[str], trust_pickle: bool) -> Any:
+def _allowed_classes(names: Sequence[str]) -> list[Any]:
+    """The classes ``"module.Name"`` names, imported (a `ValueError` naming any that cannot be): an importer of the
+    oracle's own, not convert's."""
+    if isinstance(names, str):
+        raise ValueError("allow_globals must be a list of names such as ['mypkg.Config'], not a string")
+    found = []
+    for name in names:
+        module, _, attr = str(name).rpartition(".")
+        try:
+            found.append(getattr(importlib.import_module(module), attr))
+        except (ImportError, AttributeError, ValueError) as e:
+            raise ValueError(f"allow_globals: cannot import '{name}' ({e})") from None
+    return found
+
+
+def _load_pt_as_torch_does(path: str | os.PathLike[str], trust_pickle: bool, allowed: Sequence[Any] = ()) -> Any:
     """The source exactly as ``torch.load`` returns it: weights-only unless trusted, memory-mapped when torch
     can map it. Its mmap path takes a compressed zip member's bytes as tensor data (garbage), so a file with
     any member not ZIP_STORED is read with torch's plain reader, which inflates them (in memory)."""
@@ -298,7 +320,7 @@ def _load_pt_as_torch_does(path: str | os.PathLike[str], trust_pickle: bool) -> 
     kwargs: dict[str, Any] = {"map_location": "cpu", "mmap": mmap, "weights_only": not trust_pickle}
     if trust_pickle:
         return torch.load(path, **kwargs)
-    with torch.serialization.safe_globals(_allowlist()):
+    with torch.serialization.safe_globals(_allowlist() + list(allowed)):
         return torch.load(path, **kwargs)
 
 
@@ -312,7 +334,8 @@ def _load_failure(e: Exception, path: Any, trust_pickle: bool) -> str:
         return f"torch.load cannot read it ({type(e).__name__}: {first[:200]})"
     why = re.search(r"WeightsUnpickler error:\s*([^\n]+)", text)
     return (f"torch.load's weights-only unpickler refuses it ({(why.group(1) if why else first)[:200]})"
-            f"{weights_only_refusal_hint(path)}; if you trust the file, pass --trust-pickle (trust_pickle=True)")
+            f"{weights_only_refusal_hint(path)}; pass the classes convert was allowed with --allow-global"
+            " (allow_globals=), or, if you trust the file, --trust-pickle (trust_pickle=True)")
 
 
 def _select(obj: Any, select: str | None) -> Any:
@@ -337,6 +360,25 @@ def _select(obj: Any, select: str | None) -> Any:
 
 def _join(path: str, key: Any) -> str:
     return f"{path}.{key}" if path else str(key)
+
+
+def _skipped_values(node: Any, path: str = "", found: dict[str, str] | None = None) -> dict[str, str]:
+    """``{path: python type}`` of every value the structure records as dropped on conversion (a ``skipped``
+    node), with paths as `_Comparer` builds them (keys that are JSON scalars; a value under another key is not
+    looked for, and so stays a difference)."""
+    found = {} if found is None else found
+    if isinstance(node, dict):
+        kind = node.get("type")
+        if kind == "skipped":
+            found[path] = str(node.get("python_type"))
+        elif kind in ("dict", "OrderedDict", "Namespace"):
+            for key, value in node.get("items", []):
+                if key is None or isinstance(key, (str, int, bool)):
+                    _skipped_values(value, _join(path, key), found)
+        elif kind in ("list", "tuple"):
+            for i, value in enumerate(node.get("items", [])):
+                _skipped_values(value, _join(path, i), found)
+    return found
 
 
 def _same_float(a: float, b: float) -> bool:
@@ -377,12 +419,17 @@ class _Comparer:
         self.cast = ckpt.cast
         self.aliases = ckpt.tied_aliases()
         self.problems: list[tuple[str, str]] = []
+        self.skipped = _skipped_values(ckpt.structure["root"]) if self.structured else {}
+        self.dropped: list[tuple[str, str]] = []
         self.pairs: list[_Pair] = []
         self._groups: tuple[dict[int, tuple[str, int]], dict[int, tuple[str, int]]] = ({}, {})
         self._seen: set[tuple[Any, ...]] = set()
 
     def walk(self, src: Any, out: Any, path: str = "") -> None:
         t = type(src)
+        if out is None and path in self.skipped and self.skipped[path] == f"{t.__module__}.{t.__qualname__}":
+            self.dropped.append((path, self.skipped[path]))  # dropped on conversion, as the file declares
+            return
         if t is not type(out) and not (path == "" and not self.structured and isinstance(src, dict)
                                        and isinstance(out, dict)):
             hint = ("; if the checkpoint was converted with --select, pass the same --select to verify"
@@ -588,7 +635,9 @@ def _compare_values(comparer: _Comparer, ckpt: Checkpoint, report: VerifyReport,
 
 
 def _verify_open(ckpt: Checkpoint, report: VerifyReport, against: Any, select: str | None, threads: int | None,
-                 trust_pickle: bool, progress: Callable[[int, int], None] | None, tag: str | None = None) -> None:
+                 unpickling: tuple[bool, list[Any]], progress: Callable[[int, int], None] | None,
+                 tag: str | None = None) -> None:
+    trust_pickle, allowed = unpickling
     report.tensors = len(ckpt.entries)
     loaded: Any = None
     try:
@@ -602,7 +651,7 @@ def _verify_open(ckpt: Checkpoint, report: VerifyReport, against: Any, select: s
             if _is_sharded_source(against):
                 src_tensors, src_structure = _sharded_source(against, select, tag)
             else:
-                src_obj = _select(_load_pt_as_torch_does(against, trust_pickle), select)
+                src_obj = _select(_load_pt_as_torch_does(against, trust_pickle, allowed), select)
         except FsdpRestoreError as e:
             report.problems.append((str(against), str(e)))
             return
@@ -624,6 +673,7 @@ def _verify_open(ckpt: Checkpoint, report: VerifyReport, against: Any, select: s
             except RecursionError:
                 comparer.problems.append(("<root>", "nested too deeply to compare"))
             report.problems += comparer.problems
+            report.dropped = comparer.dropped
     for key in list(source):
         mismatch = _source_mismatch(ckpt, key, source[key])
         if mismatch:
@@ -696,7 +746,8 @@ def render_verify(report: VerifyReport, console: Console) -> None:
         if report.casts:
             table.add_row("cast on conversion (declared)", str(len(report.casts)))
     table.add_row("bytes read", f"{report.nbytes / 1e6:.1f} MB in {report.seconds:.2f} s")
-    colour = {IDENTICAL: "green", IDENTICAL_UP_TO_CAST: "green", HEADER_ONLY: "yellow", FAILED: "red"}[report.verdict]
+    colour = {IDENTICAL: "green", IDENTICAL_UP_TO_CAST: "green", IDENTICAL_UP_TO_DECLARED: "green",
+              HEADER_ONLY: "yellow", FAILED: "red"}[report.verdict]
     text = report.verdict if report.verdict != FAILED else f"{len(report.problems)} problem(s)"
     table.add_row("verdict", f"[{colour}]{text}[/]")
     console.print(table)
@@ -707,6 +758,10 @@ def render_verify(report: VerifyReport, console: Console) -> None:
         for c in worst[:5]:
             console.print(f"  {c.key}: {c.before} -> {c.after}, max abs {c.max_abs:.3g}, max rel {c.max_rel:.3g}",
                           highlight=False)
+    if report.dropped:
+        console.print(Text(f"{len(report.dropped)} values were dropped on conversion, as the file declares"
+                           " (on_unsupported=skip; load() returns None there): " + ", ".join(
+                               f"{where} ({kind})" for where, kind in report.dropped[:10])), highlight=False)
     if report.verdict == HEADER_ONLY:
         console.print(f"[yellow]only the header was checked[/]: {report.tensors - report.checksummed} tensors carry no"
                       " checksum (a file written by another tool?); pass --against SOURCE.pt to compare every tensor",

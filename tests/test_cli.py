@@ -336,3 +336,14 @@ def test_help_shows_thread_count_not_its_old_name(capsys):
             main([command, "--help"])
         text = capsys.readouterr().out
         assert "--thread-count" in text and "--threads" not in text
+
+
+def test_verify_takes_the_classes_convert_was_allowed(tmp_path, capsys):
+    import datetime
+
+    src, dst = tmp_path / "run.pt", tmp_path / "run.safetensors"
+    torch.save({"w": torch.ones(2), "warmup": datetime.timedelta(seconds=9)}, src)
+    assert main(["convert", str(src), str(dst), "--allow-global", "datetime.timedelta", "on_unsupported=skip"]) == 0
+    assert main(["verify", str(dst), "--against", str(src)]) == 1
+    assert main(["verify", str(dst), "--against", str(src), "--allow-global", "datetime.timedelta"]) == 0
+    assert "identical up to the declared changes" in capsys.readouterr().out

@@ -233,3 +233,28 @@ def test_verify_refuses_a_bad_thread_count(good, bad):
         verify(good[1], thread_count=bad)
     with pytest.raises(ValueError, match="thread_count"), pytest.warns(DeprecationWarning):
         verify(good[1], threads=bad)
+
+
+def test_a_value_dropped_on_conversion_is_a_declared_change_given_the_same_allowed_classes(tmp_path):
+    """A class outside the allowlist: convert says how (--allow-global + on_unsupported=skip); verify, given the
+    same class, accepts the drop the file declares, and nothing else: another type there is still a difference."""
+    import datetime
+
+    src = tmp_path / "run.pt"
+    torch.save({"w": torch.arange(4.0), "cfg": {"warmup": datetime.timedelta(seconds=90)}}, src)
+    with pytest.raises(fsdp_restore.UnsafePickleError) as info:
+        fsdp_restore.convert(src, tmp_path / "refused.safetensors")
+    assert "--allow-global datetime.timedelta" in str(info.value) and "on_unsupported=skip" in str(info.value)
+    dst = tmp_path / "run.safetensors"
+    with pytest.warns(UserWarning, match="cfg.warmup"):
+        fsdp_restore.convert(src, dst, allow_globals=["datetime.timedelta"], on_unsupported="skip")
+    refused = verify(dst, against=src)
+    assert not refused.ok and "--allow-global" in refused.problems[0][1], refused.problems
+    report = verify(dst, against=src, allow_globals=["datetime.timedelta"])
+    assert report.ok and report.verdict == "identical up to the declared changes", report.problems
+    assert report.dropped == [("cfg.warmup", "datetime.timedelta")] and report.compared == 1
+    torch.save({"w": torch.arange(4.0), "cfg": {"warmup": 90}}, tmp_path / "other.pt")  # not what was dropped
+    other = verify(dst, against=tmp_path / "other.pt")
+    assert not other.ok and other.problems == [("cfg.warmup", "NoneType but the source has int")], other.problems
+    with pytest.raises(ValueError, match="nope.Nope"):
+        verify(dst, against=src, allow_globals=["nope.Nope"])
