@@ -166,7 +166,7 @@ def compare_with_file(model: nn.Module, expected: dict[str, torch.Tensor], key_m
     return compared, bad
 
 
-def _worker(rank: int, world_size: int, path: str, factory_spec: str, fsdp: str, prefix: str | None,
+def _worker(rank: int, world_size: int, path: str, factory_spec: str, fsdp: str, model_prefix: str | None,
             key_map_spec: str | None = None) -> dict[str, Any]:
     """One rank: build and shard, restore, compare; each phase ends in a verdict that every rank
     shares, so a failure on one rank (a factory that raises) stops all of them at once."""
@@ -179,12 +179,12 @@ def _worker(rank: int, world_size: int, path: str, factory_spec: str, fsdp: str,
             model = shard_model(load_factory(factory_spec), fsdp, device)
             key_map = parse_spec(key_map_spec) if key_map_spec else None
             with Checkpoint(path) as ckpt:
-                prefix = default_prefix(ckpt) if prefix is None else prefix
+                model_prefix = default_prefix(ckpt) if model_prefix is None else model_prefix
         agree(problems, "check-restore: building the model")
-        report = restore_model(model, path, prefix=prefix, check=True, key_map=key_map)
+        report = restore_model(model, path, model_prefix=model_prefix, check=True, key_map=key_map)
         problems = new_problems()
         with problems.guard():
-            expected = _expected_tensors(path, prefix or "")
+            expected = _expected_tensors(path, model_prefix or "")
         agree(problems, "check-restore: reading the file for the comparison")
         compared, mismatches = compare_with_file(model, expected, key_map)  # collectives only: FSDP's own gathers
         return {"tensors": report.tensors, "elements": report.elements, "bytes_read": report.bytes_read,
@@ -223,7 +223,8 @@ class CheckRestoreReport:
 
 
 def run_check_restore(path: str, factory: str, *, nproc: int = 2, fsdp: str = "fsdp2",
-                      prefix: str | None = None, key_map: str | None = None, timeout: float = 600) -> CheckRestoreReport:
+                      model_prefix: str | None = None, key_map: str | None = None, timeout: float = 600
+                      ) -> CheckRestoreReport:
     """Run the check on ``nproc`` local ranks; never raises for a failed check (see ``report.ok``).
     ``key_map``: a file or ``module:attribute`` (`fsdp_restore.key_map.parse_spec`)."""
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:  # 0 ranks would check nothing and "pass"
@@ -235,7 +236,7 @@ def run_check_restore(path: str, factory: str, *, nproc: int = 2, fsdp: str = "f
     backend = pick_backend(nproc)
     report = CheckRestoreReport(path=str(path), nproc=nproc, fsdp=fsdp, backend=backend)
     try:
-        report.ranks = run_ranks(_worker, nproc, str(path), factory, fsdp, prefix, key_map, timeout=timeout,
+        report.ranks = run_ranks(_worker, nproc, str(path), factory, fsdp, model_prefix, key_map, timeout=timeout,
                                  backend=backend)
     except RankFailure as e:
         report.problems = [f"rank {r}: {msg.splitlines()[0]}" for r, msg in sorted(e.errors.items())]

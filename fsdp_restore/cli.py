@@ -336,8 +336,8 @@ def cmd_check_restore(args: argparse.Namespace) -> int:
     from .check_restore import run_check_restore
 
     with err.status(f"restoring on {args.nproc} ranks..."):
-        report = run_check_restore(args.path, args.model, nproc=args.nproc, fsdp=args.fsdp, prefix=args.prefix,
-                                   key_map=args.key_map)
+        report = run_check_restore(args.path, args.model, nproc=args.nproc, fsdp=args.fsdp,
+                                   model_prefix=args.model_prefix, key_map=args.key_map)
     out.print(report.summary())
     return 0 if report.ok else 1
 
@@ -462,7 +462,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=_int_at_least(1), default=2, help="local ranks (processes) to restore on"
                                                                        " (default: 2)")
     p.add_argument("--fsdp", choices=["fsdp2", "fsdp1"], default="fsdp2", help="how to shard it (default: fsdp2)")
-    p.add_argument("--prefix", default=None, help="subtree holding the weights (default: model, or '' for plain files)")
+    names = {"old": "--prefix", "new": "--model-prefix"}
+    p.add_argument("--model-prefix", default=None, action=_RenamedFlag, **names,
+                   help="subtree holding the weights (default: model, or '' for plain files)")
+    p.add_argument("--prefix", dest="model_prefix", action=_RenamedFlag, help=argparse.SUPPRESS, **names)
     p.add_argument("--key-map", metavar="FILE|MODULE:ATTR", help="the checkpoint's name of each model name: a JSON/YAML"
                    " list of [regex, replacement] pairs or mapping, or a Python callable/dict/list")
     p.set_defaults(func=cmd_check_restore)

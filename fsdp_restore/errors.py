@@ -6,6 +6,7 @@ Also the one check of an option that every public entry point shares (`thread_co
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 
 class FsdpRestoreError(Exception):
@@ -72,3 +73,16 @@ def thread_count_argument(thread_count: object, threads: object = None, *, stack
                                      or thread_count < 1):
         raise ValueError(f"thread_count must be a positive int, not {thread_count!r}")
     return thread_count
+
+
+def renamed_argument(old: str, old_value: Any, new: str, new_value: Any, new_default: Any, *,
+                     stacklevel: int = 3) -> Any:
+    """The value of an option renamed ``old=`` -> ``new=``: the old name (not None) is accepted for one release
+    with a `DeprecationWarning` (``stacklevel`` 3: pointing at the entry point's caller); both -> `TypeError`."""
+    if old_value is None:
+        return new_value
+    if new_value != new_default:
+        raise TypeError(f"pass {new}= only: {old}= is its deprecated old name, not a second option")
+    warnings.warn(f"{old}= is renamed {new}= ({old}= will be removed in the next release)", DeprecationWarning,
+                  stacklevel=stacklevel)
+    return old_value

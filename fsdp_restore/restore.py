@@ -28,7 +28,7 @@ from torch import nn
 
 from . import check as checks
 from .buffers import buffer_problems
-from .errors import thread_count_argument
+from .errors import renamed_argument, thread_count_argument
 from .execute import DEFAULT_READ_THREADS, cache_chunk_bytes, execute_reads
 from .key_map import KeyMap
 from .plan import ReadPlan, RestoreReport, build_plan, default_prefix
@@ -223,15 +223,17 @@ def _fill_reports(plan: ReadPlan, ckpt: Checkpoint, result: checks.CheckResult, 
         report.timings = dict(timings)
 
 
-def restore_model(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint, *, prefix: str | None = None,
-                  strict: bool = True, check: bool = True, check_buffers: bool = True, method: str = "read",
-                  thread_count: int | None = None, dtype_policy: str = "cast", key_map: KeyMap | None = None,
-                  process_group: dist.ProcessGroup | None = None, threads: int | None = None) -> RestoreReport:
+def restore_model(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint, *,
+                  model_prefix: str | None = None, strict: bool = True, check: bool = True, check_buffers: bool = True,
+                  method: str = "read", thread_count: int | None = None, dtype_policy: str = "cast",
+                  key_map: KeyMap | None = None, process_group: dist.ProcessGroup | None = None,
+                  threads: int | None = None, prefix: str | None = None) -> RestoreReport:
     """Restore a model's weights from a checkpoint; call on every rank after sharding the model.
 
     ``checkpoint``: a path (file, sharded directory, or ``.pt`` with a ``.safetensors`` sibling) or
-    an opened `Checkpoint`. ``prefix``: the dotted subtree holding the weights; default ``"model"``
-    when the top level holds a ``model`` subtree, else ``""``. Works for FSDP2 (``fully_shard``, any
+    an opened `Checkpoint`. ``model_prefix``: the dotted subtree holding the weights; default ``"model"``
+    when the top level holds a ``model`` subtree, else ``""`` (``prefix=``, its old name, still works with a
+    `DeprecationWarning`). Works for FSDP2 (``fully_shard``, any
     DTensor layout; unsharded modules are resharded first), FSDP1 (every sharding strategy,
     ``use_orig_params`` either way), DDP and plain modules; a model built on the meta device must be
     materialized (``to_empty``) first. Each rank reads only the bytes of its own shard.
@@ -253,19 +255,21 @@ def restore_model(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpo
     `DeprecationWarning`. A value that is not an int >= 1 is a `ValueError` before anything is read.
     """
     thread_count = thread_count_argument(thread_count, threads)
-    plan, _ = _run(model, checkpoint, weights=True, optimizer=None, prefix=prefix, optim_prefix="optim", strict=strict,
-                   check=check, check_buffers=check_buffers, method=method, threads=thread_count,
+    model_prefix = renamed_argument("prefix", prefix, "model_prefix", model_prefix, None)
+    plan, _ = _run(model, checkpoint, weights=True, optimizer=None, prefix=model_prefix, optim_prefix="optim",
+                   strict=strict, check=check, check_buffers=check_buffers, method=method, threads=thread_count,
                    dtype_policy=dtype_policy, group=process_group, key_map=key_map)
     assert plan.model_report is not None
     return plan.model_report
 
 
 def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
-                      checkpoint: str | os.PathLike[str] | Checkpoint, *, prefix: str = "optim",
+                      checkpoint: str | os.PathLike[str] | Checkpoint, *, optim_prefix: str = "optim",
                       model_prefix: str | None = None, check: bool = True, thread_count: int | None = None,
                       key_map: KeyMap | None = None, process_group: dist.ProcessGroup | None = None,
-                      threads: int | None = None) -> RestoreReport:
-    """Restore ``optimizer`` (built over the sharded ``model``) from the checkpoint subtree ``prefix``.
+                      threads: int | None = None, prefix: str | None = None) -> RestoreReport:
+    """Restore ``optimizer`` (built over the sharded ``model``) from the checkpoint subtree ``optim_prefix``
+    (``prefix=``, its old name, still works with a `DeprecationWarning`).
 
     Per-parameter state tensors are read slice by slice into tensors laid out like each parameter's
     local shard (DTensors for FSDP2): the optimizer's existing state tensors when they have that
@@ -274,14 +278,15 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
     ``Optimizer.load_state_dict`` matches them: saved group ``g`` to group ``g``, torch's integer ids by
     position within their group (or by name where ``param_names`` were saved), so the optimizer's groups
     must hold the parameters in the order the saved run's did; an optimizer file saved alone (a Hugging
-    Face Trainer's ``optimizer.pt``, converted) needs ``prefix=""``. ``model_prefix`` is no longer needed
+    Face Trainer's ``optimizer.pt``, converted) needs ``optim_prefix=""``. ``model_prefix`` is no longer needed
     for that and is accepted for compatibility. Every rank
     raises the same `RestoreError` when the optimizer does not match the checkpoint (nothing is
     modified then) or when a read or its check fails (the state is then not installed). ``thread_count``:
     as `restore_model`."""
     thread_count = thread_count_argument(thread_count, threads)
+    optim_prefix = renamed_argument("prefix", prefix, "optim_prefix", optim_prefix, "optim")
     plan, _ = _run(model, checkpoint, weights=False, optimizer=optimizer, prefix=model_prefix,
-                   optim_prefix=prefix, strict=True, check=check, check_buffers=False, method="read",
+                   optim_prefix=optim_prefix, strict=True, check=check, check_buffers=False, method="read",
                    threads=thread_count,
                    dtype_policy="cast", group=process_group, key_map=key_map)
     assert plan.optim_report is not None
@@ -289,19 +294,25 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
 
 
 def restore(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint,
-            optimizer: torch.optim.Optimizer | None = None, *, model_key: str | None = None, optim_key: str = "optim",
-            check: bool = True, check_buffers: bool = True, strict: bool = True, thread_count: int | None = None,
-            key_map: KeyMap | None = None, process_group: dist.ProcessGroup | None = None,
-            threads: int | None = None) -> RestoreResult:
+            optimizer: torch.optim.Optimizer | None = None, *, model_prefix: str | None = None,
+            optim_prefix: str = "optim", check: bool = True, check_buffers: bool = True, strict: bool = True,
+            thread_count: int | None = None, key_map: KeyMap | None = None,
+            process_group: dist.ProcessGroup | None = None, threads: int | None = None,
+            model_key: str | None = None, optim_key: str | None = None) -> RestoreResult:
     """Restore model (and optimizer) state on every rank in one pass: one plan, one read phase, two
     verdicts. Returns a `RestoreResult`: a mapping over every other top-level entry of the checkpoint
     (step, scheduler, RNG states, config...) as ordinary Python objects, with ``.model`` and
-    ``.optimizer`` reports (``strict=False`` losses are in ``result.model.missing``). ``model_key``: the
+    ``.optimizer`` reports (``strict=False`` losses are in ``result.model.missing``). ``model_prefix``: the
     subtree holding the weights, by default (None) ``"model"`` when the top level holds a ``model`` subtree
     (a training checkpoint), else ``""`` (a plain weights file, such as a Hugging Face file or a weights-only
-    `save_sharded`; nothing else is returned then). ``key_map`` and ``thread_count``: as `restore_model`."""
+    `save_sharded`; nothing else is returned then); ``optim_prefix``: the optimizer's subtree. ``model_key=`` and
+    ``optim_key=``, their old names, still work with a `DeprecationWarning`. ``key_map`` and ``thread_count``:
+    as `restore_model`."""
     thread_count = thread_count_argument(thread_count, threads)
-    plan, extra = _run(model, checkpoint, weights=True, optimizer=optimizer, prefix=model_key, optim_prefix=optim_key,
-                       strict=strict, check=check, check_buffers=check_buffers, method="read", threads=thread_count,
-                       dtype_policy="cast", group=process_group, extra_keys=(optim_key,), key_map=key_map)
+    model_prefix = renamed_argument("model_key", model_key, "model_prefix", model_prefix, None)
+    optim_prefix = renamed_argument("optim_key", optim_key, "optim_prefix", optim_prefix, "optim")
+    plan, extra = _run(model, checkpoint, weights=True, optimizer=optimizer, prefix=model_prefix,
+                       optim_prefix=optim_prefix, strict=strict, check=check, check_buffers=check_buffers,
+                       method="read", threads=thread_count, dtype_policy="cast", group=process_group,
+                       extra_keys=(optim_prefix,), key_map=key_map)
     return RestoreResult(model=plan.model_report, optimizer=plan.optim_report, extra=extra)

@@ -173,7 +173,8 @@ def stored_optimizer(ckpt: Checkpoint, prefix: str, model_names: Iterable[str] =
     try:
         node = subtree(ckpt.structure, prefix)
     except KeyError:
-        raise FsdpRestoreError(f"the checkpoint has no optimizer state under '{prefix}' (pass optim_key=...)") from None
+        raise FsdpRestoreError(f"the checkpoint has no optimizer state under '{prefix}' (pass optim_prefix=...)"
+                               ) from None
     lazy = ckpt.tensors(exact=True)  # small values (group tensors such as lr): no mmap readahead
     groups = unflatten(lazy, {"version": 1, "root": _child(node, "param_groups", prefix)})
     state_node = _child(node, "state", prefix)

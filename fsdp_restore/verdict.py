@@ -36,10 +36,10 @@ _LABELS = {
     "key_map": "key_map problems",
 }
 _HINTS = {
-    "missing": "check prefix= / model_key= (the subtree holding the weights), pass key_map= when the model names its tensors"
-               " differently, or strict=False to restore the keys that match",
-    "unexpected": "check prefix= / model_key= (the subtree holding the weights), pass key_map= when the model names its tensors"
-                  " differently, or strict=False to restore the keys that match",
+    "missing": "check model_prefix= (CLI: --model-prefix; the subtree holding the weights), pass key_map= when the"
+               " model names its tensors differently, or strict=False to restore the keys that match",
+    "unexpected": "check model_prefix= (CLI: --model-prefix; the subtree holding the weights), pass key_map= when the"
+                  " model names its tensors differently, or strict=False to restore the keys that match",
     "buffers": "the model was probably built on the meta device and materialized with to_empty(): call"
                " fsdp_restore.init_non_persistent_buffers(model) (Hugging Face rotary embeddings, modules with"
                " reset_buffers()), re-run your own buffer initialisation, or build these modules on the real"

@@ -70,7 +70,7 @@ def _rank(rank: int, world_size: int, path: str, rows: int, cols: int, placement
     for _ in range(repeat):
         dist.barrier()
         t0 = time.perf_counter()
-        report = fsdp_restore.restore_model(module, path, prefix="")
+        report = fsdp_restore.restore_model(module, path, model_prefix="")
         times.append(time.perf_counter() - t0)
     result = {}
     if cold:  # after the warm runs: every code path is loaded, so the disk reads are the checkpoint's
@@ -80,7 +80,7 @@ def _rank(rank: int, world_size: int, path: str, rows: int, cols: int, placement
         dist.barrier()
         before = disk_read_bytes()
         t0 = time.perf_counter()
-        fsdp_restore.restore_model(module, path, prefix="")
+        fsdp_restore.restore_model(module, path, model_prefix="")
         result["cold_s"] = time.perf_counter() - t0
         result["cold_disk_bytes"] = disk_read_bytes() - before
     result.update(warm_s=statistics.median(times), bytes_read=report.bytes_read,

@@ -347,3 +347,20 @@ def test_verify_takes_the_classes_convert_was_allowed(tmp_path, capsys):
     assert main(["verify", str(dst), "--against", str(src)]) == 1
     assert main(["verify", str(dst), "--against", str(src), "--allow-global", "datetime.timedelta"]) == 0
     assert "identical up to the declared changes" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag,old", [("--model-prefix", False), ("--prefix", True)])
+def test_check_restore_model_prefix_and_its_old_name(monkeypatch, capsys, flag, old):
+    calls = []
+    import fsdp_restore.check_restore as check_restore
+
+    class Report:
+        ok = True
+
+        def summary(self):
+            return "ok"
+
+    monkeypatch.setattr(check_restore, "run_check_restore", lambda *a, **k: calls.append(k) or Report())
+    assert main(["check-restore", "x.safetensors", "--model", "m:build", flag, "weights"]) == 0
+    assert calls[0]["model_prefix"] == "weights" and "prefix" not in calls[0]
+    assert ("--prefix is renamed --model-prefix" in capsys.readouterr().err) == old

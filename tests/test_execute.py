@@ -146,7 +146,7 @@ def test_the_kept_read_threads_work_again_in_a_forked_child(stored, monkeypatch)
     monkeypatch.setattr(execute, "MIN_CHUNK_BYTES", 4096)  # (the checked path's chunk too)
     monkeypatch.setattr(execute, "_pool", None)  # no pool from an earlier test: this restore must start it
     model = Mixed()
-    fsdp_restore.restore_model(model, stored, prefix="", thread_count=3)
+    fsdp_restore.restore_model(model, stored, model_prefix="", thread_count=3)
     assert execute._pool is not None  # the threads are kept now
     assert _restored_exactly(model, stored)
     pid = os.fork()
@@ -157,7 +157,7 @@ def test_the_kept_read_threads_work_again_in_a_forked_child(stored, monkeypatch)
             with torch.no_grad():
                 for p in child.parameters():
                     p.zero_()
-            fsdp_restore.restore_model(child, stored, prefix="", thread_count=3)
+            fsdp_restore.restore_model(child, stored, model_prefix="", thread_count=3)
             code = 0 if _restored_exactly(child, stored) else 2
         finally:
             os._exit(code)

@@ -212,7 +212,7 @@ def _trainer_resume(rank: int, world_size: int, out) -> dict[str, dict[str, torc
     model = wrap(tiny_llama(seed=5), "fsdp2", world_size)
     opt = torch.optim.AdamW(_trainer_groups(model), lr=1e-3)
     fsdp_restore.restore_model(model, out / "model.safetensors")
-    fsdp_restore.restore_optimizer(opt, model, out / "optimizer.safetensors", prefix="")
+    fsdp_restore.restore_optimizer(opt, model, out / "optimizer.safetensors", optim_prefix="")
     gathered = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
     return {name: {k: v.detach().cpu() for k, v in s.items()} for name, s in gathered["state"].items()}
 

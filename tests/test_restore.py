@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from dist import GLOO, GPU, NCCL, backends, cases, run_ranks
@@ -278,9 +280,9 @@ def test_a_prefix_with_no_tensors_is_one_problem_naming_the_top_level(tmp_path):
     model = build("mlp", seed=4)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(RestoreError) as info:
-        restore_model(model, tmp_path / "m.safetensors", prefix="modle")
+        restore_model(model, tmp_path / "m.safetensors", model_prefix="modle")
     msg = str(info.value)
-    assert "no tensors under prefix 'modle' (its top-level names: model)" in msg and "--prefix" in msg, msg
+    assert "no tensors under prefix 'modle' (its top-level names: model)" in msg and "--model-prefix" in msg, msg
     assert set(info.value.problems) == {"error"}, info.value.problems  # not one more per tensor never planned
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
@@ -468,6 +470,43 @@ def test_thread_count_and_its_deprecated_old_name(trained_file, monkeypatch, nam
     assert seen == [2, 3, 4]  # 4: the default read threads, as before
     with pytest.raises(TypeError, match="thread_count"):
         _entry(name, trained_file)[0](thread_count=2, threads=2)
+
+
+@pytest.fixture(scope="module")
+def moved_file(tmp_path_factory):
+    """A training checkpoint whose weights and optimizer state lie under names that are not the defaults."""
+    model = build("mlp", seed=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, model.inp.in_features)).sum().backward()
+    opt.step()
+    path = tmp_path_factory.mktemp("renamed") / "run.safetensors"
+    fsdp_restore.save({"weights": model.state_dict(), "opt": opt.state_dict(), "step": 1}, path)
+    return path, model.state_dict()
+
+
+_SUBTREES = {"restore_model": ({"model_prefix": "weights"}, {"prefix": "weights"}),
+             "restore": ({"model_prefix": "weights", "optim_prefix": "opt"}, {"model_key": "weights", "optim_key": "opt"}),
+             "restore_optimizer": ({"optim_prefix": "opt"}, {"prefix": "opt"})}
+
+
+@pytest.mark.parametrize("name", ["restore_model", "restore", "restore_optimizer"])
+def test_subtree_options_have_one_name_each_and_the_old_ones_still_work(moved_file, name):
+    """model_prefix= / optim_prefix= in every restore entry point; prefix=, model_key=, optim_key= (their names
+    before) restore the same with a DeprecationWarning at the caller's line; old and new together: TypeError."""
+    path, saved = moved_file
+    new, old = _SUBTREES[name]
+    for options in (new, old):
+        call, model, _ = _entry(name, path)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call(**options)
+        renamed = [w for w in caught if issubclass(w.category, DeprecationWarning) and "is renamed" in str(w.message)]
+        assert len(renamed) == (len(old) if options is old else 0), [str(w.message) for w in caught]
+        assert all(w.filename == __file__ for w in renamed)
+        if name != "restore_optimizer":
+            assert all(torch.equal(v, model.state_dict()[k]) for k, v in saved.items())
+    with pytest.raises(TypeError, match="deprecated old name"):
+        _entry(name, path)[0](**{**new, **old})
 
 
 @pytest.mark.parametrize("bad", [0, -1, True, 2.5, "4"])
