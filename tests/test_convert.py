@@ -430,3 +430,10 @@ def test_save_takes_thread_count(tmp_path, monkeypatch):
         with pytest.raises(ValueError, match="thread_count"):
             fsdp_restore.save(obj, tmp_path / "e.safetensors", thread_count=bad)
     assert not (tmp_path / "d.safetensors").exists() and not (tmp_path / "e.safetensors").exists()
+
+
+def test_a_tag_for_a_file_is_refused_not_ignored(train_ckpt, tmp_path):
+    src, _ = train_ckpt
+    with pytest.raises(ValueError, match="--tag.*DeepSpeed checkpoint directory"):
+        convert(src, tmp_path / "out.safetensors", tag="global_step3")
+    assert not (tmp_path / "out.safetensors").exists()
