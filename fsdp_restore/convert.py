@@ -330,9 +330,9 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
     """
     thread_count = thread_count_argument(thread_count, threads)
     dtype = cast_target(dtype)
-    if tag is not None and not Path(src).is_dir():
-        raise ValueError(f"tag='{tag}' (--tag) picks a tag of a DeepSpeed checkpoint directory; {src} is not a"
-                         " directory: drop --tag")
+    if tag is not None and Path(src).is_file():
+        raise ValueError(f"tag='{tag}' (--tag) picks a tag of a DeepSpeed checkpoint directory; {src} is a file:"
+                         " drop --tag")
     if Path(src).is_dir():
         return _convert_directory(src, dst, dtype=dtype, cast_include=cast_include, cast_exclude=cast_exclude,
                                   max_shard_size=max_shard_size, select=select, threads=thread_count, force=force,

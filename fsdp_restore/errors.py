@@ -75,13 +75,13 @@ def thread_count_argument(thread_count: object, threads: object = None, *, stack
     return thread_count
 
 
-def renamed_argument(old: str, old_value: Any, new: str, new_value: Any, new_default: Any, *,
-                     stacklevel: int = 3) -> Any:
-    """The value of an option renamed ``old=`` -> ``new=``: the old name (not None) is accepted for one release
-    with a `DeprecationWarning` (``stacklevel`` 3: pointing at the entry point's caller); both -> `TypeError`."""
+def renamed_argument(old: str, old_value: Any, new: str, new_value: Any, *, stacklevel: int = 3) -> Any:
+    """The value of an option renamed ``old=`` -> ``new=`` (for both, None means not given): the old name is
+    accepted for one release with a `DeprecationWarning` (``stacklevel`` 3: pointing at the entry point's
+    caller); both given -> `TypeError`."""
     if old_value is None:
         return new_value
-    if new_value != new_default:
+    if new_value is not None:
         raise TypeError(f"pass {new}= only: {old}= is its deprecated old name, not a second option")
     warnings.warn(f"{old}= is renamed {new}= ({old}= will be removed in the next release)", DeprecationWarning,
                   stacklevel=stacklevel)

@@ -255,7 +255,7 @@ def restore_model(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpo
     `DeprecationWarning`. A value that is not an int >= 1 is a `ValueError` before anything is read.
     """
     thread_count = thread_count_argument(thread_count, threads)
-    model_prefix = renamed_argument("prefix", prefix, "model_prefix", model_prefix, None)
+    model_prefix = renamed_argument("prefix", prefix, "model_prefix", model_prefix)
     plan, _ = _run(model, checkpoint, weights=True, optimizer=None, prefix=model_prefix, optim_prefix="optim",
                    strict=strict, check=check, check_buffers=check_buffers, method=method, threads=thread_count,
                    dtype_policy=dtype_policy, group=process_group, key_map=key_map)
@@ -264,12 +264,12 @@ def restore_model(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpo
 
 
 def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
-                      checkpoint: str | os.PathLike[str] | Checkpoint, *, optim_prefix: str = "optim",
+                      checkpoint: str | os.PathLike[str] | Checkpoint, *, optim_prefix: str | None = None,
                       model_prefix: str | None = None, check: bool = True, thread_count: int | None = None,
                       key_map: KeyMap | None = None, process_group: dist.ProcessGroup | None = None,
                       threads: int | None = None, prefix: str | None = None) -> RestoreReport:
     """Restore ``optimizer`` (built over the sharded ``model``) from the checkpoint subtree ``optim_prefix``
-    (``prefix=``, its old name, still works with a `DeprecationWarning`).
+    (default ``"optim"``; ``prefix=``, its old name, still works with a `DeprecationWarning`).
 
     Per-parameter state tensors are read slice by slice into tensors laid out like each parameter's
     local shard (DTensors for FSDP2): the optimizer's existing state tensors when they have that
@@ -284,7 +284,8 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
     modified then) or when a read or its check fails (the state is then not installed). ``thread_count``:
     as `restore_model`."""
     thread_count = thread_count_argument(thread_count, threads)
-    optim_prefix = renamed_argument("prefix", prefix, "optim_prefix", optim_prefix, "optim")
+    optim_prefix = renamed_argument("prefix", prefix, "optim_prefix", optim_prefix)
+    optim_prefix = "optim" if optim_prefix is None else optim_prefix
     plan, _ = _run(model, checkpoint, weights=False, optimizer=optimizer, prefix=model_prefix,
                    optim_prefix=optim_prefix, strict=True, check=check, check_buffers=False, method="read",
                    threads=thread_count,
@@ -295,7 +296,7 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
 
 def restore(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint,
             optimizer: torch.optim.Optimizer | None = None, *, model_prefix: str | None = None,
-            optim_prefix: str = "optim", check: bool = True, check_buffers: bool = True, strict: bool = True,
+            optim_prefix: str | None = None, check: bool = True, check_buffers: bool = True, strict: bool = True,
             thread_count: int | None = None, key_map: KeyMap | None = None,
             process_group: dist.ProcessGroup | None = None, threads: int | None = None,
             model_key: str | None = None, optim_key: str | None = None) -> RestoreResult:
@@ -305,12 +306,14 @@ def restore(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint,
     ``.optimizer`` reports (``strict=False`` losses are in ``result.model.missing``). ``model_prefix``: the
     subtree holding the weights, by default (None) ``"model"`` when the top level holds a ``model`` subtree
     (a training checkpoint), else ``""`` (a plain weights file, such as a Hugging Face file or a weights-only
-    `save_sharded`; nothing else is returned then); ``optim_prefix``: the optimizer's subtree. ``model_key=`` and
+    `save_sharded`; nothing else is returned then); ``optim_prefix``: the optimizer's subtree (default
+    ``"optim"``). ``model_key=`` and
     ``optim_key=``, their old names, still work with a `DeprecationWarning`. ``key_map`` and ``thread_count``:
     as `restore_model`."""
     thread_count = thread_count_argument(thread_count, threads)
-    model_prefix = renamed_argument("model_key", model_key, "model_prefix", model_prefix, None)
-    optim_prefix = renamed_argument("optim_key", optim_key, "optim_prefix", optim_prefix, "optim")
+    model_prefix = renamed_argument("model_key", model_key, "model_prefix", model_prefix)
+    optim_prefix = renamed_argument("optim_key", optim_key, "optim_prefix", optim_prefix)
+    optim_prefix = "optim" if optim_prefix is None else optim_prefix
     plan, extra = _run(model, checkpoint, weights=True, optimizer=optimizer, prefix=model_prefix,
                        optim_prefix=optim_prefix, strict=strict, check=check, check_buffers=check_buffers,
                        method="read", threads=thread_count, dtype_policy="cast", group=process_group,

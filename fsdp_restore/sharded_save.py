@@ -56,7 +56,7 @@ from .restore import _no_cyclic_gc, _refuse_unsharded_fsdp1, _reshard_fsdp2
 from .save_plan import WriteItem, WritePlan
 from .verdict import _LABELS, _collective, _device, _rank, agree, new_problems
 from .write import (CHUNK_BYTES, _fsync_dir, _remove, _replace, _write_small_file, check_destination, index_bytes,
-                    remove_stale_temporaries, tensor_bytes, with_checksums)
+                    refuse_foreign_directory, remove_stale_temporaries, tensor_bytes, with_checksums)
 
 __all__ = ["SaveReport", "save_sharded"]
 
@@ -308,6 +308,7 @@ def _commit(dst: Path, tmp: Path, plan: WritePlan, sharded: bool, checksums: dic
         _write_small_file(tmp / DEFAULT_INDEX_NAME, index_bytes(plan.output_files(), structure_json=plan.structure_json,
                                                                     metadata=plan.metadata))
         _fsync_dir(tmp)
+    refuse_foreign_directory(dst)  # again: a file put there during the write is not ours to delete
     _replace(tmp, dst)  # the writer's: one step, a reader finds the old version or the new one
 
 

@@ -362,22 +362,25 @@ def _join(path: str, key: Any) -> str:
     return f"{path}.{key}" if path else str(key)
 
 
-def _skipped_values(node: Any, path: str = "", found: dict[str, str] | None = None) -> dict[str, str]:
-    """``{path: python type}`` of every value the structure records as dropped on conversion (a ``skipped``
-    node), with paths as `_Comparer` builds them (keys that are JSON scalars; a value under another key is not
-    looked for, and so stays a difference)."""
+def _skipped_values(node: Any, parts: tuple[Any, ...] = (), found: dict[tuple[Any, ...], str] | None = None
+                    ) -> dict[tuple[Any, ...], str]:
+    """``{typed path: python type}`` of every value the structure records as dropped on conversion (a
+    ``skipped`` node). A typed path is the steps `_Comparer.walk` takes: ``("key", type, key)`` into a mapping,
+    ``("item", i)`` into a list or tuple, so that keys 1 and "1", a key "a.b" and a key "b" under "a", item 0 and
+    key "0" stay apart. Keys that are JSON scalars (str, int, bool, None) only: a value dropped under another key
+    or inside a set is not looked for, and so stays a difference."""
     found = {} if found is None else found
     if isinstance(node, dict):
         kind = node.get("type")
         if kind == "skipped":
-            found[path] = str(node.get("python_type"))
+            found[parts] = str(node.get("python_type"))
         elif kind in ("dict", "OrderedDict", "Namespace"):
             for key, value in node.get("items", []):
-                if key is None or isinstance(key, (str, int, bool)):
-                    _skipped_values(value, _join(path, key), found)
+                if key is None or type(key) in (str, int, bool):
+                    _skipped_values(value, (*parts, ("key", type(key), key)), found)
         elif kind in ("list", "tuple"):
             for i, value in enumerate(node.get("items", [])):
-                _skipped_values(value, _join(path, i), found)
+                _skipped_values(value, (*parts, ("item", i)), found)
     return found
 
 
@@ -425,10 +428,11 @@ class _Comparer:
         self._groups: tuple[dict[int, tuple[str, int]], dict[int, tuple[str, int]]] = ({}, {})
         self._seen: set[tuple[Any, ...]] = set()
 
-    def walk(self, src: Any, out: Any, path: str = "") -> None:
+    def walk(self, src: Any, out: Any, path: str = "", parts: tuple[Any, ...] = ()) -> None:
+        """Compare ``src`` with ``out`` at ``path`` (its text) / ``parts`` (its typed steps: `_skipped_values`)."""
         t = type(src)
-        if out is None and path in self.skipped and self.skipped[path] == f"{t.__module__}.{t.__qualname__}":
-            self.dropped.append((path, self.skipped[path]))  # dropped on conversion, as the file declares
+        if out is None and self.skipped.get(parts) == f"{t.__module__}.{t.__qualname__}":
+            self.dropped.append((path or "<root>", self.skipped[parts]))  # dropped on conversion, as declared
             return
         if t is not type(out) and not (path == "" and not self.structured and isinstance(src, dict)
                                        and isinstance(out, dict)):
@@ -441,14 +445,14 @@ class _Comparer:
         elif t is np.ndarray:
             self._ndarray(path, src, out)
         elif isinstance(src, dict):
-            self._mapping(path, list(src.items()), list(out.items()))
+            self._mapping(path, parts, list(src.items()), list(out.items()))
         elif t is argparse.Namespace:
-            self._mapping(path, list(vars(src).items()), list(vars(out).items()))
+            self._mapping(path, parts, list(vars(src).items()), list(vars(out).items()))
         elif t is list or t is tuple:
             if len(src) != len(out):
                 self.problems.append((path or "<root>", f"{len(out)} items but the source has {len(src)}"))
             for i, (a, b) in enumerate(zip(src, out)):
-                self.walk(a, b, _join(path, i))
+                self.walk(a, b, _join(path, i), (*parts, ("item", i)))
         elif not self._same_value(src, out):
             self.problems.append((path or "<root>", f"value {out!r:.60} but the source has {src!r:.60}"))
 
@@ -465,7 +469,8 @@ class _Comparer:
         except Exception:  # an object (only with trust_pickle) whose == does not give one bool
             return False
 
-    def _mapping(self, path: str, src: list[tuple[Any, Any]], out: list[tuple[Any, Any]]) -> None:
+    def _mapping(self, path: str, parts: tuple[Any, ...], src: list[tuple[Any, Any]], out: list[tuple[Any, Any]]
+                 ) -> None:
         """Keys as (type, value) pairs, so that 1, 1.0 and True stay apart; values walked by key."""
         out_by_key = {(type(k), k): v for k, v in out}
         src_keys = [(type(k), k) for k, _ in src]
@@ -474,7 +479,7 @@ class _Comparer:
                                   " converted with --select, pass the same --select to verify"))
         for (kt, k), (_, v) in zip(src_keys, src):
             if (kt, k) in out_by_key:
-                self.walk(v, out_by_key[(kt, k)], _join(path, k))
+                self.walk(v, out_by_key[(kt, k)], _join(path, k), (*parts, ("key", kt, k)))
             else:
                 alias = self.aliases.get(_join(path, k))
                 hint = (f" (the file's metadata records it as an alias of '{alias}', as safetensors' save_model"
@@ -634,12 +639,15 @@ def _compare_values(comparer: _Comparer, ckpt: Checkpoint, report: VerifyReport,
     report.compared = len(comparer.pairs)
 
 
+_UNLOADED = object()  # `_verify_open`: the checkpoint could not be loaded (its problem is reported)
+
+
 def _verify_open(ckpt: Checkpoint, report: VerifyReport, against: Any, select: str | None, threads: int | None,
                  unpickling: tuple[bool, list[Any]], progress: Callable[[int, int], None] | None,
                  tag: str | None = None) -> None:
     trust_pickle, allowed = unpickling
     report.tensors = len(ckpt.entries)
-    loaded: Any = None
+    loaded: Any = _UNLOADED  # not None: a file may hold None, or a dropped value, at its root
     try:
         loaded = ckpt.load()  # what fsdp_restore.load returns: the structure decoded over memory-mapped tensors
     except FsdpRestoreError as e:
@@ -666,7 +674,7 @@ def _verify_open(ckpt: Checkpoint, report: VerifyReport, against: Any, select: s
                 report.problems.append(("<structure>", "nested structure differs from the source"
                                         " (keys, types or non-tensor values)"))
             source = _match_by_name(ckpt, src_tensors, src_structure, report, select)
-        elif loaded is not None:
+        elif loaded is not _UNLOADED:
             comparer = _Comparer(ckpt, select)
             try:
                 comparer.walk(src_obj, loaded)

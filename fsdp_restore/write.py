@@ -464,6 +464,7 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
             _fsync_dir(tmp)
         else:
             result.paths = [dst]
+        refuse_foreign_directory(dst)
         _replace(tmp, dst)
         return result
     except BaseException:
@@ -496,6 +497,16 @@ def check_destination(dst: str | os.PathLike[str], *, force: bool, sources: Sequ
         if where == target or target in where.parents:
             what = "is the source" if where == target else f"is a directory holding the source {src}"
             raise FileExistsError(f"{dst} {what}: replacing it would delete the source; write to another path")
+        if where.is_dir() and where in target.parents:  # a file of a ZeRO or DCP source, perhaps
+            raise FileExistsError(f"{dst} lies inside the source directory {src}: replacing it could delete part of"
+                                  " the source; write to a path outside it")
+    refuse_foreign_directory(dst)
+
+
+def refuse_foreign_directory(dst: Path) -> None:
+    """`FileExistsError` if ``dst`` is a directory holding anything but a sharded checkpoint (its shards and
+    index). Checked at the door and again just before the new version replaces ``dst``, since a long write
+    leaves time for someone to put a file there."""
     if dst.is_dir() and not dst.is_symlink():
         others = sorted(p.name for p in dst.iterdir()
                         if not (p.is_file() and (p.name == DEFAULT_INDEX_NAME or _SHARD_NAME.fullmatch(p.name))))

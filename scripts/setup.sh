@@ -8,12 +8,16 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 TORCH_INDEX=${TORCH_INDEX-https://download.pytorch.org/whl/cpu}
+TORCH_INDEX=${TORCH_INDEX%/}
 INDEX=()
 if [ -n "$TORCH_INDEX" ] && ! command -v nvidia-smi >/dev/null 2>&1 \
-    && curl -sfI --max-time 5 "$TORCH_INDEX/torch/" >/dev/null 2>&1; then
+    && .venv/bin/python -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + '/torch/', timeout=5)" \
+       "$TORCH_INDEX" >/dev/null 2>&1; then
   INDEX=(--index-url "$TORCH_INDEX")
+  echo "torch: from $TORCH_INDEX"
 fi
-.venv/bin/python -m pip install -q "torch==2.13.0" "${INDEX[@]}" 2>&1 | grep -v "is ignored" || true
+# ${INDEX[@]+...}: an empty array under `set -u` is an error in bash before 4.4
+.venv/bin/python -m pip install -q "torch==2.13.0" ${INDEX[@]+"${INDEX[@]}"} 2>&1 | grep -v "is ignored" || true
 # DeepSpeed (tests only: real ZeRO checkpoints) as pure Python: no C++/CUDA ops are built
 DS_BUILD_OPS=0 .venv/bin/python -m pip install -q -e ".[dev]" 2>&1 | grep -v "is ignored" || true
 .venv/bin/python -c "import torch, safetensors, fsdp_restore; print('fsdp_restore', fsdp_restore.__version__, 'torch', torch.__version__)"

@@ -485,28 +485,48 @@ def moved_file(tmp_path_factory):
 
 
 _SUBTREES = {"restore_model": ({"model_prefix": "weights"}, {"prefix": "weights"}),
-             "restore": ({"model_prefix": "weights", "optim_prefix": "opt"}, {"model_key": "weights", "optim_key": "opt"}),
+             "restore": ({"model_prefix": "weights", "optim_prefix": "opt"},
+                         {"model_key": "weights", "optim_key": "opt"}),
              "restore_optimizer": ({"optim_prefix": "opt"}, {"prefix": "opt"})}
+
+
+def _call_direct(name, model, opt, path, options):
+    """The entry point called from this line of this file (no wrapper between): returns that line's number."""
+    import inspect
+
+    line = inspect.currentframe().f_lineno
+    if name == "restore_model":
+        restore_model(model, path, **options)
+        return line + 2
+    if name == "restore":
+        fsdp_restore.restore(model, path, optimizer=opt, **options)
+        return line + 5
+    fsdp_restore.restore_optimizer(opt, model, path, **options)
+    return line + 7
 
 
 @pytest.mark.parametrize("name", ["restore_model", "restore", "restore_optimizer"])
 def test_subtree_options_have_one_name_each_and_the_old_ones_still_work(moved_file, name):
     """model_prefix= / optim_prefix= in every restore entry point; prefix=, model_key=, optim_key= (their names
-    before) restore the same with a DeprecationWarning at the caller's line; old and new together: TypeError."""
+    before) restore the same with a DeprecationWarning pointing at the caller's line; an old and a new name
+    together are a TypeError, whatever the values (optim_prefix="optim", its default's value, included)."""
     path, saved = moved_file
     new, old = _SUBTREES[name]
     for options in (new, old):
-        call, model, _ = _entry(name, path)
+        _, model, opt = _entry(name, path)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            call(**options)
+            line = _call_direct(name, model, opt, path, options)
         renamed = [w for w in caught if issubclass(w.category, DeprecationWarning) and "is renamed" in str(w.message)]
         assert len(renamed) == (len(old) if options is old else 0), [str(w.message) for w in caught]
-        assert all(w.filename == __file__ for w in renamed)
+        assert all((w.filename, w.lineno) == (__file__, line) for w in renamed), [(w.filename, w.lineno)
+                                                                                  for w in renamed]
         if name != "restore_optimizer":
             assert all(torch.equal(v, model.state_dict()[k]) for k, v in saved.items())
-    with pytest.raises(TypeError, match="deprecated old name"):
-        _entry(name, path)[0](**{**new, **old})
+    at_default = [{**new, "optim_prefix": "optim", **old}] if "optim_prefix" in new else []  # "optim" given
+    for both in [{**new, **old}, *at_default]:
+        with pytest.raises(TypeError, match="deprecated old name"):
+            _entry(name, path)[0](**both)
 
 
 @pytest.mark.parametrize("bad", [0, -1, True, 2.5, "4"])

@@ -258,3 +258,46 @@ def test_a_value_dropped_on_conversion_is_a_declared_change_given_the_same_allow
     assert not other.ok and other.problems == [("cfg.warmup", "NoneType but the source has int")], other.problems
     with pytest.raises(ValueError, match="nope.Nope"):
         verify(dst, against=src, allow_globals=["nope.Nope"])
+
+
+@pytest.mark.parametrize("name,converted,other", [
+    ("int and str keys", lambda td: {"w": torch.ones(2), 1: td, "1": None},
+     lambda td: {"w": torch.ones(2), 1: td, "1": td}),
+    ("dotted key and nesting", lambda td: {"w": torch.ones(2), "a.b": td, "a": {"b": None}},
+     lambda td: {"w": torch.ones(2), "a.b": td, "a": {"b": td}}),
+    ("list item and key", lambda td: {"w": torch.ones(2), "x": [td], "x.0": None},
+     lambda td: {"w": torch.ones(2), "x": [td], "x.0": td}),
+])
+def test_a_declared_drop_never_covers_another_value_whose_path_reads_the_same(tmp_path, name, converted, other):
+    """The file drops one value and holds None at a path whose text is the same: against a source with a dropped
+    type at that second path, verify reports the difference (it took it for the declared drop)."""
+    import datetime
+
+    td = datetime.timedelta(seconds=9)
+    torch.save(converted(td), tmp_path / "a.pt")
+    torch.save(other(td), tmp_path / "b.pt")
+    with pytest.warns(UserWarning, match="skipped"):
+        fsdp_restore.convert(tmp_path / "a.pt", tmp_path / "a.safetensors", allow_globals=["datetime.timedelta"],
+                             on_unsupported="skip")
+    assert verify(tmp_path / "a.safetensors", against=tmp_path / "a.pt", allow_globals=["datetime.timedelta"]).ok
+    report = verify(tmp_path / "a.safetensors", against=tmp_path / "b.pt", allow_globals=["datetime.timedelta"])
+    assert not report.ok and len(report.dropped) == 1, (report.problems, report.dropped)
+    assert [m for _, m in report.problems] == ["NoneType but the source has timedelta"], report.problems
+
+
+def test_a_file_holding_none_or_a_dropped_root_is_still_compared(tmp_path):
+    import datetime
+
+    torch.save(None, tmp_path / "none.pt")
+    fsdp_restore.convert(tmp_path / "none.pt", tmp_path / "none.safetensors")
+    torch.save({"w": torch.ones(4)}, tmp_path / "real.pt")
+    assert verify(tmp_path / "none.safetensors", against=tmp_path / "none.pt").ok
+    report = verify(tmp_path / "none.safetensors", against=tmp_path / "real.pt")
+    assert not report.ok and "NoneType but the source has dict" in report.problems[0][1], report.problems
+    torch.save(datetime.timedelta(seconds=3), tmp_path / "td.pt")
+    with pytest.warns(UserWarning, match="skipped"):
+        fsdp_restore.convert(tmp_path / "td.pt", tmp_path / "td.safetensors", allow_globals=["datetime.timedelta"],
+                             on_unsupported="skip")
+    declared = verify(tmp_path / "td.safetensors", against=tmp_path / "td.pt", allow_globals=["datetime.timedelta"])
+    assert declared.ok and declared.dropped == [("<root>", "datetime.timedelta")], declared.problems
+    assert not verify(tmp_path / "td.safetensors", against=tmp_path / "real.pt").ok

@@ -252,3 +252,34 @@ def test_force_replaces_a_sharded_set_with_a_file_and_back(tmp_path):
     assert dst.is_file() and torch.equal(fsdp_restore.load(dst)["w"], torch.arange(6.0))
     fsdp_restore.convert(src, dst, force=True, max_shard_size=16)
     assert dst.is_dir() and torch.equal(fsdp_restore.load(dst)["w"], torch.arange(6.0))
+
+
+def test_force_never_replaces_a_file_inside_a_directory_source(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    src = tmp_path / "dcp"
+    dcp.save({"w": torch.arange(8.0)}, checkpoint_id=src)
+    inside = sorted(p for p in src.iterdir() if p.suffix == ".distcp")[0]
+    before = inside.read_bytes()
+    with pytest.raises(FileExistsError, match="inside the source directory"):
+        fsdp_restore.convert(src, inside, force=True)
+    assert inside.read_bytes() == before
+    fsdp_restore.convert(src, tmp_path / "out.safetensors")  # the source is whole
+    assert torch.equal(fsdp_restore.load(tmp_path / "out.safetensors")["w"], torch.arange(8.0))
+
+
+def test_a_file_put_in_the_destination_during_the_write_is_not_deleted(tmp_path):
+    """The directory is checked again just before the new version replaces it."""
+    _, src = _user_directory(tmp_path)
+    dst = tmp_path / "out"
+    fsdp_restore.convert(src, dst, max_shard_size=16)
+    old = sorted(p.name for p in dst.iterdir())
+
+    def meanwhile(done: int, total: int) -> None:
+        (dst / "notes.txt").write_text("written during the conversion")
+
+    with pytest.raises(FileExistsError, match=r"holding more than a sharded checkpoint \(notes.txt\)"):
+        fsdp_restore.convert(src, dst, force=True, progress=meanwhile)
+    assert sorted(p.name for p in dst.iterdir()) == sorted([*old, "notes.txt"])
+    assert torch.equal(fsdp_restore.load(dst)["w"], torch.arange(6.0))  # the old version, still whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]  # no temporaries left
