@@ -3,8 +3,8 @@
 Options come, lowest precedence first, from the built-in defaults (mirrored in
 ``configs/convert.yaml``), a ``--config FILE``, the flags, then ``key=value`` overrides. Every option
 is checked at the door (type and range, `check_convert_options`), before anything is read or written.
-Errors print one line and exit non-zero (usage errors: 2, everything else: 1); ``--debug`` shows the
-traceback.
+Errors print one line and exit non-zero (usage errors, a bad option value or config file included: 2;
+everything else: 1); ``--debug`` shows the traceback.
 """
 
 from __future__ import annotations
@@ -491,7 +491,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         text = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         err.print(Text.assemble(("error: ", "bold red"), str(text)), highlight=False, soft_wrap=True)
-        return 1
+        return 2 if isinstance(e, OptionError) else 1  # a bad option value is a usage error, as argparse's are
     except KeyboardInterrupt:
         err.print("[red]interrupted[/]")
         return 130

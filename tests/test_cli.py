@@ -59,7 +59,7 @@ def test_errors_are_one_line_and_nonzero(tmp_path, src):
     res = run("inspect", bad)
     assert res.returncode == 1 and "too short" in res.stderr and "Traceback" not in res.stderr
     res = run("convert", src, tmp_path / "y.safetensors", "nonsense=1")
-    assert res.returncode == 1 and "unknown option" in res.stderr
+    assert res.returncode == 2 and "unknown option" in res.stderr  # a usage error
     for args in (("--debug", "inspect", bad), ("inspect", bad, "--debug")):  # before or after the command
         res = run(*args)
         assert res.returncode != 0 and "Traceback" in res.stderr, args
@@ -149,6 +149,7 @@ def test_bad_convert_options_are_one_line(src, tmp_path, capsys, argv, names):
     dst = tmp_path / "out.safetensors"
     code = _main(["convert", str(src), str(dst), *argv])
     err = _one_line_error(code, capsys.readouterr().err)
+    assert code == 2, (code, err)  # a usage error, whether argparse or the options check finds it
     for name in names:
         assert name in err, err
     assert not dst.exists()
@@ -167,6 +168,7 @@ def test_bad_config_file_is_one_line_naming_it(src, tmp_path, capsys, text, name
     cfg.write_text(text)
     code = main(["convert", str(src), str(tmp_path / "out.safetensors"), "--config", str(cfg)])
     err = _one_line_error(code, capsys.readouterr().err)
+    assert code == 2, (code, err)
     for name in [*names, "opts.yaml"]:
         assert name in err, err
 
