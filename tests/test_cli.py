@@ -30,6 +30,8 @@ def test_a_command_that_imports_torch_still_exits_with_its_code_and_all_its_outp
     ok = run("convert", src, dst)
     assert ok.returncode == 0, ok.stderr
     assert "converted" in ok.stdout and ok.stdout.rstrip().endswith("┘"), ok.stdout  # the report's last line
+    assert f"converted {src} -> {dst}\n" in ok.stdout  # the paths whole, on one line
+    assert "imports before it (torch...)" in ok.stdout  # the first use's import, apart from the conversion's time
     assert torch.equal(load_file(dst)["model.w"], torch.load(src)["model"]["w"])
     bad = run("convert", tmp_path / "missing.pt", tmp_path / "out.safetensors")
     assert bad.returncode == 1 and "error:" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
