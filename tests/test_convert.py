@@ -270,7 +270,7 @@ def test_cli_int8_is_one_clear_error(train_ckpt, tmp_path):
     src, _ = train_ckpt
     res = subprocess.run([sys.executable, "-m", "fsdp_restore", "convert", str(src), str(tmp_path / "o.safetensors"),
                           "--dtype", "int8"], capture_output=True, text=True)
-    assert res.returncode == 1 and "not a floating target" in res.stderr and "Traceback" not in res.stderr
+    assert res.returncode == 2 and "not a floating target" in res.stderr and "Traceback" not in res.stderr  # usage
 
 
 # ---- no stale sibling ----------------------------------------------------------------------------------
