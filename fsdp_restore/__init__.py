@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import (FormatError, FsdpRestoreError, RestoreError, SaveError, UnsafePickleError,
+from .errors import (ConvertError, FormatError, FsdpRestoreError, RestoreError, SaveError, UnsafePickleError,
                      UnsupportedObjectError, VerifyError)
 
 # The public names, each from its module, imported on first use (PEP 562): `fsdp-restore --help` and
@@ -100,7 +100,7 @@ def load(path: str | os.PathLike[str], *, mmap: bool = True, trust_pickle: bool 
 
 
 __all__ = [
-    "Checkpoint", "ConvertReport", "FormatError", "FsdpRestoreError", "KeyMap", "RestoreError", "RestoreReport", "RestoreResult",
+    "Checkpoint", "ConvertError", "ConvertReport", "FormatError", "FsdpRestoreError", "KeyMap", "RestoreError", "RestoreReport", "RestoreResult",
     "UnsafePickleError", "UnsupportedObjectError", "VerifyError", "VerifyReport", "convert", "find_safetensors_for",
     "flatten", "init_non_persistent_buffers", "inspect_checkpoint", "load", "load_pt", "open_checkpoint", "restore",
     "restore_model", "restore_optimizer", "save", "SaveError", "SaveReport", "save_sharded", "unflatten", "verify",

@@ -272,12 +272,23 @@ def cmd_convert(args: argparse.Namespace) -> int:
              "allow_globals": args.allow_global or None}
     values, origin = _convert_values(args.config, flags, args.overrides)
     text = {key: value if isinstance(value, str) else None for key, value in values.items()}
-    start_prefetch(args.src, select=text["select"], tag=text["tag"])  # the disk reads while torch is imported below
+    ranks = int(os.environ.get("WORLD_SIZE", "1") or 1)  # launched by torchrun: convert on every rank together
+    if ranks == 1:  # (each rank reads only its blocks' bytes: no rank reads the whole source ahead)
+        start_prefetch(args.src, select=text["select"], tag=text["tag"])  # the disk reads while torch is imported
     cfg = check_convert_options(values, origin)
     started = time.perf_counter()
     from .convert import convert  # the first command to need torch imports it here: timed apart from the work
 
     imports = time.perf_counter() - started
+    if ranks > 1:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")  # torchrun's environment: MASTER_ADDR, RANK, WORLD_SIZE...
+        cfg["process_group"] = dist.group.WORLD
+        if dist.get_rank() != 0:  # rank 0 reports; every rank raises the same error if any fails
+            convert(args.src, args.dst, **cfg)
+            return 0
     with _progress() as progress:
         task = progress.add_task("convert", total=None)
 

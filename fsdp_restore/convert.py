@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from . import torch_zip
 from .errors import FormatError, UnsafePickleError, thread_count_argument
@@ -32,6 +33,7 @@ from .jobs import ConvertReport, cast_groups, cast_target, parse_size, plan_jobs
 from .mapped import MappedFile
 from .measure import PeakAnonMemory, Stopwatch
 from .provenance import source_identity
+from .share import Share
 from .write import ProgressFn, check_destination, default_io_threads, write_safetensors
 
 def _allowlist() -> list[Any]:
@@ -252,25 +254,32 @@ def select_subtree(obj: Any, select: str | None) -> Any:
 def _convert_directory(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: torch.dtype | None,
                        cast_include: Sequence[str] | None, cast_exclude: Sequence[str], max_shard_size: int | str | None,
                        select: str | None, threads: int | None, force: bool, on_unsupported: str,
-                       progress: Callable[[int, int], None] | None, tag: str | None) -> ConvertReport:
+                       progress: Callable[[int, int], None] | None, tag: str | None, share: Share) -> ConvertReport:
     """A sharded checkpoint directory in (DeepSpeed ZeRO: `zero.read_zero`; DCP: `dcp_in.read_dcp`), streamed
     out: each tensor held in pieces is assembled range by range as it is written."""
     from .dcp_in import is_dcp_checkpoint, read_dcp
     from .zero import is_zero_checkpoint, read_zero
 
-    if not (is_zero_checkpoint(src) or is_dcp_checkpoint(src)):
-        raise FormatError(src, "a directory, but neither a DeepSpeed ZeRO checkpoint ('latest', or a global_step*"
-                          " tag with *_optim_states.pt files) nor a DCP checkpoint (.metadata + *.distcp)")
-    check_destination(dst, force=force, sources=[src])
     threads = threads or default_io_threads()
-    with PeakAnonMemory() as mem, Stopwatch() as clock:
+
+    def read_source() -> tuple[str, Any, dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+        if not (is_zero_checkpoint(src) or is_dcp_checkpoint(src)):
+            raise FormatError(src, "a directory, but neither a DeepSpeed ZeRO checkpoint ('latest', or a"
+                              " global_step* tag with *_optim_states.pt files) nor a DCP checkpoint (.metadata +"
+                              " *.distcp)")
+        check_destination(dst, force=force, sources=[src])
         if is_dcp_checkpoint(src):
             obj, pieces = read_dcp(src)
             label = str(src)
         else:
             obj, pieces, layout = read_zero(src, tag=tag)
             label = str(layout.tag_dir)
-        tensors, structure = flatten(select_subtree(obj, select), on_unsupported=on_unsupported)  # type: ignore[arg-type]
+        tensors, structure = flatten(select_subtree(obj, select),
+                                     on_unsupported=on_unsupported)  # type: ignore[arg-type]
+        return label, obj, tensors, structure, pieces
+
+    with PeakAnonMemory() as mem, Stopwatch() as clock:
+        label, obj, tensors, structure, pieces = share.step("read the source", read_source)  # type: ignore[misc]
         readers = {}
         for key, t in tensors.items():
             held = pieces.get(t.data_ptr())
@@ -278,7 +287,8 @@ def _convert_directory(src: str | os.PathLike[str], dst: str | os.PathLike[str],
                 tensors[key], readers[key] = held
         result, casts = write_converted(tensors, structure, dst, readers=readers, dtype=dtype,
                                         cast_include=cast_include, cast_exclude=cast_exclude,
-                                        max_shard_size=max_shard_size, threads=threads, force=force, progress=progress)
+                                        max_shard_size=max_shard_size, threads=threads, force=force, progress=progress,
+                                        share=share if share.world > 1 else None)
         del obj, tensors, readers, pieces
     return ConvertReport(src=label, dst=str(dst), files=[str(p) for p in result.paths],
                          tensors=len(result.checksums), nbytes=result.nbytes, cast_tensors=len(casts),
@@ -305,7 +315,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
             max_shard_size: int | str | None = None, select: str | None = None, thread_count: int | None = None,
             force: bool = False, trust_pickle: bool = False, allow_globals: Sequence[str] = (),
             on_unsupported: str = "error", progress: Callable[[int, int], None] | None = None,
-            tag: str | None = None, threads: int | None = None) -> ConvertReport:
+            tag: str | None = None, threads: int | None = None,
+            process_group: dist.ProcessGroup | None = None) -> ConvertReport:
     """Stream a ``torch.save`` file into our safetensors format and report what it cost.
 
     The input is memory-mapped (``torch.load(mmap=True, weights_only=True)``) to read its structure; the
@@ -325,6 +336,11 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
     state and 0-dim values keep their dtype unless ``cast_include`` patterns name them (a 0-dim tensor
     only by its exact key). ``report.cast`` lists what was cast, by group.
 
+    ``process_group``: convert on every rank of that group together (``torchrun``; the CLI does it when launched
+    so), each rank reading and writing only its share of the output's 32 MB blocks into the one file
+    (`fsdp_restore.share`); call it on every rank with the same arguments. A failure on any rank raises the same
+    `ConvertError` on every rank, and nothing is put at ``dst``.
+
     ``threads=``, the old name of ``thread_count``, still works with a `DeprecationWarning`; a
     ``thread_count`` that is not an int >= 1 is a `ValueError` before anything is read.
     """
@@ -333,18 +349,23 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
     if tag is not None and Path(src).is_file():
         raise ValueError(f"tag='{tag}' (--tag) picks a tag of a DeepSpeed checkpoint directory; {src} is a file:"
                          " drop --tag")
+    one = Share.of(process_group) if process_group is not None else Share(0, 1)
     if Path(src).is_dir():
         return _convert_directory(src, dst, dtype=dtype, cast_include=cast_include, cast_exclude=cast_exclude,
                                   max_shard_size=max_shard_size, select=select, threads=thread_count, force=force,
-                                  on_unsupported=on_unsupported, progress=progress, tag=tag)
-    if not Path(src).is_file():
-        raise FormatError(src, "no such file")
-    check_destination(dst, force=force, sources=[src])
+                                  on_unsupported=on_unsupported, progress=progress, tag=tag, share=one)
     threads = thread_count or default_io_threads()
-    with PeakAnonMemory() as mem, Stopwatch() as clock, _gc_paused():
+
+    def read_source() -> tuple[dict[str, Any], Any, dict[str, torch.Tensor], dict[str, Any]]:
+        if not Path(src).is_file():
+            raise FormatError(src, "no such file")
+        check_destination(dst, force=force, sources=[src])
         identity = source_identity(src)  # before reading: a source rewritten meanwhile will not match it
         obj = select_subtree(load_pt(src, trust_pickle=trust_pickle, allow_globals=allow_globals), select)
-        tensors, structure = flatten(obj, on_unsupported=on_unsupported)  # type: ignore[arg-type]
+        return (identity, obj, *flatten(obj, on_unsupported=on_unsupported))  # type: ignore[arg-type]
+
+    with PeakAnonMemory() as mem, Stopwatch() as clock, _gc_paused():
+        identity, obj, tensors, structure = one.step("read the source", read_source)  # type: ignore[misc]
         mapped, fd = MappedFile(src), os.open(src, os.O_RDONLY)
         try:
             locations = {key: (fd, offset) for key, t in tensors.items()
@@ -352,7 +373,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
             result, casts = write_converted(tensors, structure, dst, dtype=dtype, cast_include=cast_include,
                                             cast_exclude=cast_exclude, max_shard_size=max_shard_size,
                                             threads=threads, force=force, progress=progress,
-                                            metadata={META_SOURCE: json.dumps(identity)}, locations=locations)
+                                            metadata={META_SOURCE: json.dumps(identity)}, locations=locations,
+                                            share=one if one.world > 1 else None)
         except EOFError as e:  # a tensor's bytes read at their offset: the file is shorter than its pickle says
             raise FormatError(src, f"{str(e).removeprefix('the file ')}; was it truncated or rewritten while it was"
                               " being converted? Convert it again from a complete copy") from None

@@ -51,6 +51,11 @@ class VerifyError(FsdpRestoreError):
     """A checkpoint failed verification."""
 
 
+class ConvertError(FsdpRestoreError):
+    """A conversion on several ranks (``convert(..., process_group=...)``) failed; raised with the same message on
+    every rank (nothing is put at the destination)."""
+
+
 class SaveError(FsdpRestoreError):
     """`save_sharded` failed; raised with the same message on every rank (nothing is left at the destination)."""
 

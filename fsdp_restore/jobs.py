@@ -19,6 +19,7 @@ import torch
 
 from .flatten import holds_model_subtree, iter_nodes_with_keys
 from .format import torch_dtype_from_string, torch_dtype_name
+from .share import Share
 from .write import Reader, TensorJob, write_safetensors
 
 _CASTABLE = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
@@ -119,7 +120,8 @@ def write_converted(tensors: dict[str, torch.Tensor], structure: dict[str, Any],
                     max_shard_size: int | str | None = None, threads: int, force: bool = False,
                     progress: Callable[[int, int], None] | None = None,
                     metadata: dict[str, str] | None = None,
-                    locations: dict[str, tuple[int, int]] | None = None) -> tuple[Any, dict[str, tuple[str, str]]]:
+                    locations: dict[str, tuple[int, int]] | None = None,
+                    share: Share | None = None) -> tuple[Any, dict[str, tuple[str, str]]]:
     """Cast (policy above) and write ``tensors`` with ``structure``; ``readers[key]`` supplies the
     elements of a tensor held in pieces (its ``tensors`` entry then only gives shape and dtype).
     Returns the writer's result and ``{key: (dtype before, dtype after)}`` of every cast."""
@@ -139,5 +141,5 @@ def write_converted(tensors: dict[str, torch.Tensor], structure: dict[str, Any],
 
     result = write_safetensors(dst, jobs, structure_json=json.dumps(structure, separators=(",", ":")),
                                max_shard_size=parse_size(max_shard_size), threads=threads, force=force,
-                               progress=on_bytes, metadata=metadata)
+                               progress=on_bytes, metadata=metadata, share=share)
     return result, casts

@@ -40,7 +40,9 @@ import torch
 from .checksum import combine_segments
 from .format import (DEFAULT_INDEX_NAME, FORMAT_VERSION, HEADER_SEAL_PREFIX, META_CAST, META_CHECKSUMS, META_FORMAT,
                      META_SET_ID, META_STRUCTURE, META_VERSION, build_header, build_index, seal, torch_dtype_name)
+from .errors import ConvertError
 from .mapped import pread_exactly
+from .share import Share
 
 CHUNK_BYTES = 16 * 1024 * 1024  # per-thread working set when casting or copying non-contiguous data
 _PLACEHOLDER = "0" * 8
@@ -241,14 +243,15 @@ class _FileWriter:
     through the page cache. The header's checksums are known only at the end: the page where the header
     ends is kept and written again, patched, before the fsync."""
 
-    def __init__(self, path: Path, jobs: list[TensorJob], metadata: dict[str, str]) -> None:
+    def __init__(self, path: Path, jobs: list[TensorJob], metadata: dict[str, str], *, create: bool = True) -> None:
         self.path, self.jobs = path, jobs
         self.metadata = dict(metadata)
         self.header, self.offsets = file_header(jobs, self.metadata)
         self.data_start = len(self.header)  # the header length never changes (see the checksum patch)
         self.size = self.data_start + sum(j.nbytes for j in jobs)
         self.fd, self.direct = -1, False
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        # create: this process makes the file; else another rank of the write made it (`share.Share`)
+        flags = os.O_WRONLY | (os.O_CREAT | os.O_EXCL if create else 0)
         if hasattr(os, "O_DIRECT"):
             try:
                 self.fd, self.direct = os.open(path, flags | os.O_DIRECT, 0o644), True
@@ -319,6 +322,18 @@ class _FileWriter:
             if self.direct:
                 self._retired.append(self.fd)  # closed in `close`: another thread may be writing through it
                 self.fd, self.direct = os.open(self.path, os.O_WRONLY), False
+
+    def segments(self) -> tuple[dict[str, dict[int, tuple[int, int]]], bytes]:
+        """What this process wrote that `finish` needs: the crc32 of each piece (``{key: {first byte: (crc,
+        length)}}``) and, if it wrote the block where the header ends, that page's data bytes."""
+        return {key: dict(pieces) for key, pieces in self._segment_crcs.items() if pieces}, self._head_tail
+
+    def add_segments(self, segments: tuple[dict[str, dict[int, tuple[int, int]]], bytes]) -> None:
+        """What another rank of the write wrote (its `segments`), for `finish`."""
+        crcs, head_tail = segments
+        for key, pieces in crcs.items():
+            self._segment_crcs[key].update(pieces)
+        self._head_tail = self._head_tail or head_tail
 
     def finish(self) -> None:
         """Join each tensor's segment checksums, patch them into the header, fsync and close."""
@@ -421,7 +436,8 @@ def index_bytes(files: Sequence[OutputFile], *, structure_json: str | None,
 
 def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *, structure_json: str | None,
                       max_shard_size: int | None = None, threads: int | None = None, force: bool = False,
-                      progress: ProgressFn | None = None, metadata: dict[str, str] | None = None) -> WriteResult:
+                      progress: ProgressFn | None = None, metadata: dict[str, str] | None = None,
+                      share: Share | None = None) -> WriteResult:
     """Write ``jobs`` to ``dst`` atomically: one file, or (with ``max_shard_size``) a directory of
     ``model-0000k-of-0000n.safetensors`` shards plus ``model.safetensors.index.json``.
 
@@ -429,51 +445,86 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
     (`_replace`); on any error the temporaries are removed and ``dst`` is untouched. An existing ``dst`` is
     replaced only with ``force=True``. ``metadata`` goes into every file's header (and the index); the
     shards of a set and its index also share a set id (`file_layout`).
-    """
+
+    ``share``: this process's part of a write made by several (`share.Share`; every rank calls this with the
+    same ``jobs``): rank 0 creates the temporary, every rank writes its share of the blocks, rank 0 joins the
+    checksums and renames; a failure on any rank is the same `ConvertError` on every rank."""
     dst = Path(dst)
-    check_destination(dst, force=force)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(dst)
-    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    one = share or Share(0, 1)
+    lead = one.rank == 0
+
+    def prepare() -> None:
+        if lead:
+            check_destination(dst, force=force)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            remove_stale_temporaries(dst)
+
+    one.step("destination", prepare)
+    tmp_name, set_id = one.first((f".{dst.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex))
+    tmp = dst.parent / tmp_name
     sharded = max_shard_size is not None
     if sharded:  # a new id per write, in every shard and the index (`file_layout`)
-        metadata = {**(metadata or {}), META_SET_ID: uuid.uuid4().hex}
+        metadata = {**(metadata or {}), META_SET_ID: set_id}
     files = file_layout(jobs, structure_json=structure_json, max_shard_size=max_shard_size, metadata=metadata)
     groups, file_meta = [f.jobs for f in files], [f.metadata for f in files]
     names = [f.name for f in files] if sharded else [tmp.name]
-    if sharded:
-        tmp.mkdir()
+    root = tmp if sharded else dst.parent
     writers: list[_FileWriter] = []
-    try:
-        root = tmp if sharded else dst.parent
+
+    def open_files(create: bool) -> None:
+        if create and sharded:
+            tmp.mkdir()
         for group, name, fmeta in zip(groups, names, file_meta):
-            writers.append(_FileWriter(root / name, group, fmeta))
-        blocks = [block for w in writers for block in w.blocks()]
-        with ThreadPoolExecutor(max_workers=threads or default_io_threads()) as pool:
-            for f in [pool.submit(_write_block, block, progress) for block in blocks]:
-                f.result()
-        for w in writers:
-            w.finish()
+            writers.append(_FileWriter(root / name, group, fmeta, create=create))
+
+    try:
+        one.step("create", lambda: open_files(True) if lead else None)
+        one.step("open", lambda: None if lead else open_files(False))
+        layout = zlib.crc32(b"".join(w.header for w in writers))  # the same files, byte for byte, on every rank
+        if len(set(one.gather(layout))) > 1:
+            raise ConvertError("the ranks laid the output out differently: each rank must convert the same source"
+                               " with the same options")
+        blocks = one.mine([block for w in writers for block in w.blocks()])
+
+        def write_blocks() -> None:
+            with ThreadPoolExecutor(max_workers=threads or default_io_threads()) as pool:
+                for f in [pool.submit(_write_block, block, progress) for block in blocks]:
+                    f.result()
+            if one.world > 1:  # on the device before rank 0 commits (a single process fsyncs in `finish`)
+                for w in writers:
+                    os.fsync(w.fd)
+
+        one.step("write", write_blocks)
+        segments = one.gather([w.segments() for w in writers])
         result = WriteResult(paths=[], nbytes=sum(j.nbytes for j in jobs))
-        for w in writers:
-            result.checksums.update(w.checksums)
-        if sharded:
-            _write_small_file(tmp / DEFAULT_INDEX_NAME, index_bytes(files, structure_json=structure_json,
-                                                                    metadata=metadata))
-            result.paths = [dst / name for name in names]
-            _fsync_dir(tmp)
-        else:
-            result.paths = [dst]
-        refuse_foreign_directory(dst)
-        _replace(tmp, dst)
+
+        def commit() -> None:
+            if not lead:
+                return
+            for i, w in enumerate(writers):
+                for rank_segments in segments[1:]:
+                    w.add_segments(rank_segments[i])
+                w.finish()
+                result.checksums.update(w.checksums)
+            if sharded:
+                _write_small_file(tmp / DEFAULT_INDEX_NAME, index_bytes(files, structure_json=structure_json,
+                                                                        metadata=metadata))
+                _fsync_dir(tmp)
+            refuse_foreign_directory(dst)
+            _replace(tmp, dst)
+
+        one.step("commit", commit)
+        result.checksums = one.first(result.checksums)
+        result.paths = [dst / name for name in names] if sharded else [dst]
         return result
     except BaseException:
         for w in writers:
             w.close()
-        if tmp.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            tmp.unlink(missing_ok=True)
+        if lead:  # the temporary is rank 0's; after its rename nothing is left under that name
+            if tmp.is_dir():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
         raise
 
 

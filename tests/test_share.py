@@ -1,0 +1,165 @@
+"""A conversion on several ranks (`convert(..., process_group=...)`, share.py): the one output file is byte for
+byte what one process writes, each rank writes only its share of the blocks, and a failure on any rank is the
+same `ConvertError` on every rank with nothing left behind."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from dist import run_ranks
+
+import fsdp_restore
+from fsdp_restore import ConvertError
+
+BLOCK = 64 * 1024  # the writer's block, made small so that a small file has many blocks for the ranks to share
+
+
+def _source(path: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    torch.save({"model": {f"layer{i}.weight": torch.randn(97 + i, 61, generator=g) for i in range(12)},
+                "optim": {"state": {0: {"exp_avg": torch.randn(300, 41, generator=g), "step": torch.tensor(7.0)}}},
+                "step": 7, "note": "several ranks"}, path)
+
+
+def _convert_on_ranks(rank: int, world_size: int, src: str, dst: str, shard: int | None) -> dict:
+    import torch.distributed as dist
+
+    import fsdp_restore.write as write
+
+    write.BLOCK_BYTES = BLOCK
+    written = [0]
+
+    def progress(done: int, total: int) -> None:
+        written[0] = max(written[0], done)
+
+    report = fsdp_restore.convert(src, dst, process_group=dist.group.WORLD, max_shard_size=shard, force=True,
+                                  progress=progress)
+    return {"written": written[0], "nbytes": report.nbytes, "checksums": report.checksums}
+
+
+def _files(path):
+    return sorted(p for p in path.iterdir()) if path.is_dir() else [path]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("shard", [None, 40_000], ids=["file", "sharded"])
+def test_the_ranks_write_one_file_byte_for_byte_as_one_process_does(tmp_path, monkeypatch, world_size, shard):
+    src, dst, ref = tmp_path / "src.pt", tmp_path / "out", tmp_path / "ref"
+    _source(str(src))
+    results = run_ranks(_convert_on_ranks, world_size, str(src), str(dst), shard)
+    import fsdp_restore.write as write
+
+    monkeypatch.setattr(write, "BLOCK_BYTES", BLOCK)
+    single = fsdp_restore.convert(src, ref, max_shard_size=shard)
+    assert all(r["checksums"] == single.checksums for r in results)  # every rank reports the joined checksums
+    total = sum(r["written"] for r in results)
+    assert total == single.nbytes and all(r["nbytes"] == single.nbytes for r in results)
+    share = single.nbytes / world_size
+    assert all(abs(r["written"] - share) <= 2 * BLOCK for r in results), [r["written"] for r in results]
+    if shard is None:  # one file: the same bytes (the header included: same source, same metadata)
+        assert dst.read_bytes() == ref.read_bytes()
+    else:  # the same shards (each set has its own id, so their headers differ there)
+        assert [p.name for p in _files(dst)] == [p.name for p in _files(ref)] and len(_files(dst)) > 2
+    assert fsdp_restore.verify(dst, against=src).ok  # torch.load's oracle, every checksum
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "ref", "src.pt"]  # no temporaries
+
+
+def _fail_on_rank_1(rank: int, world_size: int, src: str, dst: str) -> str:
+    import torch.distributed as dist
+
+    import fsdp_restore.write as write
+
+    write.BLOCK_BYTES = BLOCK
+    if rank == 1:
+        def broken(*args, **kwargs):
+            raise OSError(5, "Input/output error (injected)")
+
+        write.pread_exactly = broken  # this rank cannot read its blocks' source bytes
+    with pytest.raises(ConvertError) as info:
+        fsdp_restore.convert(src, dst, process_group=dist.group.WORLD)
+    return str(info.value)
+
+
+def test_a_failure_on_one_rank_is_the_same_error_everywhere_and_leaves_nothing(tmp_path):
+    src, dst = tmp_path / "src.pt", tmp_path / "out.safetensors"
+    _source(str(src))
+    texts = run_ranks(_fail_on_rank_1, 3, str(src), str(dst))
+    assert len(set(texts)) == 1, texts
+    assert "convert (write) failed on rank(s) 1 of 3" in texts[0] and "injected" in texts[0], texts[0]
+    assert sorted(os.listdir(tmp_path)) == ["src.pt"]  # no destination, no temporary
+
+
+def _different_sources(rank: int, world_size: int, srcs: list[str], dst: str) -> str:
+    import torch.distributed as dist
+
+    with pytest.raises(ConvertError) as info:
+        fsdp_restore.convert(srcs[rank], dst, process_group=dist.group.WORLD)
+    return str(info.value)
+
+
+def test_ranks_that_read_different_sources_are_refused(tmp_path):
+    srcs = [str(tmp_path / f"src{r}.pt") for r in range(2)]
+    torch.save({"w": torch.ones(10)}, srcs[0])
+    torch.save({"w": torch.ones(11)}, srcs[1])
+    texts = run_ranks(_different_sources, 2, srcs, str(tmp_path / "out.safetensors"))
+    assert texts[0] == texts[1] and "laid the output out differently" in texts[0], texts
+    assert sorted(os.listdir(tmp_path)) == ["src0.pt", "src1.pt"]
+
+
+def test_a_process_group_needs_torch_distributed(tmp_path):
+    torch.save({"w": torch.ones(2)}, tmp_path / "a.pt")
+    with pytest.raises(TypeError, match="ProcessGroup"):
+        fsdp_restore.convert(tmp_path / "a.pt", tmp_path / "a.safetensors", process_group="world")
+    assert not (tmp_path / "a.safetensors").exists()
+
+
+def test_the_command_under_torchrun_converts_on_every_rank(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    def torchrun(*args: str) -> subprocess.CompletedProcess:
+        with socket.socket() as s:  # a free port for the rendezvous (torchrun's port 0 waits forever)
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                               "--master-port", str(port), "-m", "fsdp_restore", *args], capture_output=True,
+                              text=True, timeout=180)
+
+    src, dst = tmp_path / "src.pt", tmp_path / "out.safetensors"
+    _source(str(src))
+    res = torchrun("convert", str(src), str(dst))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.count("converted ") == 1  # rank 0 reports
+    assert fsdp_restore.verify(dst, against=src).ok
+    bad = torchrun("convert", str(src), str(dst))
+    assert bad.returncode != 0 and bad.stderr.count("error: convert (read the source) failed on rank(s) 0, 1 of 2:"
+                                                    " FileExistsError") == 2, bad.stderr[-3000:]  # every rank, no hang
+
+
+def _convert_dir_on_ranks(rank: int, world_size: int, src: str, dst: str) -> dict:
+    import torch.distributed as dist
+
+    import fsdp_restore.write as write
+
+    write.BLOCK_BYTES = BLOCK
+    return fsdp_restore.convert(src, dst, process_group=dist.group.WORLD).checksums
+
+
+def test_a_sharded_source_too(tmp_path, monkeypatch):
+    """A DCP directory in: each rank assembles only its blocks' tensors from the source's pieces."""
+    import torch.distributed.checkpoint as dcp
+
+    import fsdp_restore.write as write
+
+    g = torch.Generator().manual_seed(1)
+    dcp.save({"model": {f"w{i}": torch.randn(211, 53, generator=g) for i in range(8)}, "step": 3},
+             checkpoint_id=tmp_path / "dcp")
+    sums = run_ranks(_convert_dir_on_ranks, 2, str(tmp_path / "dcp"), str(tmp_path / "out.safetensors"))
+    monkeypatch.setattr(write, "BLOCK_BYTES", BLOCK)
+    single = fsdp_restore.convert(tmp_path / "dcp", tmp_path / "ref.safetensors")
+    assert sums[0] == sums[1] == single.checksums
+    assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    assert fsdp_restore.verify(tmp_path / "out.safetensors", against=tmp_path / "dcp").ok
