@@ -272,19 +272,22 @@ def cmd_convert(args: argparse.Namespace) -> int:
              "allow_globals": args.allow_global or None}
     values, origin = _convert_values(args.config, flags, args.overrides)
     text = {key: value if isinstance(value, str) else None for key, value in values.items()}
-    ranks = int(os.environ.get("WORLD_SIZE", "1") or 1)  # launched by torchrun: convert on every rank together
-    if ranks == 1:  # (each rank reads only its blocks' bytes: no rank reads the whole source ahead)
+    ranks = args.ranks  # --ranks (under torchrun): convert on every rank together
+    if ranks and not all(os.environ.get(name) for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        raise OptionError("--ranks: run under torchrun (it sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT),"
+                          " e.g. torchrun --nproc-per-node 2 -m fsdp_restore convert SRC DST --ranks")
+    if not ranks:  # (each rank reads only its blocks' bytes: no rank reads the whole source ahead)
         start_prefetch(args.src, select=text["select"], tag=text["tag"])  # the disk reads while torch is imported
     cfg = check_convert_options(values, origin)
     started = time.perf_counter()
     from .convert import convert  # the first command to need torch imports it here: timed apart from the work
 
     imports = time.perf_counter() - started
-    if ranks > 1:
+    if ranks:
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            dist.init_process_group("gloo")  # torchrun's environment: MASTER_ADDR, RANK, WORLD_SIZE...
+            dist.init_process_group("gloo")  # torchrun's environment
         cfg["process_group"] = dist.group.WORLD
         if dist.get_rank() != 0:  # rank 0 reports; every rank raises the same error if any fails
             convert(args.src, args.dst, **cfg)
@@ -441,6 +444,8 @@ def make_parser() -> argparse.ArgumentParser:
     _thread_count_flags(p, "read/write threads (default: one per core, at least 4, at most 16)")
     p.add_argument("--force", action="store_true",
                    help="replace an existing checkpoint at dst (never the source, nor a directory of other files)")
+    p.add_argument("--ranks", action="store_true",
+                   help="under torchrun: every rank writes its share of the one output (for several nodes)")
     p.add_argument("--trust-pickle", action="store_true", help="execute the file's pickle (trusted files only)")
     p.add_argument("--allow-global", action="append", metavar="MODULE.NAME",
                    help="let the safe unpickler build this data-only class")

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import torch_zip
-from .errors import FormatError, UnsafePickleError, thread_count_argument
+from .errors import ConvertError, FormatError, UnsafePickleError, thread_count_argument
 from .flatten import flatten
 from .format import META_SOURCE
 from .jobs import ConvertReport, cast_groups, cast_target, parse_size, plan_jobs, write_converted
@@ -251,6 +251,24 @@ def select_subtree(obj: Any, select: str | None) -> Any:
     return node
 
 
+def _directory_identity(path: Path) -> list[tuple[str, int, int]]:
+    """Every file under ``path`` as ``(relative name, size, modification time in ns)``, sorted."""
+    found = []
+    for root, _, names in os.walk(path):
+        for name in names:
+            st = os.stat(os.path.join(root, name))
+            found.append((os.path.relpath(os.path.join(root, name), path), st.st_size, st.st_mtime_ns))
+    return sorted(found)
+
+
+def _same_source(share: Share, identity: Any) -> None:
+    """Every rank of a conversion on several ranks read the same source, as it is now, or `ConvertError` on
+    every rank: ranks reading different checkpoints would each write their own blocks into the one file."""
+    if share.world > 1 and any(other != identity for other in share.gather(identity)):
+        raise ConvertError("the ranks read different sources (another path, or the checkpoint changed while they"
+                           " read it): every rank must convert the same source")
+
+
 def _convert_directory(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: torch.dtype | None,
                        cast_include: Sequence[str] | None, cast_exclude: Sequence[str], max_shard_size: int | str | None,
                        select: str | None, threads: int | None, force: bool, on_unsupported: str,
@@ -280,6 +298,8 @@ def _convert_directory(src: str | os.PathLike[str], dst: str | os.PathLike[str],
 
     with PeakAnonMemory() as mem, Stopwatch() as clock:
         label, obj, tensors, structure, pieces = share.step("read the source", read_source)  # type: ignore[misc]
+        if share.world > 1:  # the files each rank read: the same directory as it is, on every rank
+            _same_source(share, share.step("list the source", lambda: (label, _directory_identity(Path(label)))))
         readers = {}
         for key, t in tensors.items():
             held = pieces.get(t.data_ptr())
@@ -356,20 +376,26 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
                                   on_unsupported=on_unsupported, progress=progress, tag=tag, share=one)
     threads = thread_count or default_io_threads()
 
-    def read_source() -> tuple[dict[str, Any], Any, dict[str, torch.Tensor], dict[str, Any]]:
+    def read_source() -> tuple[dict[str, Any], Any, dict[str, torch.Tensor], dict[str, Any], int, dict]:
         if not Path(src).is_file():
             raise FormatError(src, "no such file")
         check_destination(dst, force=force, sources=[src])
         identity = source_identity(src)  # before reading: a source rewritten meanwhile will not match it
         obj = select_subtree(load_pt(src, trust_pickle=trust_pickle, allow_globals=allow_globals), select)
-        return (identity, obj, *flatten(obj, on_unsupported=on_unsupported))  # type: ignore[arg-type]
-
-    with PeakAnonMemory() as mem, Stopwatch() as clock, _gc_paused():
-        identity, obj, tensors, structure = one.step("read the source", read_source)  # type: ignore[misc]
+        tensors, structure = flatten(obj, on_unsupported=on_unsupported)  # type: ignore[arg-type]
         mapped, fd = MappedFile(src), os.open(src, os.O_RDONLY)
         try:
             locations = {key: (fd, offset) for key, t in tensors.items()
                          if (offset := mapped.offset_of(t)) is not None}
+        except BaseException:
+            os.close(fd)
+            raise
+        return identity, obj, tensors, structure, fd, locations
+
+    with PeakAnonMemory() as mem, Stopwatch() as clock, _gc_paused():
+        identity, obj, tensors, structure, fd, locations = one.step("read the source", read_source)  # type: ignore[misc]
+        try:
+            _same_source(one, identity)
             result, casts = write_converted(tensors, structure, dst, dtype=dtype, cast_include=cast_include,
                                             cast_exclude=cast_exclude, max_shard_size=max_shard_size,
                                             threads=threads, force=force, progress=progress,

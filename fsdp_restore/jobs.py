@@ -129,7 +129,7 @@ def write_converted(tensors: dict[str, torch.Tensor], structure: dict[str, Any],
     for job in jobs:
         job.reader = (readers or {}).get(job.key)
         job.location = (locations or {}).get(job.key)
-    total = sum(j.nbytes for j in jobs)
+    total = sum(j.nbytes for j in jobs) // (share.world if share else 1)  # this rank's share of it
     casts = {j.key: (torch_dtype_name(j.source.dtype), torch_dtype_name(j.dtype)) for j in jobs
              if j.dtype != j.source.dtype}
     done = [0]

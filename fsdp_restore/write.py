@@ -514,6 +514,8 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
             _replace(tmp, dst)
 
         one.step("commit", commit)
+        for w in writers:  # rank 0's are closed by `finish`; the other ranks' here
+            w.close()
         result.checksums = one.first(result.checksums)
         result.paths = [dst / name for name in names] if sharded else [dst]
         return result

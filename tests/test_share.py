@@ -104,7 +104,7 @@ def test_ranks_that_read_different_sources_are_refused(tmp_path):
     torch.save({"w": torch.ones(10)}, srcs[0])
     torch.save({"w": torch.ones(11)}, srcs[1])
     texts = run_ranks(_different_sources, 2, srcs, str(tmp_path / "out.safetensors"))
-    assert texts[0] == texts[1] and "laid the output out differently" in texts[0], texts
+    assert texts[0] == texts[1] and "read different sources" in texts[0], texts
     assert sorted(os.listdir(tmp_path)) == ["src0.pt", "src1.pt"]
 
 
@@ -130,11 +130,11 @@ def test_the_command_under_torchrun_converts_on_every_rank(tmp_path):
 
     src, dst = tmp_path / "src.pt", tmp_path / "out.safetensors"
     _source(str(src))
-    res = torchrun("convert", str(src), str(dst))
+    res = torchrun("convert", str(src), str(dst), "--ranks")
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count("converted ") == 1  # rank 0 reports
     assert fsdp_restore.verify(dst, against=src).ok
-    bad = torchrun("convert", str(src), str(dst))
+    bad = torchrun("convert", str(src), str(dst), "--ranks")
     assert bad.returncode != 0 and bad.stderr.count("error: convert (read the source) failed on rank(s) 0, 1 of 2:"
                                                     " FileExistsError") == 2, bad.stderr[-3000:]  # every rank, no hang
 
@@ -163,3 +163,83 @@ def test_a_sharded_source_too(tmp_path, monkeypatch):
     assert sums[0] == sums[1] == single.checksums
     assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
     assert fsdp_restore.verify(tmp_path / "out.safetensors", against=tmp_path / "dcp").ok
+
+
+
+def test_ranks_is_opt_in(tmp_path):
+    """A command that inherits a torchrun rank's environment (a subprocess of a training job) converts in one
+    process unless --ranks is given; --ranks outside torchrun is a usage error."""
+    import subprocess
+    import sys
+
+    src = tmp_path / "src.pt"
+    torch.save({"w": torch.ones(3)}, src)
+    env = dict(os.environ, WORLD_SIZE="4", RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    res = subprocess.run([sys.executable, "-m", "fsdp_restore", "convert", str(src), str(tmp_path / "a.safetensors")],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and fsdp_restore.verify(tmp_path / "a.safetensors", against=src).ok, res.stderr
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    res = subprocess.run([sys.executable, "-m", "fsdp_restore", "convert", str(src), str(tmp_path / "b.safetensors"),
+                          "--ranks"], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "--ranks: run under torchrun" in res.stderr, res.stderr
+    assert not (tmp_path / "b.safetensors").exists()
+
+
+def _two_directories(rank: int, world_size: int, srcs: list[str], dst: str) -> str:
+    import torch.distributed as dist
+
+    with pytest.raises(ConvertError) as info:
+        fsdp_restore.convert(srcs[rank], dst, process_group=dist.group.WORLD)
+    return str(info.value)
+
+
+def test_ranks_that_read_different_directories_of_the_same_shapes_are_refused(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    srcs = []
+    for seed in (1, 2):
+        g = torch.Generator().manual_seed(seed)
+        dcp.save({"w": torch.randn(64, 64, generator=g)}, checkpoint_id=tmp_path / f"dcp{seed}")
+        srcs.append(str(tmp_path / f"dcp{seed}"))
+    texts = run_ranks(_two_directories, 2, srcs, str(tmp_path / "out.safetensors"))
+    assert texts[0] == texts[1] and "read different sources" in texts[0], texts
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def _different_options(rank: int, world_size: int, src: str, dst: str) -> str:
+    import torch.distributed as dist
+
+    with pytest.raises(ConvertError) as info:
+        fsdp_restore.convert(src, dst, process_group=dist.group.WORLD, dtype="bf16" if rank else None)
+    return str(info.value)
+
+
+def test_ranks_given_different_options_are_refused(tmp_path):
+    src = tmp_path / "src.pt"
+    _source(str(src))
+    texts = run_ranks(_different_options, 2, str(src), str(tmp_path / "out.safetensors"))
+    assert texts[0] == texts[1] and "laid the output out differently" in texts[0], texts
+    assert sorted(os.listdir(tmp_path)) == ["src.pt"]
+
+
+def _cannot_map_on_rank_1(rank: int, world_size: int, src: str, dst: str) -> str:
+    import importlib
+
+    import torch.distributed as dist
+
+    if rank == 1:
+        def refuse(path):
+            raise OSError(24, "Too many open files (injected)")
+
+        importlib.import_module("fsdp_restore.convert").MappedFile = refuse
+    with pytest.raises(ConvertError) as info:
+        fsdp_restore.convert(src, dst, process_group=dist.group.WORLD)
+    return str(info.value)
+
+
+def test_a_failure_while_opening_the_source_for_reading_is_the_same_error_everywhere(tmp_path):
+    src = tmp_path / "src.pt"
+    _source(str(src))
+    texts = run_ranks(_cannot_map_on_rank_1, 2, str(src), str(tmp_path / "out.safetensors"), pg_timeout=60)
+    assert texts[0] == texts[1] and "read the source) failed on rank(s) 1 of 2" in texts[0], texts
+    assert sorted(os.listdir(tmp_path)) == ["src.pt"]
