@@ -432,16 +432,21 @@ def test_restore_reads_a_plain_weights_file_by_default(tmp_path):
 # ---- thread_count: the one name of the option (threads=: its deprecated old name); in-process, world size 1 ------
 
 
-@pytest.fixture(scope="module")
-def trained_file(tmp_path_factory):
-    """A plain model's weights and one AdamW step's state, as a training checkpoint."""
+def _trained_checkpoint(folder, model_key: str = "model", optim_key: str = "optim"):
+    """A plain model's weights and one AdamW step's state, as a training checkpoint with those subtree names:
+    (its path, the weights saved)."""
     model = build("mlp", seed=4)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(2, model.inp.in_features)).sum().backward()
     opt.step()
-    path = tmp_path_factory.mktemp("thread_count") / "run.safetensors"
-    fsdp_restore.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": 1}, path)
-    return path
+    path = folder / "run.safetensors"
+    fsdp_restore.save({model_key: model.state_dict(), optim_key: opt.state_dict(), "step": 1}, path)
+    return path, model.state_dict()
+
+
+@pytest.fixture(scope="module")
+def trained_file(tmp_path_factory):
+    return _trained_checkpoint(tmp_path_factory.mktemp("thread_count"))[0]
 
 
 def _entry(name, path):
@@ -475,13 +480,7 @@ def test_thread_count_and_its_deprecated_old_name(trained_file, monkeypatch, nam
 @pytest.fixture(scope="module")
 def moved_file(tmp_path_factory):
     """A training checkpoint whose weights and optimizer state lie under names that are not the defaults."""
-    model = build("mlp", seed=4)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(2, model.inp.in_features)).sum().backward()
-    opt.step()
-    path = tmp_path_factory.mktemp("renamed") / "run.safetensors"
-    fsdp_restore.save({"weights": model.state_dict(), "opt": opt.state_dict(), "step": 1}, path)
-    return path, model.state_dict()
+    return _trained_checkpoint(tmp_path_factory.mktemp("renamed"), "weights", "opt")
 
 
 _SUBTREES = {"restore_model": ({"model_prefix": "weights"}, {"prefix": "weights"}),
