@@ -744,7 +744,9 @@ def _judge_cast(report: VerifyReport, key: str, ckpt: Checkpoint, source: torch.
 
 
 def render_verify(report: VerifyReport, console: Console) -> None:
-    table = Table(title=f"verify {report.path}" + (f" against {report.against}" if report.against else ""))
+    console.print(f"verify {report.path}" + (f" against {report.against}" if report.against else ""),
+                  highlight=False, soft_wrap=True)  # whole paths on one line (a table title wraps them)
+    table = Table()
     table.add_column("check")
     table.add_column("result", justify="right")
     table.add_row("tensors", str(report.tensors))
