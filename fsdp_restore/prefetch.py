@@ -120,6 +120,8 @@ def _isolated_zero_ranges(files: Sequence[Path], weights_only: bool) -> Iterator
     finally:
         proc.kill()
         proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()  # else a ResourceWarning, which the CLI shows, when the pipe is collected
 
 
 def _read_ahead(path: Path, select: str | None, tag: str | None, budget: list[int]) -> None:

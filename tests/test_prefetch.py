@@ -136,3 +136,19 @@ def test_a_hostile_pickle_ends_the_sketching_child_not_this_process(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     # this process's peak (VmHWM, KiB: ru_maxrss would count the forking parent's memory before exec)
     assert int(res.stdout.strip()) < 200 * 1024, res.stdout
+
+
+def test_the_sketching_child_leaves_no_open_pipe(tmp_path):
+    """The CLI shows warnings, so a pipe left for the collector was a 'ResourceWarning: unclosed file' line in
+    every ZeRO conversion's output."""
+    import gc
+    import warnings
+
+    from fsdp_restore.prefetch import _isolated_zero_ranges
+
+    _, files = _zero_dir(tmp_path, {"real": None})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert len(dict(_isolated_zero_ranges([files["real"]], weights_only=True))) == 1
+        gc.collect()
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)], [str(w.message) for w in caught]
