@@ -308,7 +308,7 @@ def _convert_directory(src: str | os.PathLike[str], dst: str | os.PathLike[str],
         result, casts = write_converted(tensors, structure, dst, readers=readers, dtype=dtype,
                                         cast_include=cast_include, cast_exclude=cast_exclude,
                                         max_shard_size=max_shard_size, threads=threads, force=force, progress=progress,
-                                        share=share if share.world > 1 else None)
+                                        share=share)
         del obj, tensors, readers, pieces
     return ConvertReport(src=label, dst=str(dst), files=[str(p) for p in result.paths],
                          tensors=len(result.checksums), nbytes=result.nbytes, cast_tensors=len(casts),
@@ -400,7 +400,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
                                             cast_exclude=cast_exclude, max_shard_size=max_shard_size,
                                             threads=threads, force=force, progress=progress,
                                             metadata={META_SOURCE: json.dumps(identity)}, locations=locations,
-                                            share=one if one.world > 1 else None)
+                                            share=one)
         except EOFError as e:  # a tensor's bytes read at their offset: the file is shorter than its pickle says
             raise FormatError(src, f"{str(e).removeprefix('the file ')}; was it truncated or rewritten while it was"
                               " being converted? Convert it again from a complete copy") from None

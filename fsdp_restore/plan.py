@@ -76,7 +76,8 @@ def _plan_weights(plan: ReadPlan, targets: Sequence[Target], aliases: dict[str, 
         tops = sorted({key.split(".", 1)[0] for key in ckpt.entries})
         plan.add_problem("error", f"the checkpoint has no tensors under prefix '{prefix}' (its top-level names:"
                                   f" {', '.join(tops[:10])}{', ...' if len(tops) > 10 else ''}); pass the subtree"
-                                  " that holds the model, or model_prefix='' (CLI: --model-prefix '') for a plain weights file")
+                                  " that holds the model, or model_prefix='' (CLI: --model-prefix '') for a plain"
+                                  " weights file")
         plan.refused.update(t.name for t in targets)  # one problem, not one more per tensor never planned
         return
     for text in unsupported:

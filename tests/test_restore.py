@@ -256,35 +256,36 @@ def test_default_prefix_only_for_a_top_level_model_subtree(tmp_path):
             assert default_prefix(ckpt) == prefix, name
 
 
+def _refused_restore(folder, saved: dict, **options) -> RestoreError:
+    """``saved`` converted and restored into a plain "mlp" with ``options``: the `RestoreError` it must raise,
+    the model checked unmodified."""
+    torch.save(saved, folder / "m.pt")
+    fsdp_restore.convert(folder / "m.pt", folder / "m.safetensors")
+    model = build("mlp", seed=4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RestoreError) as info:
+        restore_model(model, folder / "m.safetensors", **options)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # nothing was modified
+    return info.value
+
+
 def test_dtype_policy_error_lists_every_problem_at_once(tmp_path):
     state = build("mlp").state_dict()
     state["inp.weight"] = state["inp.weight"].to(torch.bfloat16)
     state["out.weight"] = state["out.weight"][:2]
     del state["blocks.0.bias"]
-    torch.save({"model": state}, tmp_path / "m.pt")
-    fsdp_restore.convert(tmp_path / "m.pt", tmp_path / "m.safetensors")
-    model = build("mlp", seed=4)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(RestoreError) as info:
-        restore_model(model, tmp_path / "m.safetensors", dtype_policy="error")
-    msg = str(info.value)
+    error = _refused_restore(tmp_path, {"model": state}, dtype_policy="error")
+    msg = str(error)
     assert "inp.weight: checkpoint torch.bfloat16 vs model torch.float32" in msg
     assert "out.weight: checkpoint [2, 5] vs model [3, 5]" in msg and "blocks.0.bias" in msg
-    assert set(info.value.problems) == {"missing", "shape", "dtype"}
-    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # nothing was modified
+    assert set(error.problems) == {"missing", "shape", "dtype"}
 
 
 def test_a_prefix_with_no_tensors_is_one_problem_naming_the_top_level(tmp_path):
-    torch.save({"model": build("mlp").state_dict(), "step": 3}, tmp_path / "m.pt")
-    fsdp_restore.convert(tmp_path / "m.pt", tmp_path / "m.safetensors")
-    model = build("mlp", seed=4)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(RestoreError) as info:
-        restore_model(model, tmp_path / "m.safetensors", model_prefix="modle")
-    msg = str(info.value)
+    error = _refused_restore(tmp_path, {"model": build("mlp").state_dict(), "step": 3}, model_prefix="modle")
+    msg = str(error)
     assert "no tensors under prefix 'modle' (its top-level names: model)" in msg and "--model-prefix" in msg, msg
-    assert set(info.value.problems) == {"error"}, info.value.problems  # not one more per tensor never planned
-    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert set(error.problems) == {"error"}, error.problems  # not one more per tensor never planned
 
 
 def test_fsdp1_tied_weight_owned_by_another_unit(tmp_path):
