@@ -47,11 +47,14 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, store: str, back
 
     torch.set_num_threads(1)
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
         import datetime
 
-        kwargs = {"timeout": datetime.timedelta(seconds=pg_timeout)} if pg_timeout else {}
+        kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=pg_timeout)} if pg_timeout else {}
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            # bound to its GPU at init: NCCL's communicator is made now, on this device, and barrier() knows
+            # which device to use instead of guessing (torch warns, and a wrong guess hangs)
+            kwargs["device_id"] = torch.device("cuda", rank)
         dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size, **kwargs)
         result = fn(rank, world_size, *args)
         # Plain bytes: tensors sent as-is travel as shared-memory fds that die with this process.

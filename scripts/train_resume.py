@@ -28,11 +28,13 @@ def main() -> None:
     args = parser.parse_args()
 
     use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)  # bound to this rank's GPU from the start
+    else:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
 
     if args.fsdp == "fsdp2":
         from torch.distributed.fsdp import fully_shard
