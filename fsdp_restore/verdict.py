@@ -145,8 +145,8 @@ def agree(problems: Problems, what: str, group: dist.ProcessGroup | None = None,
         failing, s1, s2, f1, f2, n1, n2, v1, v2 = _all_reduce(values, group) if world > 1 else values
     if failing:
         with _collective(what, "collecting the failing ranks' problems"):
-            reports = _reports(problems.items, bool(problems), failing, group, rank, world)
-        _raise(reports, what)
+            reports, counts = _reports(problems.items, bool(problems), failing, group, rank, world)
+        _raise(reports, what, counts=counts)
     if same and not _same_everywhere(v1, v2, world):
         _raise({"error": [same[1]]}, what)
     if s1 % DIGEST_PRIME or s2 % DIGEST_PRIME:
@@ -170,14 +170,11 @@ def _print_weight(i: int) -> int:
     return (2654435761 * (i + 1)) % FINGERPRINT_MODULUS or 1
 
 
-def _capped(items: dict[str, list[str]]) -> dict[str, list[str]]:
-    """At most `TEXTS_PER_KIND` distinct texts per kind, plus one that counts the rest."""
-    out = {}
-    for kind, texts in items.items():
-        distinct = list(dict.fromkeys(texts))
-        out[kind] = distinct[:TEXTS_PER_KIND] + (
-            [f"... ({len(distinct) - TEXTS_PER_KIND} more on this rank)"] if len(distinct) > TEXTS_PER_KIND else [])
-    return out
+def _capped(items: dict[str, list[str]]) -> tuple[dict[str, list[str]], dict[str, int]]:
+    """At most `TEXTS_PER_KIND` distinct texts per kind, and how many distinct texts each kind has."""
+    distinct = {kind: list(dict.fromkeys(texts)) for kind, texts in items.items()}
+    return ({kind: texts[:TEXTS_PER_KIND] for kind, texts in distinct.items()},
+            {kind: len(texts) for kind, texts in distinct.items()})
 
 
 def _lowest_ranks(mine: bool, group: dist.ProcessGroup | None, rank: int, world: int, count: int) -> list[int]:
@@ -207,27 +204,36 @@ def _from_ranks(obj: object, senders: list[int], group: dist.ProcessGroup | None
 
 
 def _reports(items: dict[str, list[str]], mine: bool, failing: int, group: dist.ProcessGroup | None, rank: int,
-             world: int) -> dict[str, list[str]]:
-    """The problems of the (at most `REPORTERS`) lowest failing ranks, merged in rank order; per-rank kinds
-    are tagged with the ranks that saw them. Every rank gets the same text."""
+             world: int) -> tuple[dict[str, list[str]], dict[str, int]]:
+    """The problems of the (at most `REPORTERS`) lowest failing ranks, merged in rank order (per-rank kinds
+    tagged with the ranks that saw them), and how many there are of each kind: a kind every rank sees alike
+    counts the most any reporter holds, a per-rank kind adds what each reporter held back. Every rank gets
+    the same text."""
     if world == 1:
-        return dict(items)
+        return dict(items), {}
     reporters = _lowest_ranks(mine, group, rank, world, min(REPORTERS, failing))
     sent = _from_ranks(_capped(items), reporters, group, rank)
     by_text: dict[str, dict[str, list[int]]] = {}
-    for sender, rank_items in zip(reporters, sent):
-        for kind, texts in (rank_items or {}).items():
+    held_back: dict[str, int] = {}
+    most: dict[str, int] = {}
+    for sender, (rank_items, rank_counts) in zip(reporters, [s or ({}, {}) for s in sent]):
+        for kind, texts in rank_items.items():
             bucket = by_text.setdefault(kind, {})
             for text in texts:
                 bucket.setdefault(text, []).append(sender)  # texts are distinct per sender (_capped)
+            held_back[kind] = held_back.get(kind, 0) + rank_counts[kind] - len(texts)
+            most[kind] = max(most.get(kind, 0), rank_counts[kind])
     merged: dict[str, list[str]] = {}
+    counts: dict[str, int] = {}
     for kind, texts in by_text.items():
         merged[kind] = [f"{text} [{_ranks_text(ranks, world)}]" if kind in _PER_RANK else text
                         for text, ranks in texts.items()]
+        counts[kind] = len(texts) + held_back[kind] if kind in _PER_RANK else max(len(texts), most[kind])
     if failing > len(reporters):
         merged.setdefault("error", []).append(f"({failing} ranks failed; the problems of the first {len(reporters)}"
                                               " are shown)")
-    return merged
+        counts["error"] = counts.get("error", 0) + 1
+    return merged, counts
 
 
 def _uncovered_names(coverage: dict[str, tuple[int, int]], group: dist.ProcessGroup | None, rank: int,
@@ -275,16 +281,20 @@ def _ranks_text(ranks: list[int], world: int) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def _raise(problems: dict[str, list[str]], what: str, limit: int = 20) -> None:
-    """Raise one `RestoreError` listing every kind of problem (first ``limit`` of each)."""
+def _raise(problems: dict[str, list[str]], what: str, limit: int = 20, *, counts: dict[str, int] | None = None
+           ) -> None:
+    """Raise one `RestoreError` listing every kind of problem (first ``limit`` of each); ``counts``: how many
+    problems of a kind there are where ``problems`` holds only some of them (the ranks' reports)."""
     problems = {k: v for k, v in problems.items() if v}
     if not problems:
         return
     lines = [f"{what} failed:"]
     hints = []
     for kind, items in problems.items():
-        shown = ", ".join(items[:limit]) + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
-        lines.append(f"  {_LABELS.get(kind, kind)} ({len(items)}): {shown}")
+        count = max(len(items), (counts or {}).get(kind, 0))
+        more = count - min(limit, len(items))
+        shown = ", ".join(items[:limit]) + (f", ... ({more} more)" if more else "")
+        lines.append(f"  {_LABELS.get(kind, kind)} ({count}): {shown}")
         hint = _HINTS.get(kind)
         if hint and hint not in hints:
             hints.append(hint)

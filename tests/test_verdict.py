@@ -145,6 +145,7 @@ def _many_failing(rank, world_size, reporters):
     problems.add("error", [f"rank-{rank} problem {i}" for i in range(5)])  # more than a reporter sends
     if rank % 2:
         problems.add("missing", ["w"])
+    problems.add("unexpected", [f"u{i}" for i in range(7)])  # the same names on every rank, more than sent
     with pytest.raises(RestoreError) as info:
         verdict.agree(problems if rank != 2 else verdict.new_problems(), "restore")
     return str(info.value)
@@ -157,9 +158,12 @@ def test_failure_report_is_bounded_whatever_the_world_size():
     assert len(set(messages)) == 1, messages
     text = messages[0]
     assert "rank-0 problem 0 [rank 0]" in text and "rank-1 problem 2 [rank 1]" in text
-    assert "rank-1 problem 3" not in text and "(2 more on this rank) [ranks 0, 1]" in text  # capped
+    assert "rank-1 problem 3" not in text  # capped
     assert "rank-3" not in text and "(3 ranks failed; the problems of the first 2 are shown)" in text
     assert "missing from the checkpoint (1): w" in text  # rank 1 was a reporter; rank 2 had nothing
+    # the counts are the problems', not the texts sent: 2 reporters x 5 errors + the line on the others
+    assert "errors (11): " in text and "are shown), ... (4 more)" in text
+    assert "unexpected in the checkpoint (7): u0, u1, u2, ... (4 more)" in text  # not (4): u0, u1, u2, ... (1 more)
 
 
 def _uneven_buffers(rank, world_size):
