@@ -258,6 +258,7 @@ def _plan_param_state(plan: ReadPlan, slot: ParamSlot, g: int, keys: dict[str, s
                 if placed.dtype != value.dtype:
                     report.cast.append(f"optim:{first_name}.{fld}: {value.dtype} -> {placed.dtype}")
                 value = placed.clone() if placed is value else placed
+                report.tensors += 1
             state[fld] = value
             continue
         # Existing state of the same layout is overwritten in place: a new tensor would hold the optimizer

@@ -207,7 +207,7 @@ def _fill_reports(plan: ReadPlan, ckpt: Checkpoint, result: checks.CheckResult, 
                   timings: dict[str, float]) -> None:
     """Counts per report. Bytes read: the model's are what its items asked for (the apply route: all it
     read); the optimizer's are the rest (with the check's re-reads of NaN held by the file, if any)."""
-    model_bytes = bytes_read
+    model_bytes = bytes_read if plan.optim_report is None else 0
     if plan.model_report is not None and plan.optim_report is not None:
         model_bytes = sum(i.dest.numel() * ckpt.entries[i.key].itemsize for i in plan.items
                           if not i.name.startswith("optim:"))
