@@ -103,7 +103,29 @@ def _expected_tensors(path: str, prefix: str) -> dict[str, torch.Tensor]:
         for dropped, kept in ckpt.tied_aliases().items():
             if kept in obj:
                 obj.setdefault(dropped, obj[kept])
-    return obj
+    return _unwrapped_names(obj)
+
+
+_WRAPPER_INFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+def _unwrapped_names(state: dict[str, Any]) -> dict[str, Any]:
+    """The names a plain model has for a state dict saved from a wrapped one: ``torch.compile``'s ``_orig_mod.``
+    and DDP's ``module.`` taken off by torch's own `consume_prefix_in_state_dict_if_present` (where every name
+    has them), FSDP1's and activation checkpointing's wrapper infixes dropped. Written here, apart from the
+    restore's own renaming, so that the comparison does not take the restore's word for which name is which."""
+    from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+
+    state = {(k.replace(_WRAPPER_INFIXES[0], "").replace(_WRAPPER_INFIXES[1], "") if isinstance(k, str) else k): v
+             for k, v in state.items()}
+    for _ in range(4):  # nested wrappers: _orig_mod.module.x
+        before = list(state)
+        for wrapper in ("_orig_mod.", "module."):
+            if state and all(isinstance(k, str) and k.startswith(wrapper) for k in state):
+                consume_prefix_in_state_dict_if_present(state, wrapper)
+        if list(state) == before:
+            break
+    return state
 
 
 def _full_values(model: nn.Module) -> Iterator[tuple[list[str], torch.Tensor]]:
@@ -142,28 +164,31 @@ def _full_values(model: nn.Module) -> Iterator[tuple[list[str], torch.Tensor]]:
 
 
 def compare_with_file(model: nn.Module, expected: dict[str, torch.Tensor], key_map: KeyMap | None = None
-                      ) -> tuple[int, list[str]]:
+                      ) -> tuple[int, list[str], list[str]]:
     """Every parameter's and buffer's full value, gathered by FSDP, against ``expected`` (the stored
     tensors read by `load`, under the checkpoint's names; ``key_map`` gives a model name's): an oracle
-    that shares nothing with the restore's plan. Returns (tensors compared, names that differ); each
-    rank compares its share of the tensors."""
+    that shares nothing with the restore's plan. Returns (tensors compared, names that differ, names the
+    file does not hold under any name the comparison knows); each rank compares its share of the tensors.
+    A strict restore restored every one of them, so a name not found is a failure, never a skip: a
+    comparison of nothing must not pass."""
     import torch.distributed as dist
 
     rename = as_function(key_map) or (lambda name: name)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    compared, bad = 0, []
+    compared, bad, not_found = 0, [], []
     for i, (names, full) in enumerate(_full_values(model)):
         if i % world != rank:
             continue
         stored = next((expected[k] for k in map(rename, names) if k in expected), None)
         if stored is None:
-            continue  # strict restore already refused a missing name
+            not_found.append(names[0])
+            continue
         compared += 1
         got = full.cpu().contiguous()
         want = stored.to(got.dtype).contiguous()
         if got.shape != want.shape or not torch.equal(got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)):
             bad.append(names[0])
-    return compared, bad
+    return compared, bad, not_found
 
 
 def _worker(rank: int, world_size: int, path: str, factory_spec: str, fsdp: str, model_prefix: str | None,
@@ -186,9 +211,9 @@ def _worker(rank: int, world_size: int, path: str, factory_spec: str, fsdp: str,
         with problems.guard():
             expected = _expected_tensors(path, model_prefix or "")
         agree(problems, "check-restore: reading the file for the comparison")
-        compared, mismatches = compare_with_file(model, expected, key_map)  # collectives only: FSDP's own gathers
+        compared, mismatches, not_found = compare_with_file(model, expected, key_map)  # collectives: FSDP's gathers
         return {"tensors": report.tensors, "elements": report.elements, "bytes_read": report.bytes_read,
-                "seconds": report.seconds, "compared": compared, "mismatches": mismatches,
+                "seconds": report.seconds, "compared": compared, "mismatches": mismatches, "not_found": not_found,
                 "nan_in_checkpoint": report.nan_in_checkpoint, "error": None}
     except RestoreError as e:
         return {"error": str(e)}
@@ -215,8 +240,9 @@ class CheckRestoreReport:
             if r.get("error"):
                 table.add_row(str(rank), "", "", "", "", "", "[red]error[/]")
                 continue
+            proven = not r["mismatches"] and not r["not_found"]
             table.add_row(str(rank), str(r["tensors"]), str(r["elements"]), f"{r['bytes_read'] / 1e6:.2f} MB",
-                          f"{r['seconds']:.2f}", str(r["compared"]), "[green]OK[/]" if not r["mismatches"] else "[red]FAIL[/]")
+                          f"{r['seconds']:.2f}", str(r["compared"]), "[green]OK[/]" if proven else "[red]FAIL[/]")
         lines = [f"[red]FAIL[/] {p}" for p in self.problems] or ["[green]restore check passed[/]: every element"
                                                                  " restored (NaN-fill check) and equal to the file"]
         return Group(table, *lines)
@@ -246,4 +272,10 @@ def run_check_restore(path: str, factory: str, *, nproc: int = 2, fsdp: str = "f
     mismatched = sorted({m for r in report.ranks for m in r.get("mismatches", [])})
     if mismatched:
         report.problems.append(f"restored values differ from the file: {', '.join(mismatched)}")
+    not_found = sorted({m for r in report.ranks for m in r.get("not_found", [])})
+    if not_found:
+        report.problems.append(f"the comparison found no tensor in the file for {', '.join(not_found[:20])}"
+                               f"{f' and {len(not_found) - 20} more' if len(not_found) > 20 else ''}, which the"
+                               " restore said it restored: nothing was proven for them (the names in the file differ"
+                               " from the model's in a way only the restore's renaming knows; report it)")
     return report

@@ -137,3 +137,38 @@ def test_cli_key_map_file(setup):
     (setup / "bad.yaml").write_text("- ['(', 'x']\n")
     res = subprocess.run(cmd + ["--key-map", "bad.yaml"], cwd=setup, capture_output=True, text=True)
     assert res.returncode == 1 and "bad regex" in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+def test_a_compiled_models_checkpoint_is_compared_tensor_by_tensor(setup):
+    """A checkpoint saved from a torch.compile'd model (every name under ``_orig_mod.``): the restore renames
+    them, and the comparison, renaming on its own, compares every tensor instead of none."""
+    state = torch.load(setup / "ck.pt")
+    state["model"] = {f"_orig_mod.{k}": v for k, v in state["model"].items()}
+    torch.save(state, setup / "compiled.pt")
+    fsdp_restore.convert(setup / "compiled.pt", setup / "compiled.safetensors")
+    report = run_check_restore(str(setup / "compiled.safetensors"), f"{setup / 'mymodel.py'}:build", nproc=2)
+    assert report.ok, report.problems
+    assert sum(r["compared"] for r in report.ranks) == 7  # every tensor once over the ranks; tied head once
+
+
+def _blind_oracle_worker(rank, world_size, path, spec):
+    """check-restore whose comparison cannot find the file's tensors under the model's names."""
+    import fsdp_restore.check_restore as check_restore
+
+    check_restore._unwrapped_names = lambda state: state  # the comparison's renaming broken
+    return check_restore._worker(rank, world_size, path, spec, "fsdp2", None)
+
+
+def test_a_comparison_that_finds_nothing_fails(setup):
+    """Where the comparison finds no stored tensor for a name the restore restored, the check fails naming it:
+    before, such names were skipped, and a comparison of 0 tensors passed."""
+    from dist import run_ranks
+
+    state = torch.load(setup / "ck.pt")
+    state["model"] = {f"_orig_mod.{k}": v for k, v in state["model"].items()}
+    torch.save(state, setup / "compiled.pt")
+    fsdp_restore.convert(setup / "compiled.pt", setup / "compiled.safetensors")
+    results = run_ranks(_blind_oracle_worker, 2, str(setup / "compiled.safetensors"), f"{setup / 'mymodel.py'}:build")
+    assert all(r["error"] is None and r["compared"] == 0 for r in results)  # the restore itself passed
+    assert sorted(n for r in results for n in r["not_found"]) == sorted(
+        ["embed.weight"] + [f"layers.{i}.{p}" for i in range(3) for p in ("weight", "bias")])
