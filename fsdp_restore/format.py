@@ -23,6 +23,7 @@ from .errors import FormatError
 # 2: headers and indexes carry their own crc32 (META_HEADER_CRC); shards of a set carry its id (META_SET_ID).
 # Version-1 files (and files of other tools) have neither and still read.
 FORMAT_VERSION = "2"
+SEALED_SINCE_VERSION = 2  # every header and index of this format version and later carries its crc32
 
 # Metadata keys in the safetensors header (``__metadata__``, str -> str) and in the index json.
 META_FORMAT = "format"  # "pt", as Hugging Face writes it
@@ -177,7 +178,8 @@ def read_header(path: str | os.PathLike[str], fd: int | None = None) -> FileHead
     if not isinstance(header, dict):
         raise FormatError(path, "header is not a JSON object")
     result = _validate_header(path, header, 8 + n, file_size)
-    check_seal(head, raw, HEADER_SEAL_PREFIX, result.metadata.get(META_HEADER_CRC), path, "header")
+    check_seal(head, raw, HEADER_SEAL_PREFIX, result.metadata.get(META_HEADER_CRC), path, "header",
+               version=result.metadata.get(META_VERSION))
     return result
 
 
@@ -200,13 +202,19 @@ def seal(head: bytes, body: bytes, prefix: bytes) -> bytes:
     return body[:at] + digits + body[at + _SEAL_DIGITS:]
 
 
-def check_seal(head: bytes, body: bytes, prefix: bytes, recorded: str | None, path: object, what: str) -> None:
+def check_seal(head: bytes, body: bytes, prefix: bytes, recorded: str | None, path: object, what: str, *,
+               version: str | None = None) -> None:
     """Refuse a header (or index) whose crc32 field does not match its bytes: it was edited (or damaged)
-    after it was written. A header without the field (a version-1 file, another tool's file) passes."""
-    if recorded is None and not body.startswith(prefix):
-        return
+    after it was written. A header without the field passes only if it does not say it is of a format version
+    that has one (a version-1 file, another tool's file): a sealed file whose field is gone was edited too.
+    ``version``: the format version its metadata records."""
     fix = (f"it can change values (a learning rate, a step, a shape) without touching any tensor, so it is not"
            f" used; convert the source again (fsdp-restore convert SRC {path} --force)")
+    if recorded is None and not body.startswith(prefix):
+        if version is None or not version.isdigit() or int(version) < SEALED_SINCE_VERSION:
+            return
+        raise FormatError(path, f"{what} was modified after it was written (it says it is of format version"
+                          f" {version}, which is sealed, but its '{META_HEADER_CRC}' field is gone); {fix}")
     if not body.startswith(prefix):
         raise FormatError(path, f"{what} was modified after it was written (it was rewritten: its"
                           f" '{META_HEADER_CRC}' field is no longer where the writer put it); {fix}")
@@ -361,7 +369,7 @@ def read_index(path: Path, raw: bytes | None = None) -> tuple[dict[str, Any], di
             raise FormatError(path, f"key '{key}': shard {name!r} points outside the index's directory")
         weight_map[key] = shard
     check_seal(b"", raw, INDEX_SEAL_PREFIX, metadata.get(META_HEADER_CRC), path, "index (the header of a sharded"
-               " checkpoint)")
+               " checkpoint)", version=metadata.get(META_VERSION))
     return metadata, weight_map
 
 

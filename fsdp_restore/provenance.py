@@ -52,13 +52,12 @@ def source_identity(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def mismatch(recorded: dict[str, Any] | None, source: str | os.PathLike[str], converted: str | os.PathLike[str]) -> str | None:
     """Why ``converted`` (whose recorded source identity is ``recorded``) is not a conversion of ``source``
-    as it is now, or None when it is. Without a record (an older or foreign conversion), a
-    ``converted`` file older than ``source`` is taken as stale."""
+    as it is now, or None when it is. Without a record (written by another tool, by `save`, or by an older
+    version) nothing says it holds ``source``'s values, so it is not taken for them, whatever its age."""
     st = os.stat(source)
     if not recorded:
-        if os.stat(converted).st_mtime_ns < st.st_mtime_ns:
-            return f"{Path(converted).name} is older than {Path(source).name} and records no source to compare"
-        return None
+        return (f"{Path(converted).name} records no source: written by another tool or by save(), it may hold other"
+                f" values than {Path(source).name}")
     if recorded.get("size") != st.st_size:
         return f"{Path(source).name} is {st.st_size} bytes now, {recorded.get('size')} when converted"
     if recorded.get("mtime_ns") == st.st_mtime_ns:

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -303,14 +304,25 @@ def test_stale_sibling_is_never_used_silently(train_ckpt, tmp_path):
     assert fsdp_restore.Checkpoint(tmp_path / "run.safetensors").source["size"] != pt.stat().st_size
 
 
-def test_sibling_without_a_record_is_stale_when_older(tmp_path):
+def test_sibling_without_a_record_is_never_taken_for_the_pt(tmp_path):
+    """A sibling that records no source (another tool's, or save()'s) is not x.pt's conversion, older or newer:
+    load warns and loads the .pt; the restore and the reader refuse it through x.pt, and take it by its own name."""
     from safetensors.torch import save_file
 
     torch.save({"a": torch.ones(2)}, tmp_path / "m.pt")
     save_file({"a": torch.zeros(2)}, str(tmp_path / "m.safetensors"))  # another tool: no source recorded
-    os.utime(tmp_path / "m.safetensors", ns=(1, 1))
-    with pytest.warns(UserWarning, match="older than"):
-        assert torch.equal(fsdp_restore.load(tmp_path / "m.pt")["a"], torch.ones(2))
+    for mtime in (1, time.time_ns() + 10**9):  # older, then newer than the .pt
+        os.utime(tmp_path / "m.safetensors", ns=(mtime, mtime))
+        with pytest.warns(UserWarning, match="records no source"):
+            assert torch.equal(fsdp_restore.load(tmp_path / "m.pt")["a"], torch.ones(2))
+        with pytest.raises(FormatError, match="records no source"):
+            fsdp_restore.Checkpoint(tmp_path / "m.pt")
+        model = torch.nn.Module()
+        model.a = torch.nn.Parameter(torch.full((2,), 5.0))
+        with pytest.raises(fsdp_restore.RestoreError, match="records no source"):
+            fsdp_restore.restore_model(model, tmp_path / "m.pt", model_prefix="")
+        assert torch.equal(model.a.detach(), torch.full((2,), 5.0))
+    assert torch.equal(fsdp_restore.load(tmp_path / "m.safetensors")["a"], torch.zeros(2))
 
 
 def test_a_source_that_ends_inside_a_tensor_is_named(tmp_path, monkeypatch):

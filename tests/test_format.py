@@ -124,6 +124,21 @@ def test_a_modified_index_is_refused(tmp_path):
     assert not fsdp_restore.verify(dst).ok
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["file", "index"])
+def test_a_header_whose_checksum_field_was_renamed_is_refused(tmp_path, sharded):
+    """An edit that also renames the crc32 field (one letter) must not pass as another tool's unsealed file:
+    the header still says it is of a sealed format version."""
+    import fsdp_restore
+
+    _, dst = _convert(tmp_path, sharded=sharded)
+    target = dst / "model.safetensors.index.json" if sharded else dst
+    _edit(target, b"0.001", b"0.000")
+    _edit(target, b"fsdp_restore.header_crc32", b"fsdp_restore.Header_crc32")
+    with pytest.raises(FormatError, match=r"modified.*format version 2.*header_crc32' field is gone"):
+        fsdp_restore.load(dst)
+    assert not fsdp_restore.verify(dst).ok
+
+
 def test_files_without_a_header_checksum_still_open(tmp_path):
     import torch
     from safetensors.torch import load_file, save_file
