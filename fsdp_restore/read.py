@@ -24,6 +24,7 @@ import ctypes
 import mmap
 import os
 import threading
+import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -42,6 +43,8 @@ PT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 # copy, because a system call per row costs more than the row (BENCHMARKS.md, "Shard(1)").
 ROW_READ_MIN_BYTES = 64 * 1024
 IOV_MAX = 1024  # buffers one preadv takes (Linux)
+SAMPLED_PAGES = 4  # data pages per file in `Checkpoint.content_sample`: the first, the last, two between
+_PAGE = 4096
 
 
 def find_safetensors_for(path: str | os.PathLike[str]) -> Path | None:
@@ -263,6 +266,24 @@ class Checkpoint:
             return self.index_metadata.get(META_SET_ID) or self.index_metadata.get(META_HEADER_CRC)
         header = next(iter(self.headers.values()), None)
         return header.metadata.get(META_HEADER_CRC) if header is not None else None
+
+    def content_sample(self) -> str:
+        """The `version` where the files record one; for files that do not (other writers'), a crc32 of each
+        file's header bytes and `SAMPLED_PAGES` pages of its data spread over it: ranks that compare it tell two
+        different files of the same layout apart (a stale copy on one node, another run's weights), which the
+        header alone cannot. A few small reads per file."""
+        recorded = self.version
+        if recorded is not None:
+            return recorded
+        crc = 0
+        for file in sorted(self.headers):
+            header, fd = self.headers[file], self._fd(file)
+            crc = zlib.crc32(os.pread(fd, header.data_start, 0), crc)  # length and JSON
+            data = header.file_size - header.data_start
+            for i in range(SAMPLED_PAGES if data else 0):
+                at = header.data_start + (max(0, data - _PAGE) * i) // (SAMPLED_PAGES - 1)
+                crc = zlib.crc32(os.pread(fd, min(_PAGE, data), at), crc)
+        return f"sampled:{crc:08x}"
 
     # -- lazy, memory-mapped access (the `load` API) -------------------------------------------
 

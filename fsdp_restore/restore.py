@@ -119,6 +119,7 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
     optim_memory: list[checks.Storage] = []
     coverage: dict[str, tuple[int, int]] = {}
     prints: list[tuple[str, int]] = []
+    same: list[tuple[str, str]] = []
     extra: dict[str, Any] = {}
     what = "restore" if weights else "optimizer restore"
     try:
@@ -143,10 +144,12 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
             if check and check_buffers:
                 buffer_issues, prints = buffer_problems(model)
                 problems.add("buffers", buffer_issues)
-        # ranks that open a checkpoint while it is replaced may each see a whole version, but not the same one
-        version = (str(ckpt.version), "the ranks opened different versions of the checkpoint (it was replaced"
-                   " while they opened it): restore again") if ckpt is not None else None
-        agree(problems, what, group, coverage=coverage, buffer_prints=prints, same=version)
+            if dist.is_initialized() and dist.get_world_size(group) > 1:
+                same = _same_on_every_rank(ckpt, prefix=prefix, optim_prefix=optim_prefix, weights=weights,
+                                           optimizer=optimizer, strict=strict, check=check,
+                                           check_buffers=check_buffers, method=method, dtype_policy=dtype_policy,
+                                           key_map=key_map)
+        agree(problems, what, group, coverage=coverage, buffer_prints=prints, same=same)
         assert ckpt is not None
         timings = {"plan": time.perf_counter() - t0}
 
@@ -200,6 +203,22 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
     finally:
         if own and ckpt is not None:
             ckpt.close()
+
+
+def _same_on_every_rank(ckpt: Checkpoint, *, prefix: str | None, **options: Any) -> list[tuple[str, str]]:
+    """What every rank of a restore must hold alike, for `agree`: the checkpoint's content (ranks that open it
+    while it is replaced may each see a whole version but not the same one; copies on two nodes may differ)
+    and each option that decides what is read where (a rank with another one would read other bytes, or check
+    other memory, with no error of its own)."""
+    pairs = [(ckpt.content_sample(), "the ranks opened different versions of the checkpoint (it was replaced while"
+              " they opened it, or the copies they read differ): give every rank the same file and restore again")]
+    options["model_prefix"] = default_prefix(ckpt) if prefix is None else prefix
+    options["optimizer"] = options["optimizer"] is not None
+    options["key_map"] = options["key_map"] is not None
+    for name in sorted(options):
+        pairs.append((repr(options[name]), f"the ranks called the restore with different values of {name}= (one"
+                                           " value on every rank)"))
+    return pairs
 
 
 def _fill_reports(plan: ReadPlan, ckpt: Checkpoint, result: checks.CheckResult, *, bytes_read: int, method: str,

@@ -368,7 +368,7 @@ def _agree(problems: Any, what: str, group: dist.ProcessGroup | None,
            coverage: dict[str, tuple[int, int]] | None = None, header: str | None = None) -> None:
     try:
         agree(problems, what, group, coverage=coverage,
-              same=(header, _DIFFERENT_HEADERS) if header is not None else None)
+              same=[(header, _DIFFERENT_HEADERS)] if header is not None else [])
     except RestoreError as e:
         raise _save_error(e, what) from None
 

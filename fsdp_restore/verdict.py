@@ -124,31 +124,41 @@ TEXTS_PER_KIND = 20  # problems of one kind a reporter sends (the rest are count
 COVERAGE_BUCKETS = 4096  # hash buckets of the coverage terms exchanged when the digest is off
 
 
+MAX_SAME = 12  # values `agree` compares between ranks (``same``): a fixed number of slots, so a fixed size
+
+
 def agree(problems: Problems, what: str, group: dist.ProcessGroup | None = None, *,
           coverage: dict[str, tuple[int, int]] | None = None,
-          buffer_prints: list[tuple[str, int]] | None = None, same: tuple[str, str] | None = None) -> None:
+          buffer_prints: list[tuple[str, int]] | None = None, same: Sequence[tuple[str, str]] = ()) -> None:
     """Raise the same `RestoreError` on every rank if any rank has a problem, the ranks' plans do not
     cover every tensor exactly (``coverage``: `check.coverage_terms`), a non-persistent buffer differs
-    between ranks (``buffer_prints``), or ``same = (value, what it means if it differs)`` is not the same
-    text on every rank (the checkpoint version each rank opened). Every rank calls it at the same point
-    of the protocol.
+    between ranks (``buffer_prints``), or a value of ``same`` (pairs ``(value, what it means if it differs)``,
+    at most `MAX_SAME`: the checkpoint version each rank opened, the options it was called with) is not the
+    same text on every rank. Every rank calls it at the same point of the protocol, with its ``same`` in the
+    same order.
 
-    Success costs one all-reduce of 9 integers. Failure costs a bounded number of small collectives,
+    Success costs one all-reduce of 31 integers. Failure costs a bounded number of small collectives,
     whatever the world size: no rank gathers anything per rank (see `_reports`)."""
+    if len(same) > MAX_SAME:
+        raise ValueError(f"agree compares at most {MAX_SAME} values, not {len(same)}")
     rank, world = _rank(group)
     d1, d2 = coverage_digest(coverage or {})
     fp = sum(_print_weight(i) * v for i, (_, v) in enumerate(sorted(buffer_prints or []))) % FINGERPRINT_MODULUS
     n = len(buffer_prints or [])
-    v = zlib.crc32(same[0].encode()) % FINGERPRINT_MODULUS if same else 0
-    values = [int(bool(problems)), d1, d2, fp, fp * fp, n, n * n, v, v * v]
+    slots = [zlib.crc32(value.encode()) % FINGERPRINT_MODULUS for value, _ in same]
+    slots += [0] * (MAX_SAME - len(slots))
+    values = [int(bool(problems)), d1, d2, fp, fp * fp, n, n * n] + [x for v in slots for x in (v, v * v)]
     with _collective(what, "agreeing on the verdict"):
-        failing, s1, s2, f1, f2, n1, n2, v1, v2 = _all_reduce(values, group) if world > 1 else values
+        summed = _all_reduce(values, group) if world > 1 else values
+    failing, s1, s2, f1, f2, n1, n2 = summed[:7]
     if failing:
         with _collective(what, "collecting the failing ranks' problems"):
             reports, counts = _reports(problems.items, bool(problems), failing, group, rank, world)
         _raise(reports, what, counts=counts)
-    if same and not _same_everywhere(v1, v2, world):
-        _raise({"error": [same[1]]}, what)
+    differing = [i for i in range(MAX_SAME) if not _same_everywhere(summed[7 + 2 * i], summed[8 + 2 * i], world)]
+    if differing:
+        _raise({"error": [same[i][1] if i < len(same) else "(the ranks compared different values: a bug)"
+                          for i in differing]}, what)
     if s1 % DIGEST_PRIME or s2 % DIGEST_PRIME:
         with _collective(what, "finding the tensors the plans do not cover"):
             uncovered = _uncovered_names(coverage or {}, group, rank, world)

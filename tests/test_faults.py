@@ -303,16 +303,50 @@ def _restore_own_file(rank: int, world_size: int, paths: list) -> str:
     return str(info.value)
 
 
-def test_ranks_that_opened_different_versions_fail_together(tmp_path):
-    """A checkpoint replaced while the ranks open it: each rank reads a whole version, but two ranks on either
-    side of the replacement would restore a mix. The verdict compares the version every rank opened."""
+@pytest.mark.parametrize("writer", ["ours", "safetensors"])
+def test_ranks_that_opened_different_versions_fail_together(tmp_path, writer):
+    """A checkpoint replaced while the ranks open it, or a stale copy on one node: each rank reads a whole
+    file, but two ranks reading two would restore a mix. The verdict compares what every rank opened: the
+    version our files record, a sample of the content for other writers' files (the same header)."""
     from models import build
+    from safetensors.torch import save_file
 
     paths = []
     for seed in (0, 1):  # the same names and shapes, other values: two versions of one checkpoint
         path = tmp_path / f"v{seed}" / "ck.safetensors"
         path.parent.mkdir()
-        fsdp_restore.save(build("mlp", seed=seed).state_dict(), path)
+        state = build("mlp", seed=seed).state_dict()
+        fsdp_restore.save(state, path) if writer == "ours" else save_file(state, str(path))
         paths.append(path)
     messages = run_ranks(_restore_own_file, 2, paths)
     assert len(set(messages)) == 1 and "opened different versions of the checkpoint" in messages[0]
+
+
+def _restore_with(rank: int, world_size: int, path, options: list) -> str:
+    from models import build, wrap
+
+    def full(v):
+        return v.full_tensor() if hasattr(v, "full_tensor") else v
+
+    model = wrap(build("mlp", seed=1), "fsdp2", world_size)
+    before = {k: full(v).clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RestoreError) as info:
+        fsdp_restore.restore_model(model, path, **options[rank])
+    assert all(torch.equal(full(v), before[k]) for k, v in model.state_dict().items())  # untouched
+    return str(info.value)
+
+
+@pytest.mark.parametrize("options", [[{"check": True}, {"check": False}],
+                                     [{"model_prefix": "ema"}, {}],
+                                     [{"strict": False}, {}]], ids=["check", "model_prefix", "strict"])
+def test_ranks_called_with_different_options_fail_together_naming_it(tmp_path, options):
+    """A rank whose options differ reads other bytes or checks other memory with no error of its own (here:
+    the weights or their moving average, both complete): every rank refuses, naming the option, before anything
+    is read (it was reported as differing buffers, or not at all)."""
+    from models import build
+
+    path = tmp_path / "ck.safetensors"
+    fsdp_restore.save({"model": build("mlp", seed=0).state_dict(), "ema": build("mlp", seed=2).state_dict()}, path)
+    messages = run_ranks(_restore_with, 2, path, options)
+    name = next(iter(options[0]))
+    assert len(set(messages)) == 1 and f"different values of {name}=" in messages[0], messages[0]
