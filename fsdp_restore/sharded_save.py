@@ -328,8 +328,9 @@ def _header_digest(plan: WritePlan) -> str:
     return h.hexdigest()
 
 
-def _save_error(e: RestoreError, what: str) -> SaveError:
-    """The verdict's error in a save's words (the same text on every rank: the problems are agreed)."""
+def _save_error(e: RestoreError, what: str, died_hint: str | None = None) -> SaveError:
+    """The verdict's error in a save's words (the same text on every rank: the problems are agreed);
+    ``died_hint``: what to say where a rank died (default: the final name is untouched)."""
     lines = [f"{what} failed:"]
     for kind, items in e.problems.items():
         if kind == "coverage":
@@ -344,13 +345,19 @@ def _save_error(e: RestoreError, what: str) -> SaveError:
         else:
             lines.append(f"  {_LABELS.get(kind, kind)} ({len(items)}): {', '.join(items[:20])}")
     if any(text.startswith("a rank died") for text in e.problems.get("error", [])):
-        lines.append(f"  hint: {_DIED_HINT}")
+        lines.append(f"  hint: {died_hint or _DIED_HINT}")
     return SaveError("\n".join(lines), e.problems)
 
 
 _DIED_HINT = ("find the rank that died in its own log and exit status (killed, out of memory, a crash) or the broken"
               " connection, fix that and save again; the checkpoint under the final name is untouched (a temporary"
               " left by a rank 0 that died is removed by the next save or convert to that path)")
+_DIED_AT_COMMIT_HINT = ("find the rank that died in its own log and exit status (killed, out of memory, a crash) or the"
+                        " broken connection; rank 0 may have put the new checkpoint in place just before (it is"
+                        " then whole: rank 0 renames only once every rank has written and fsynced its bytes):"
+                        " fsdp-restore verify PATH shows which version is there")
+_COMMITTED_HINT = ("the new checkpoint is in place and whole (this rank renamed it only once every rank had written"
+                   " and fsynced its bytes); a rank died or lost its connection after that: find it in its own log")
 
 
 @contextlib.contextmanager
@@ -365,12 +372,13 @@ def _exchange(what: str, step: str) -> Iterator[None]:
 
 
 def _agree(problems: Any, what: str, group: dist.ProcessGroup | None,
-           coverage: dict[str, tuple[int, int]] | None = None, header: str | None = None) -> None:
+           coverage: dict[str, tuple[int, int]] | None = None, header: str | None = None,
+           died_hint: str | None = None) -> None:
     try:
         agree(problems, what, group, coverage=coverage,
               same=[(header, _DIFFERENT_HEADERS)] if header is not None else [])
     except RestoreError as e:
-        raise _save_error(e, what) from None
+        raise _save_error(e, what, died_hint) from None
 
 
 # ---- the entry point ---------------------------------------------------------------------------------------------
@@ -510,11 +518,14 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
             problems = new_problems()
             with _exchange("save_sharded (commit)", "joining the ranks' checksums"):
                 checksums = _join_crcs(plan, crc, group, world)
+            committed = False
             with problems.guard():
                 if rank == 0:
                     _commit(dst, tmp, plan, sharded, checksums, fds)
-                    created = False
-            _agree(problems, "save_sharded (commit)", group)
+                    created, committed = False, True
+            # a rank that dies now may die after rank 0's rename: the error must not say the old file is there
+            _agree(problems, "save_sharded (commit)", group,
+                   died_hint=_COMMITTED_HINT if committed else _DIED_AT_COMMIT_HINT)
             timings["commit"] = time.perf_counter() - t3
         except BaseException:
             # Rank 0 removes the temporary it created; the others too once they know its name (it is this save's

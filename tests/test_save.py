@@ -481,6 +481,44 @@ def test_killed_rank_leaves_the_old_checkpoint(tmp_path, dying):
     assert fsdp_restore.load(path)["step"] == 2
 
 
+def _dies_after_the_rename(rank, world_size, path):
+    import time
+
+    import fsdp_restore.sharded_save as sharded_save
+
+    model, opt, extra = _old_checkpoint(rank, world_size, path, "fsdp2")
+    old_version = fsdp_restore.Checkpoint(path).version
+    if rank == 1:
+        real_agree = sharded_save._agree
+
+        def dies_once_renamed(problems, what, *args, **kwargs):
+            if what == "save_sharded (commit)":
+                while fsdp_restore.Checkpoint(path).version == old_version:  # rank 0 renames, then agrees
+                    time.sleep(0.01)
+                os._exit(3)
+            return real_agree(problems, what, *args, **kwargs)
+
+        sharded_save._agree = dies_once_renamed
+    with pytest.raises(fsdp_restore.SaveError) as info:
+        save_sharded(model, path, optimizer=opt, extra=dict(extra, step=3))
+    with open(f"{path}.rank{rank}.txt", "w") as f:  # what rank 0 returns is lost: rank 1 fails the run
+        f.write(str(info.value))
+
+
+def test_a_rank_dying_after_the_rename_is_not_reported_as_an_untouched_checkpoint(tmp_path):
+    """Rank 1 dies once rank 0 has put the new file in place: rank 0's error says the new checkpoint is there and
+    whole (it said the old one was untouched), and it is."""
+    path = str(tmp_path / "ckpt.safetensors")
+    with pytest.raises(AssertionError) as info:
+        run_ranks(_dies_after_the_rename, 2, path, pg_timeout=10, timeout=90)
+    assert "rank 1 ---\ndied with exit code 3" in str(info.value), info.value
+    text = open(f"{path}.rank0.txt").read()
+    assert "a rank died" in text and "the new checkpoint is in place and whole" in text, text
+    assert "is untouched" not in text
+    assert fsdp_restore.verify(path).ok and not _leftovers(path)
+    assert fsdp_restore.load(path)["step"] == 3  # the second save's, not the first's (2)
+
+
 def _memory(rank, world_size, path):
     from fsdp_restore.measure import PeakAnonMemory
 
