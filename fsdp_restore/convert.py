@@ -264,7 +264,7 @@ def _directory_identity(path: Path) -> list[tuple[str, int, int]]:
 def _same_source(share: Share, identity: Any) -> None:
     """Every rank of a conversion on several ranks read the same source, as it is now, or `ConvertError` on
     every rank: ranks reading different checkpoints would each write their own blocks into the one file."""
-    if share.world > 1 and any(other != identity for other in share.gather(identity)):
+    if share.world > 1 and any(other != identity for other in share.gather(identity, "compare the sources")):
         raise ConvertError("the ranks read different sources (another path, or the checkpoint changed while they"
                            " read it): every rank must convert the same source")
 

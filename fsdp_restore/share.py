@@ -16,7 +16,8 @@ fixed-size all-reduces instead because a restore runs on thousands of ranks.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -50,19 +51,22 @@ class Share:
         """Every ``world``-th item, starting at this rank's index: item 0 (a file's header block) is rank 0's."""
         return items[self.rank::self.world]
 
-    def first(self, value: T) -> T:
-        """Rank 0's ``value`` on every rank (a small picklable object)."""
+    def first(self, value: T, what: str = "exchange") -> T:
+        """Rank 0's ``value`` on every rank (a small picklable object); a peer that died is a `ConvertError`."""
         box = [value]
         if self.world > 1:
-            dist.broadcast_object_list(box, src=self._global(0), group=self.group)
+            with _collective(what):
+                dist.broadcast_object_list(box, src=self._global(0), group=self.group)
         return box[0]
 
-    def gather(self, value: T) -> list[T]:
-        """Every rank's ``value`` (small, picklable), in rank order, on every rank."""
+    def gather(self, value: T, what: str = "exchange") -> list[T]:
+        """Every rank's ``value`` (small, picklable), in rank order, on every rank; a peer that died is a
+        `ConvertError`."""
         if self.world == 1:
             return [value]
         out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, value, group=self.group)
+        with _collective(what):
+            dist.all_gather_object(out, value, group=self.group)
         return out
 
     def step(self, what: str, fn: Callable[[], T]) -> T | None:
@@ -77,11 +81,7 @@ class Share:
             result = fn()
         except Exception as e:  # noqa: BLE001 - every failure must reach the agreement below, on every rank
             failure = f"{type(e).__name__}: {e}"
-        try:
-            reports = self.gather(failure)
-        except Exception as e:  # noqa: BLE001 - a peer died: the collective itself failed
-            raise ConvertError(f"convert ({what}): a rank died or lost its connection ({type(e).__name__}: {e});"
-                               " nothing was put at the destination") from None
+        reports = self.gather(failure, what)
         failed = [r for r, text in enumerate(reports) if text]
         if failed:
             ranks = ", ".join(map(str, failed[:8])) + (" ..." if len(failed) > 8 else "")
@@ -90,3 +90,19 @@ class Share:
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+
+DIED_NOTE = "nothing was put at the destination"
+
+
+@contextlib.contextmanager
+def _collective(what: str) -> Iterator[None]:
+    """A collective that fails (a peer died or lost its connection) as a `ConvertError` naming the step, not
+    torch's RuntimeError about sockets. Callers past the point where the output may be in place say so instead
+    of `DIED_NOTE` (`write.write_safetensors`)."""
+    try:
+        yield
+    except RuntimeError as e:  # DistBackendError, DistNetworkError and gloo's errors all derive from it
+        text = str(e).strip().splitlines()[0] if str(e).strip() else "(no message)"
+        raise ConvertError(f"convert ({what}): a rank died or lost its connection ({type(e).__name__}: {text});"
+                           f" {DIED_NOTE}") from None

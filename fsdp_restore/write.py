@@ -42,7 +42,7 @@ from .format import (DEFAULT_INDEX_NAME, FORMAT_VERSION, HEADER_SEAL_PREFIX, MET
                      META_SET_ID, META_STRUCTURE, META_VERSION, build_header, build_index, seal, torch_dtype_name)
 from .errors import ConvertError
 from .mapped import pread_exactly
-from .share import Share
+from .share import DIED_NOTE, Share
 
 CHUNK_BYTES = 16 * 1024 * 1024  # per-thread working set when casting or copying non-contiguous data
 _PLACEHOLDER = "0" * 8
@@ -460,7 +460,11 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
             remove_stale_temporaries(dst)
 
     one.step("destination", prepare)
-    tmp_name, set_id = one.first((f".{dst.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex))
+    if one.world > 1 and len(names_given := set(one.gather(dst.name, "destination"))) > 1:
+        raise ConvertError(f"the ranks were given different destinations ({', '.join(sorted(names_given))}): give every"
+                           " rank the same one (a path every rank sees)")  # rank 0's name would be written alone
+    tmp_name, set_id = one.first((f".{dst.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex),
+                                 "the temporary's name")
     tmp = dst.parent / tmp_name
     sharded = max_shard_size is not None
     if sharded:  # a new id per write, in every shard and the index (`file_layout`)
@@ -480,7 +484,7 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
     try:
         one.step("create", lambda: open_files(True) if lead else None)
         one.step("open", lambda: None if lead else open_files(False))
-        if one.world > 1 and len(set(one.gather(zlib.crc32(b"".join(w.header for w in writers))))) > 1:
+        if one.world > 1 and len(set(one.gather(zlib.crc32(b"".join(w.header for w in writers)), "layout"))) > 1:
             raise ConvertError("the ranks laid the output out differently: each rank must convert the same source"
                                " with the same options")  # (the same files, byte for byte, on every rank)
         blocks = one.mine([block for w in writers for block in w.blocks()])
@@ -495,7 +499,7 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
 
         one.step("write", write_blocks)
         # the other ranks' crc32 pieces (and header pages), for rank 0's `finish`
-        others = one.gather([w.segments() for w in writers])[1:] if one.world > 1 else []
+        others = one.gather([w.segments() for w in writers], "checksums")[1:] if one.world > 1 else []
         result = WriteResult(paths=[], nbytes=sum(j.nbytes for j in jobs))
 
         def commit() -> None:
@@ -512,11 +516,22 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
                 _fsync_dir(tmp)
             refuse_foreign_directory(dst)
             _replace(tmp, dst)
+            renamed.append(True)
 
-        one.step("commit", commit)
+        renamed: list[bool] = []
+        try:
+            one.step("commit", commit)
+            result.checksums = one.first(result.checksums, "commit")
+        except ConvertError as e:  # a rank that died now may have died after rank 0's rename: say so
+            if DIED_NOTE not in str(e) or (lead and not renamed):
+                raise
+            raise ConvertError(str(e).replace(DIED_NOTE, (
+                f"the output is in place and whole at {dst} (this rank renamed it only once every rank had written"
+                " and fsynced its blocks)" if renamed else
+                f"rank 0 may have put the output in place just before (it is then whole): fsdp-restore verify {dst}"
+                " shows whether it is there"))) from None
         for w in writers:  # rank 0's are closed by `finish`; the other ranks' here
             w.close()
-        result.checksums = one.first(result.checksums)
         result.paths = [dst / name for name in names] if sharded else [dst]
         return result
     except BaseException:

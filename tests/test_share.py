@@ -243,3 +243,71 @@ def test_a_failure_while_opening_the_source_for_reading_is_the_same_error_everyw
     texts = run_ranks(_cannot_map_on_rank_1, 2, str(src), str(tmp_path / "out.safetensors"), pg_timeout=60)
     assert texts[0] == texts[1] and "read the source) failed on rank(s) 1 of 2" in texts[0], texts
     assert sorted(os.listdir(tmp_path)) == ["src.pt"]
+
+
+def _own_destination(rank: int, world_size: int, src: str, dsts: list[str]) -> str:
+    import torch.distributed as dist
+
+    with pytest.raises(ConvertError) as info:
+        fsdp_restore.convert(src, dsts[rank], process_group=dist.group.WORLD)
+    return str(info.value)
+
+
+def test_ranks_given_different_destinations_are_refused(tmp_path):
+    """Rank 1's destination was never written (its blocks went into rank 0's file) and it reported success."""
+    src = tmp_path / "src.pt"
+    _source(str(src))
+    dsts = [str(tmp_path / "out.safetensors"), str(tmp_path / "out.safetensors.rank1")]
+    texts = run_ranks(_own_destination, 2, str(src), dsts)
+    assert texts[0] == texts[1] and "different destinations" in texts[0], texts
+    assert sorted(os.listdir(tmp_path)) == ["src.pt"]
+
+
+def _dies_at(rank: int, world_size: int, src: str, dst: str, when: str) -> None:
+    """Rank 1 dies (no exception, no goodbye) between two steps: before the checksums are gathered, or once
+    rank 0 has renamed the output into place; rank 0 writes what it raised to a file (the run fails on rank 1)."""
+    import time
+
+    import torch.distributed as dist
+
+    import fsdp_restore.share as share
+    import fsdp_restore.write as write
+
+    write.BLOCK_BYTES = BLOCK
+    if rank == 1:
+        real_gather = share.Share.gather
+
+        def dies(self, value, what="exchange"):
+            if what == "checksums" and when == "checksums":
+                os._exit(3)
+            if what == "commit" and when == "renamed":
+                while not os.path.exists(dst):  # rank 0 renames, then agrees
+                    time.sleep(0.01)
+                os._exit(3)
+            return real_gather(self, value, what)
+
+        share.Share.gather = dies
+    try:
+        fsdp_restore.convert(src, dst, process_group=dist.group.WORLD)
+        text = "no error"
+    except Exception as e:  # noqa: BLE001 - what it raised, whatever it is, is the point
+        text = f"{type(e).__name__}: {e}"
+    with open(f"{dst}.rank{rank}.txt", "w") as f:
+        f.write(text)
+
+
+@pytest.mark.parametrize("when", ["checksums", "renamed"])
+def test_a_rank_dying_between_steps_is_a_convert_error_saying_where_the_output_is(tmp_path, when):
+    """Every exchange outside a step fails as the step's do (torch's RuntimeError about sockets came out); a
+    rank that dies once the output is in place is not reported as 'nothing was put at the destination'."""
+    src, dst = tmp_path / "src.pt", tmp_path / "out.safetensors"
+    _source(str(src))
+    with pytest.raises(AssertionError, match="died with exit code 3"):
+        run_ranks(_dies_at, 2, str(src), str(dst), when, pg_timeout=10, timeout=90)
+    text = (tmp_path / "out.safetensors.rank0.txt").read_text()
+    assert text.startswith("ConvertError: convert (") and "a rank died or lost its connection" in text, text
+    if when == "checksums":
+        assert "nothing was put at the destination" in text and not dst.exists()
+    else:
+        assert "the output is in place and whole" in text and fsdp_restore.verify(dst, against=src).ok
+    assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
