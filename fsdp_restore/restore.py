@@ -28,7 +28,7 @@ from torch import nn
 
 from . import check as checks
 from .buffers import buffer_problems
-from .errors import renamed_argument, thread_count_argument
+from .errors import RestoreError, renamed_argument, thread_count_argument
 from .execute import DEFAULT_READ_THREADS, cache_chunk_bytes, execute_reads
 from .key_map import KeyMap
 from .plan import ReadPlan, RestoreReport, build_plan, default_prefix
@@ -191,7 +191,12 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
                 weights_at = plan.model_report.prefix
                 extra = extras(ckpt, (weights_at, *extra_keys)) if weights_at else {}
         t3 = time.perf_counter()
-        agree(problems, f"{what} check", group)
+        try:
+            agree(problems, f"{what} check", group)
+        except RestoreError as e:  # unlike a failure of the plan, this one comes after the model was written to
+            if "partly written" in str(e):
+                raise
+            raise RestoreError(f"{e}\n  hint: {_PARTLY_WRITTEN}", e.problems) from None
         timings["agree"] = time.perf_counter() - t3
 
         _fill_reports(plan, ckpt, result, bytes_read=ckpt.bytes_read - before, method=method,
@@ -203,6 +208,10 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
     finally:
         if own and ckpt is not None:
             ckpt.close()
+
+
+_PARTLY_WRITTEN = ("the reads had begun on every rank, so the model's parameters (and the optimizer's state"
+                   " tensors) are now partly written: restore again into them, or rebuild them, before using them")
 
 
 def _same_on_every_rank(ckpt: Checkpoint, *, prefix: str | None, **options: Any) -> list[tuple[str, str]]:

@@ -350,3 +350,36 @@ def test_ranks_called_with_different_options_fail_together_naming_it(tmp_path, o
     messages = run_ranks(_restore_with, 2, path, options)
     name = next(iter(options[0]))
     assert len(set(messages)) == 1 and f"different values of {name}=" in messages[0], messages[0]
+
+
+def _read_fails_half_way(rank: int, world_size: int, path) -> str:
+    import os as os_module
+
+    from models import build, wrap
+
+    model = wrap(build("mlp", seed=1), "fsdp2", world_size)
+    if rank == 1:
+        real, calls = os_module.preadv, [0]
+
+        def fails_later(fd, buffers, offset):
+            calls[0] += 1
+            if calls[0] > 2:
+                raise OSError(5, "Input/output error (injected)")
+            return real(fd, buffers, offset)
+
+        os_module.preadv = fails_later
+    with pytest.raises(RestoreError) as info:
+        fsdp_restore.restore_model(model, path, thread_count=1)
+    return str(info.value)
+
+
+def test_a_failure_after_the_reads_began_says_the_model_is_partly_written(tmp_path):
+    """A plan that fails leaves the model untouched; a read that fails half way cannot: the error says so on
+    every rank (it named only the I/O error, and a healthy rank's model had been written all through)."""
+    from models import build
+
+    path = tmp_path / "ck.safetensors"
+    fsdp_restore.save(build("mlp", seed=0).state_dict(), path)
+    texts = run_ranks(_read_fails_half_way, 2, path)
+    assert len(set(texts)) == 1 and "injected" in texts[0] and "[rank 1]" in texts[0], texts
+    assert "are now partly written: restore again into them, or rebuild them" in texts[0], texts[0]
