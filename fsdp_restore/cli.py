@@ -278,8 +278,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
                           " e.g. torchrun --nproc-per-node 2 -m fsdp_restore convert SRC DST --ranks")
     if not ranks:  # (each rank reads only its blocks' bytes: no rank reads the whole source ahead)
         start_prefetch(args.src, select=text["select"], tag=text["tag"])  # the disk reads while torch is imported
+    started = time.perf_counter()  # checking --dtype or --max-shard-size may be what imports torch first
     cfg = check_convert_options(values, origin)
-    started = time.perf_counter()
     from .convert import convert  # the first command to need torch imports it here: timed apart from the work
 
     imports = time.perf_counter() - started

@@ -1,5 +1,6 @@
 """The command line: exit codes, one-line errors, config layering."""
 
+import re
 import subprocess
 import sys
 
@@ -32,6 +33,9 @@ def test_a_command_that_imports_torch_still_exits_with_its_code_and_all_its_outp
     assert "converted" in ok.stdout and ok.stdout.rstrip().endswith("┘"), ok.stdout  # the report's last line
     assert f"converted {src} -> {dst}\n" in ok.stdout  # the paths whole, on one line
     assert "imports before it (torch...)" in ok.stdout  # the first use's import, apart from the conversion's time
+    cast = run("convert", src, tmp_path / "bf16.safetensors", "--dtype", "bf16")  # --dtype's check imports torch
+    imported = re.search(r"imports before it \(torch\.\.\.\)\s*│\s*([0-9.]+) s", cast.stdout)
+    assert cast.returncode == 0 and imported and float(imported.group(1)) > 0.05, cast.stdout  # it said 0.01 s
     assert torch.equal(load_file(dst)["model.w"], torch.load(src)["model"]["w"])
     bad = run("convert", tmp_path / "missing.pt", tmp_path / "out.safetensors")
     assert bad.returncode == 1 and "error:" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
