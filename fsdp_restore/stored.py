@@ -163,6 +163,15 @@ def _child(node: Any, name: str, prefix: str) -> Any:
     raise FsdpRestoreError(f"'{prefix}' in the checkpoint is not an optimizer state dict (no '{name}')")
 
 
+def optimizer_prefixes(ckpt: Checkpoint) -> list[str]:
+    """Where the checkpoint holds an optimizer state dict (a node with ``state`` and ``param_groups``): its root
+    (a file of ``torch.save(opt.state_dict())``) or a top-level entry (``optimizer`` in nanoGPT's checkpoints)."""
+    root = ckpt.structure["root"]
+    candidates = [("", root)] + [(str(k), v) for k, v in _items(root)]
+    return [prefix for prefix, node in candidates
+            if isinstance(node, dict) and {"state", "param_groups"} <= {str(k) for k, _ in _items(node)}]
+
+
 def key_text(key: Any) -> str:
     """A state dict key as text: integer ids and names alike (JSON-encoded keys carry their value)."""
     return str(key) if not isinstance(key, Mapping) else str(key.get("value"))
@@ -173,8 +182,10 @@ def stored_optimizer(ckpt: Checkpoint, prefix: str, model_names: Iterable[str] =
     try:
         node = subtree(ckpt.structure, prefix)
     except KeyError:
-        raise FsdpRestoreError(f"the checkpoint has no optimizer state under '{prefix}' (pass optim_prefix=...)"
-                               ) from None
+        found = optimizer_prefixes(ckpt)
+        where = (f": it holds one under {' and '.join(repr(p) for p in found)}, pass optim_prefix={found[0]!r}"
+                 if found else " (pass optim_prefix=..., the subtree that holds 'state' and 'param_groups')")
+        raise FsdpRestoreError(f"the checkpoint has no optimizer state under '{prefix}'{where}") from None
     lazy = ckpt.tensors(exact=True)  # small values (group tensors such as lr): no mmap readahead
     groups = unflatten(lazy, {"version": 1, "root": _child(node, "param_groups", prefix)})
     state_node = _child(node, "state", prefix)

@@ -342,3 +342,18 @@ def test_state_not_shaped_like_its_parameter(tmp_path, how):
         assert results == [{"Tensor"}] * 2  # restored whole, on the parameter's device
     else:  # a DTensor parameter: refused, naming the parameter and the key, on every rank
         assert len(set(results)) == 1 and "optimizer state 'row' of inp.weight" in results[0]
+
+
+@pytest.mark.parametrize("layout,expected", [("alone", "optim_prefix=''"), ("nanogpt", "optim_prefix='optimizer'")])
+def test_a_missing_optimizer_prefix_names_where_the_state_is(tmp_path, layout, expected):
+    """An optimizer.pt saved alone (Hugging Face Trainer) holds its state at the root; nanoGPT's under
+    'optimizer': without optim_prefix the error says which to pass."""
+    model = build("mlp", seed=0)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, model.inp.in_features)).sum().backward()
+    opt.step()
+    obj = opt.state_dict() if layout == "alone" else {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    torch.save(obj, tmp_path / "ck.pt")
+    fsdp_restore.convert(tmp_path / "ck.pt", tmp_path / "ck.safetensors")
+    with pytest.raises(RestoreError, match=f"no optimizer state under 'optim': it holds one under .*pass {expected}"):
+        fsdp_restore.restore_optimizer(torch.optim.AdamW(model.parameters()), model, tmp_path / "ck.safetensors")
