@@ -28,7 +28,7 @@ import torch.distributed as dist
 from . import torch_zip
 from .errors import ConvertError, FormatError, UnsafePickleError, thread_count_argument
 from .flatten import flatten
-from .format import META_SOURCE
+from .format import META_SOURCE, PT_SUFFIXES
 from .jobs import ConvertReport, cast_groups, cast_target, parse_size, plan_jobs, write_converted
 from .mapped import MappedFile
 from .measure import PeakAnonMemory, Stopwatch
@@ -282,9 +282,12 @@ def _convert_directory(src: str | os.PathLike[str], dst: str | os.PathLike[str],
 
     def read_source() -> tuple[str, Any, dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
         if not (is_zero_checkpoint(src) or is_dcp_checkpoint(src)):
+            files = sorted(p.name for p in Path(src).iterdir() if p.suffix in PT_SUFFIXES and p.is_file())
+            each = (f"; convert its files one by one instead (a Hugging Face Trainer checkpoint: fsdp-restore convert"
+                    f" {Path(src) / files[0]} ...; its model.safetensors needs no conversion)" if files else "")
             raise FormatError(src, "a directory, but neither a DeepSpeed ZeRO checkpoint ('latest', or a"
                               " global_step* tag with *_optim_states.pt files) nor a DCP checkpoint (.metadata +"
-                              " *.distcp)")
+                              f" *.distcp){each}")
         check_destination(dst, force=force, sources=[src])
         if is_dcp_checkpoint(src):
             obj, pieces = read_dcp(src)

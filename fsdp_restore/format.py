@@ -23,6 +23,7 @@ from .errors import FormatError
 # 2: headers and indexes carry their own crc32 (META_HEADER_CRC); shards of a set carry its id (META_SET_ID).
 # Version-1 files (and files of other tools) have neither and still read.
 FORMAT_VERSION = "2"
+PT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")  # torch.save files by their usual names
 SEALED_SINCE_VERSION = 2  # every header and index of this format version and later carries its crc32
 
 # Metadata keys in the safetensors header (``__metadata__``, str -> str) and in the index json.

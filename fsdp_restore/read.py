@@ -33,11 +33,10 @@ import torch
 from .errors import FormatError
 from .flatten import flat_structure, unflatten, validate_structure
 from .format import (DEFAULT_INDEX_NAME, INDEX_SUFFIX, META_CAST, META_CHECKSUMS, META_HEADER_CRC, META_SET_ID,
-                     META_SOURCE, META_STRUCTURE, SAFETENSORS, TORCH_LEGACY, TORCH_ZIP, FileHeader, TensorEntry,
-                     detect, parse_json, read_header, read_index)
+                     META_SOURCE, META_STRUCTURE, PT_SUFFIXES, SAFETENSORS, TORCH_LEGACY, TORCH_ZIP, FileHeader,
+                     TensorEntry, detect, parse_json, read_header, read_index)
 from .provenance import mismatch
 
-PT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 # Rows at least this long are read with one positional read each; shorter rows (a column block of a
 # wide matrix: thousands of rows of a few KiB) are copied out of a mapping of their span in one strided
 # copy, because a system call per row costs more than the row (BENCHMARKS.md, "Shard(1)").
@@ -98,8 +97,12 @@ def _resolve_files(path: Path) -> tuple[Path | None, list[Path]]:
         files = sorted(path.glob("*.safetensors"))
         if len(files) == 1:
             return None, files
-        raise FormatError(path, "directory holds no index json and "
-                          f"{'no' if not files else 'several'} .safetensors files")
+        if files:  # a Hugging Face Trainer checkpoint: model.safetensors beside a converted optimizer.safetensors
+            raise FormatError(path, f"directory holds no index json and several .safetensors files"
+                              f" ({', '.join(p.name for p in files[:8])}{', ...' if len(files) > 8 else ''}): pass"
+                              " the one to read (e.g. model.safetensors to restore_model, the optimizer's to"
+                              " restore_optimizer)")
+        raise FormatError(path, "directory holds no index json and no .safetensors files")
     if path.name.endswith(".json"):
         return path, []
     if not path.exists():

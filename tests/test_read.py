@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from fsdp_restore import read
+import fsdp_restore
+from fsdp_restore import FormatError, read
 from fsdp_restore.read import Checkpoint
 
 
@@ -145,3 +146,18 @@ def test_a_torch_file_named_safetensors_is_named_for_what_it_is(tmp_path):
         fsdp_restore.open_checkpoint(path)
     with pytest.raises(FormatError, match=r"model\.safetensors.*torch\.save.*fsdp-restore convert"):
         fsdp_restore.inspect_checkpoint(path)
+
+
+def test_a_trainer_directory_says_which_file_to_pass(tmp_path):
+    """A Hugging Face Trainer checkpoint holds model.safetensors beside optimizer.pt (or its conversion): the
+    reader names the files and the convert command says to convert them one by one."""
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    torch.save({"state": {}, "param_groups": []}, tmp_path / "optimizer.pt")
+    with pytest.raises(FormatError, match="convert its files one by one.*optimizer.pt"):
+        fsdp_restore.convert(tmp_path, tmp_path.parent / "out.safetensors")
+    fsdp_restore.convert(tmp_path / "optimizer.pt", tmp_path / "optimizer.safetensors")
+    with pytest.raises(FormatError, match=r"several \.safetensors files \(model\.safetensors, optimizer\.safetensors\)"
+                                          ": pass the one to read"):
+        fsdp_restore.Checkpoint(tmp_path)
