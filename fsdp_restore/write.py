@@ -551,14 +551,13 @@ _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # `file_layout`'
 def check_destination(dst: str | os.PathLike[str], *, force: bool, sources: Sequence[str | os.PathLike[str]] = ()
                       ) -> None:
     """Refuse, before anything is read or written, a destination whose replacement would lose what it is not:
-    an existing ``dst`` without ``force``; with ``force``, a ``dst`` that is one of ``sources`` or a directory
-    holding one, and a directory holding anything but a sharded checkpoint (shards and their index), since
-    replacing a directory removes all of it. `FileExistsError` naming the path and what to do."""
+    a ``dst`` that is one of ``sources`` or a directory holding one, or lies inside a source directory, and a
+    directory holding anything but a sharded checkpoint (shards and their index), since replacing a directory
+    removes all of it (``force`` or not: forcing would not help); then any existing ``dst`` without ``force``.
+    `FileExistsError` naming the path and what to do."""
     dst = Path(dst)
     if not (dst.exists() or dst.is_symlink()):
         return
-    if not force:
-        raise FileExistsError(f"{dst} already exists; pass force=True (CLI: --force) to replace it")
     target = dst.resolve()
     for src in sources:
         where = Path(src).resolve()
@@ -568,7 +567,9 @@ def check_destination(dst: str | os.PathLike[str], *, force: bool, sources: Sequ
         if where.is_dir() and where in target.parents:  # a file of a ZeRO or DCP source, perhaps
             raise FileExistsError(f"{dst} lies inside the source directory {src}: replacing it could delete part of"
                                   " the source; write to a path outside it")
-    refuse_foreign_directory(dst)
+    refuse_foreign_directory(dst)  # before the advice to force it: forcing would not help
+    if not force:
+        raise FileExistsError(f"{dst} already exists; pass force=True (CLI: --force) to replace it")
 
 
 def refuse_foreign_directory(dst: Path) -> None:
