@@ -137,6 +137,10 @@ def load_pt(path: str | os.PathLike[str], *, trust_pickle: bool = False, allow_g
         is_zip = False
     if magic == b"PK\x03\x04" and not is_zip:
         raise FormatError(path, "zip archive is truncated or corrupt (no central directory); re-copy the file")
+    if not is_zip and not (len(magic) >= 2 and magic[0] == 0x80 and 2 <= magic[1] <= 5) and not trust_pickle:
+        # neither torch.save's zip nor a legacy pickle (PROTO opcode first): no "legacy file" warning for it
+        raise FormatError(path, f"not a torch.save file (it starts with {magic!r}: neither a zip archive nor a"
+                                " pickle); is it the file you meant?")
     extra = [_import_global(n) for n in allow_globals]
     if is_zip and mmap and not trust_pickle:
         try:  # the common case, without torch.load's cost per tensor; the same result and the same refusals

@@ -449,3 +449,12 @@ def test_a_tag_for_a_file_is_refused_not_ignored(train_ckpt, tmp_path):
     with pytest.raises(ValueError, match="--tag.*DeepSpeed checkpoint directory"):
         convert(src, tmp_path / "out.safetensors", tag="global_step3")
     assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_a_file_that_is_not_a_torch_save_file_is_named_as_such(tmp_path):
+    """A text file named .pt was warned about as a 'legacy (non-zip) torch.save file', then failed in torch."""
+    path = tmp_path / "notes.pt"
+    path.write_text("hello world\n")
+    with pytest.raises(FormatError, match=r"notes\.pt.*not a torch\.save file \(it starts with b'hell'"):
+        convert(path, tmp_path / "out.safetensors")
+    assert not (tmp_path / "out.safetensors").exists()
