@@ -234,10 +234,20 @@ def _load_error(path: Path, e: Exception) -> Exception:
     return FormatError(path, f"cannot load ({type(e).__name__}: {text}); truncated or corrupt?")
 
 
-def select_subtree(obj: Any, select: str | None) -> Any:
-    """The value at dotted path ``select`` inside ``obj`` (dict keys, list indices, attributes)."""
+def select_subtree(obj: Any, select: str | None, *, source: object = None) -> Any:
+    """The value at dotted path ``select`` inside ``obj`` (dict keys, list indices, attributes); a `KeyError`
+    naming ``source`` (the file ``obj`` was loaded from) where there is no such path."""
     if not select:
         return obj
+    try:
+        return _descend(obj, select)
+    except KeyError as e:
+        if source is None:
+            raise
+        raise KeyError(f"{source}: {e.args[0]}") from None
+
+
+def _descend(obj: Any, select: str) -> Any:
     node = obj
     for i, part in enumerate(select.split(".")):
         if isinstance(node, dict):
@@ -299,7 +309,7 @@ def _convert_directory(src: str | os.PathLike[str], dst: str | os.PathLike[str],
         else:
             obj, pieces, layout = read_zero(src, tag=tag)
             label = str(layout.tag_dir)
-        tensors, structure = flatten(select_subtree(obj, select),
+        tensors, structure = flatten(select_subtree(obj, select, source=label),
                                      on_unsupported=on_unsupported)  # type: ignore[arg-type]
         return label, obj, tensors, structure, pieces
 
@@ -388,7 +398,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
             raise FormatError(src, "no such file")
         check_destination(dst, force=force, sources=[src])
         identity = source_identity(src)  # before reading: a source rewritten meanwhile will not match it
-        obj = select_subtree(load_pt(src, trust_pickle=trust_pickle, allow_globals=allow_globals), select)
+        obj = select_subtree(load_pt(src, trust_pickle=trust_pickle, allow_globals=allow_globals), select, source=src)
         tensors, structure = flatten(obj, on_unsupported=on_unsupported)  # type: ignore[arg-type]
         mapped, fd = MappedFile(src), os.open(src, os.O_RDONLY)
         try:

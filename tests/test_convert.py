@@ -458,3 +458,9 @@ def test_a_file_that_is_not_a_torch_save_file_is_named_as_such(tmp_path):
     with pytest.raises(FormatError, match=r"notes\.pt.*not a torch\.save file \(it starts with b'hell'"):
         convert(path, tmp_path / "out.safetensors")
     assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_a_select_that_finds_nothing_names_the_file_and_the_keys_there(tmp_path):
+    torch.save({"model": {"w": torch.ones(2)}, "step": 1}, tmp_path / "ck.pt")
+    with pytest.raises(KeyError, match=r"ck\.pt: select='modle': no key 'modle' at '<root>' \(keys there: model, step"):
+        convert(tmp_path / "ck.pt", tmp_path / "out.safetensors", select="modle")
