@@ -192,6 +192,10 @@ def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | No
     thread_count = thread_count_argument(thread_count, threads)
     allowed = _allowed_classes(allow_globals)
     report = VerifyReport(path=str(path), against=str(against) if against else None)
+    if against is not None and os.path.exists(against) and os.path.exists(path) and os.path.samefile(path, against):
+        report.problems.append((str(against), "is the checkpoint itself: a comparison with itself proves nothing;"
+                                " pass the source it was converted from (.pt, ZeRO or DCP directory)"))
+        return report
     with Stopwatch() as clock:
         try:
             ckpt = Checkpoint(path)
@@ -760,7 +764,8 @@ def render_verify(report: VerifyReport, console: Console) -> None:
               HEADER_ONLY: "yellow", FAILED: "red"}[report.verdict]
     text = report.verdict if report.verdict != FAILED else f"{len(report.problems)} problem(s)"
     table.add_row("verdict", f"[{colour}]{text}[/]")
-    console.print(table)
+    if report.tensors or report.nbytes or not report.problems:  # a table of zeros says nothing of an unopened file
+        console.print(table)
     if report.casts:
         worst = sorted(report.casts, key=lambda c: -c.max_rel)
         console.print(f"{len(report.casts)} tensors differ from the source only by their declared cast; largest changes:",

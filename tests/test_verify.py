@@ -3,6 +3,8 @@
 import collections
 import json
 import struct
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -301,3 +303,15 @@ def test_a_file_holding_none_or_a_dropped_root_is_still_compared(tmp_path):
     declared = verify(tmp_path / "td.safetensors", against=tmp_path / "td.pt", allow_globals=["datetime.timedelta"])
     assert declared.ok and declared.dropped == [("<root>", "datetime.timedelta")], declared.problems
     assert not verify(tmp_path / "td.safetensors", against=tmp_path / "real.pt").ok
+
+
+def test_a_checkpoint_verified_against_itself_proves_nothing(tmp_path):
+    src, dst = tmp_path / "ck.pt", tmp_path / "ck.safetensors"
+    torch.save({"w": torch.ones(3)}, src)
+    fsdp_restore.convert(src, dst)
+    report = verify(dst, against=dst)
+    assert not report.ok and "a comparison with itself proves nothing" in report.problems[0][1]
+    (tmp_path / "empty").mkdir()  # a directory that holds no checkpoint: no table of zeros before the FAIL line
+    res = subprocess.run([sys.executable, "-m", "fsdp_restore", "verify", str(tmp_path / "empty")],
+                         capture_output=True, text=True)
+    assert res.returncode != 0 and "FAIL" in res.stdout and "checksums verified" not in res.stdout, res.stdout
