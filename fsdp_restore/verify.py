@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
@@ -805,8 +806,8 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def _describe(node: Any, ckpt: Checkpoint, name: str) -> dict[str, Any]:
-    if not isinstance(node, dict):
-        return {"name": name, "kind": type(node).__name__ if node is not None else "None", "value": repr(node)[:60],
+    if not isinstance(node, dict):  # a JSON scalar standing for itself: the value as it is (inspect --json)
+        return {"name": name, "kind": type(node).__name__ if node is not None else "None", "value": node,
                 "bytes": 0, "tensors": 0}
     kind = node.get("type")
     if kind in ("tensor", "ndarray", "bytes", "bytearray"):  # the validated structure: these carry a key
@@ -823,7 +824,10 @@ def _describe(node: Any, ckpt: Checkpoint, name: str) -> dict[str, Any]:
                     for k, v in pairs]
         return {"name": name, "kind": kind, "children": children}  # totals: `_count_stored_once`
     value = node.get("value", node.get("items", ""))
-    return {"name": name, "kind": kind, "value": str(value)[:60], "bytes": 0, "tensors": 0}
+    if kind == "float" and math.isfinite(float(value)):  # a JSON number; nan, inf and ints beyond int64 stay text
+        value = float(value)
+    return {"name": name, "kind": kind, "value": value if isinstance(value, float) else str(value), "bytes": 0,
+            "tensors": 0}
 
 
 def _count_stored_once(tree: dict[str, Any]) -> None:
@@ -854,12 +858,14 @@ def render_inspect(info: dict[str, Any], console: Console, max_depth: int = 3) -
     def label(d: dict[str, Any]) -> str:
         size = f"{d['bytes'] / 1e6:.2f} MB" if d["bytes"] >= 1e5 else f"{d['bytes']} B"
         if "children" in d:
-            return f"[bold]{d['name'] or '<root>'}[/] {d['kind']} ({len(d['children'])} items, {d['tensors']} tensors, {size})"
+            return (f"[bold]{escape(d['name']) or '<root>'}[/] {d['kind']} ({len(d['children'])} items, {d['tensors']}"
+                    f" tensors, {size})")
         if "dtype" in d:
             extra = (f" view of {d['view_of']}" if "view_of" in d else
                      f" (the same tensor as {d['alias_of']})" if "alias_of" in d else "")
-            return f"{d['name']} [cyan]{d['dtype']}[/] {d['shape']} {size}{extra}"
-        return f"{d['name']} [dim]{d['kind']}[/] = {d['value']}"
+            return f"{escape(d['name'])} [cyan]{d['dtype']}[/] {d['shape']} {size}{escape(extra)}"
+        shown = repr(d["value"]) if d["kind"] == "str" else str(d["value"])
+        return f"{escape(d['name'])} [dim]{d['kind']}[/] = {escape(shown[:60])}"
 
     def add(tree: Tree, d: dict[str, Any], depth: int) -> None:
         for c in d.get("children", []):

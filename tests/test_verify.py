@@ -122,6 +122,19 @@ def test_inspect_json(good):
     json.dumps(info)
 
 
+def test_inspect_json_gives_scalars_as_json_values_and_the_tree_shows_them_as_text(tmp_path):
+    """Numbers and booleans were strings ("0.0006", "True"); a value holding rich markup coloured the tree."""
+    torch.save({"w": torch.ones(2), "lr": 6e-4, "flag": True, "step": 3, "none": None, "name": "[red]x",
+                "big": 2**70, "nan": float("nan")}, tmp_path / "s.pt")
+    fsdp_restore.convert(tmp_path / "s.pt", tmp_path / "s.safetensors")
+    values = {c["name"]: c.get("value") for c in inspect_checkpoint(tmp_path / "s.safetensors")["tree"]["children"]}
+    assert values == {"w": None, "lr": 6e-4, "flag": True, "step": 3, "none": None, "name": "[red]x",
+                      "big": str(2**70), "nan": "nan"}  # beyond int64 and not finite: text, as JSON cannot say them
+    res = subprocess.run([sys.executable, "-m", "fsdp_restore", "inspect", str(tmp_path / "s.safetensors")],
+                         capture_output=True, text=True)
+    assert "name str = '[red]x'" in res.stdout and "lr float = 0.0006" in res.stdout, res.stdout
+
+
 def test_inspect_counts_each_stored_tensor_once_where_it_first_appears(tmp_path):
     """Tied names and views count no tensor and no byte of their own, so the tree's totals are the file's."""
     w = torch.randn(8, 4)
