@@ -58,10 +58,17 @@ def mismatch(recorded: dict[str, Any] | None, source: str | os.PathLike[str], co
     if not recorded:
         return (f"{Path(converted).name} records no source: written by another tool or by save(), it may hold other"
                 f" values than {Path(source).name}")
+    other_name = recorded.get("name") not in (None, Path(source).name)  # renamed with it, or another file's
     if recorded.get("size") != st.st_size:
+        if other_name:
+            return (f"{Path(converted).name} was converted from another file, {recorded.get('name')} of"
+                    f" {recorded.get('size')} bytes; {Path(source).name} has {st.st_size}")
         return f"{Path(source).name} is {st.st_size} bytes now, {recorded.get('size')} when converted"
     if recorded.get("mtime_ns") == st.st_mtime_ns:
         return None
     if recorded.get("fingerprint") != fingerprint(source):
+        if other_name:
+            return (f"{Path(converted).name} was converted from another file, {recorded.get('name')}, of the same"
+                    f" size as {Path(source).name} but other content")
         return f"{Path(source).name} changed since it was converted (same size, other content)"
     return None

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -464,3 +465,20 @@ def test_a_select_that_finds_nothing_names_the_file_and_the_keys_there(tmp_path)
     torch.save({"model": {"w": torch.ones(2)}, "step": 1}, tmp_path / "ck.pt")
     with pytest.raises(KeyError, match=r"ck\.pt: select='modle': no key 'modle' at '<root>' \(keys there: model, step"):
         convert(tmp_path / "ck.pt", tmp_path / "out.safetensors", select="modle")
+
+
+def test_a_sibling_converted_from_another_file_says_so(tmp_path):
+    """other.safetensors made from a.pt, put beside other.pt: the warning names the file it was converted from,
+    not sizes that read as if other.pt had changed; a pair renamed together is still a conversion of it."""
+    torch.save({"w": torch.ones(4)}, tmp_path / "a.pt")
+    convert(tmp_path / "a.pt", tmp_path / "a.safetensors")
+    torch.save({"w": torch.zeros(40)}, tmp_path / "other.pt")
+    os.replace(tmp_path / "a.safetensors", tmp_path / "other.safetensors")
+    with pytest.warns(UserWarning, match=r"was converted from another file, a\.pt of \d+ bytes; other\.pt has"):
+        assert torch.equal(fsdp_restore.load(tmp_path / "other.pt")["w"], torch.zeros(40))
+    os.replace(tmp_path / "a.pt", tmp_path / "b.pt")  # renamed with its conversion: still its conversion
+    os.replace(tmp_path / "other.safetensors", tmp_path / "b.safetensors")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fsdp_restore.find_safetensors_for(tmp_path / "b.pt") == tmp_path / "b.safetensors"
+        assert torch.equal(fsdp_restore.load(tmp_path / "b.pt")["w"], torch.ones(4))
