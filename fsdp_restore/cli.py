@@ -453,7 +453,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("inspect", parents=[debug], help="show what a checkpoint holds")
-    p.add_argument("path")
+    p.add_argument("path", help="a .safetensors file, a sharded directory or its index json (a .pt: convert it first)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON instead of a tree")
     p.add_argument("--depth", type=_int_at_least(0), default=3,
                    help="tree depth shown (default: 3; totals include everything below)")
@@ -464,7 +464,7 @@ def make_parser() -> argparse.ArgumentParser:
                        description="Exit 0: identical (bit for bit, or every checksum verified) or identical up to"
                                    " the casts the file declares; 1: a problem; 3: only the header could be"
                                    " checked (no checksums, no --against)")
-    p.add_argument("path")
+    p.add_argument("path", help="the checkpoint to check: a .safetensors file, a sharded directory or its index json")
     p.add_argument("--against", help="the source (.pt, DeepSpeed or DCP directory): compare every tensor")
     p.add_argument("--select", help="the subtree of the source that was converted (convert --select)")
     p.add_argument("--tag", help="a DeepSpeed source's tag, as given to convert (default: the one 'latest' names)")
@@ -477,7 +477,8 @@ def make_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("check-restore", parents=[debug],
                        help="restore into your sharded model on N local ranks and check it")
-    p.add_argument("path")
+    p.add_argument("path", help="the checkpoint to restore: a .safetensors file, a sharded directory or its index"
+                                " json")
     p.add_argument("--model", required=True, metavar="MODULE:FUNCTION",
                    help="a function returning the (unsharded) model, e.g. mypkg.models:build or train.py:build")
     p.add_argument("--nproc", type=_int_at_least(1), default=2, help="local ranks (processes) to restore on"

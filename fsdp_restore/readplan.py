@@ -58,7 +58,7 @@ class RestoreReport:
     nan_in_checkpoint: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)  # only when strict=False
     unexpected: list[str] = field(default_factory=list)  # only when strict=False
-    prefix: str = ""
+    prefix: str = ""  # the subtree read: the model_prefix of the weights, the optim_prefix of the optimizer state
     method: str = "read"
     # seconds per phase of the whole restore call: "plan" (open, plan, validate, agree), "read" (with the
     # ledger's fill and screen on the read threads), "check" (the verdict of the check), "agree"
