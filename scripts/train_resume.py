@@ -71,6 +71,7 @@ def main() -> None:
         if rank == 0:
             print(f"saved step {step} to {report.path}: {report.nbytes / 1e6:.1f} MB, each rank wrote its own"
                   f" {report.bytes_written / 1e6:.1f} MB (rank 0), no gather")
+    dist.barrier()  # no rank tears its process group down while a peer is still using it
     dist.destroy_process_group()
 
 
