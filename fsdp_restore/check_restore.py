@@ -103,28 +103,30 @@ def _expected_tensors(path: str, prefix: str) -> dict[str, torch.Tensor]:
         for dropped, kept in ckpt.tied_aliases().items():
             if kept in obj:
                 obj.setdefault(dropped, obj[kept])
-    return _unwrapped_names(obj)
+    return {**_unwrapped_names(obj), **obj}  # a name as stored wins (a model whose own child is called `module`)
 
 
-_WRAPPER_INFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+_WRAPPER_INFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 
 def _unwrapped_names(state: dict[str, Any]) -> dict[str, Any]:
-    """The names a plain model has for a state dict saved from a wrapped one: ``torch.compile``'s ``_orig_mod.``
-    and DDP's ``module.`` taken off by torch's own `consume_prefix_in_state_dict_if_present` (where every name
-    has them), FSDP1's and activation checkpointing's wrapper infixes dropped. Written here, apart from the
-    restore's own renaming, so that the comparison does not take the restore's word for which name is which."""
+    """The names a plain model has for a state dict saved from a wrapped one: the wrapper infixes of FSDP1,
+    activation checkpointing and ``torch.compile`` (a whole model's, or each block's) dropped wherever they
+    stand, and DDP's ``module.`` taken off by torch's own `consume_prefix_in_state_dict_if_present` where every
+    name has it. Written here, apart from the restore's own renaming, so that the comparison does not take the
+    restore's word for which name is which."""
     from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
-    state = {(k.replace(_WRAPPER_INFIXES[0], "").replace(_WRAPPER_INFIXES[1], "") if isinstance(k, str) else k): v
-             for k, v in state.items()}
-    for _ in range(4):  # nested wrappers: _orig_mod.module.x
-        before = list(state)
-        for wrapper in ("_orig_mod.", "module."):
-            if state and all(isinstance(k, str) and k.startswith(wrapper) for k in state):
-                consume_prefix_in_state_dict_if_present(state, wrapper)
-        if list(state) == before:
-            break
+    def unwrapped(key: Any) -> Any:
+        if not isinstance(key, str):
+            return key
+        for infix in _WRAPPER_INFIXES:
+            key = key.replace(infix, "")
+        return key
+
+    state = {unwrapped(k): v for k, v in state.items()}
+    if state and all(isinstance(k, str) and k.startswith("module.") for k in state):
+        consume_prefix_in_state_dict_if_present(state, "module.")
     return state
 
 

@@ -172,3 +172,42 @@ def test_a_comparison_that_finds_nothing_fails(setup):
     assert all(r["error"] is None and r["compared"] == 0 for r in results)  # the restore itself passed
     assert sorted(n for r in results for n in r["not_found"]) == sorted(
         ["embed.weight"] + [f"layers.{i}.{p}" for i in range(3) for p in ("weight", "bias")])
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+
+class _EmaWrapper(torch.nn.Module):  # timm's ModelEmaV2 style: the model's own child is called `module`
+    def __init__(self):
+        super().__init__()
+        self.module = torch.nn.Linear(3, 2)
+
+
+@pytest.mark.parametrize("case", ["block-compiled", "child-called-module", "ddp"])
+def test_the_comparison_finds_what_the_restore_restored(tmp_path, case):
+    """Names the restore renames (a block compiled on its own: `layers.0._orig_mod.lin.weight`; DDP's `module.`),
+    and one it must not (a model whose child is called `module`): the comparison finds every tensor."""
+    from fsdp_restore.check_restore import _expected_tensors, compare_with_file
+
+    torch.manual_seed(0)
+    if case == "block-compiled":
+        model = torch.nn.Module()
+        model.layers = torch.nn.ModuleList([_Block(), _Block()])
+        state = {k.replace("layers.0.", "layers.0._orig_mod."): v for k, v in model.state_dict().items()}
+    elif case == "child-called-module":
+        model = _EmaWrapper()
+        state = model.state_dict()
+    else:
+        model = _Block()
+        state = {f"module.{k}": v for k, v in model.state_dict().items()}
+    torch.save(state, tmp_path / "ck.pt")
+    fsdp_restore.convert(tmp_path / "ck.pt", tmp_path / "ck.safetensors")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    fsdp_restore.restore_model(model, tmp_path / "ck.safetensors")
+    compared, differ, not_found = compare_with_file(model, _expected_tensors(str(tmp_path / "ck.safetensors"), ""))
+    assert (compared, differ, not_found) == (len(state), [], [])
