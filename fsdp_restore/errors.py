@@ -42,8 +42,11 @@ class UnsafePickleError(FsdpRestoreError):
 class RestoreError(FsdpRestoreError):
     """Restoring into a model failed; raised with the same message on every rank."""
 
-    def __init__(self, message: str, problems: dict[str, list[str]] | None = None) -> None:
-        self.problems = problems or {}
+    def __init__(self, message: str, problems: dict[str, list[str]] | None = None,
+                 counts: dict[str, tuple[int, bool]] | None = None) -> None:
+        self.problems = problems or {}  # by kind, the problems shown (a multi-rank failure shows some of them)
+        # by kind, (how many there are, whether that is exact or a floor)
+        self.counts = counts or {kind: (len(items), True) for kind, items in self.problems.items()}
         super().__init__(message)
 
 
@@ -59,8 +62,11 @@ class ConvertError(FsdpRestoreError):
 class SaveError(FsdpRestoreError):
     """`save_sharded` failed; raised with the same message on every rank (nothing is left at the destination)."""
 
-    def __init__(self, message: str, problems: dict[str, list[str]] | None = None) -> None:
-        self.problems = problems or {}
+    def __init__(self, message: str, problems: dict[str, list[str]] | None = None,
+                 counts: dict[str, tuple[int, bool]] | None = None) -> None:
+        self.problems = problems or {}  # by kind, the problems shown (a multi-rank failure shows some of them)
+        # by kind, (how many there are, whether that is exact or a floor)
+        self.counts = counts or {kind: (len(items), True) for kind, items in self.problems.items()}
         super().__init__(message)
 
 

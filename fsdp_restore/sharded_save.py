@@ -54,7 +54,7 @@ from .format import DEFAULT_INDEX_NAME
 from .jobs import parse_size
 from .restore import _no_cyclic_gc, _refuse_unsharded_fsdp1, _reshard_fsdp2
 from .save_plan import WriteItem, WritePlan
-from .verdict import _LABELS, _collective, _device, _rank, agree, new_problems
+from .verdict import _LABELS, _collective, _device, _rank, agree, new_problems, problem_line
 from .write import (CHUNK_BYTES, _fsync_dir, _remove, _replace, _write_small_file, check_destination, index_bytes,
                     refuse_foreign_directory, remove_stale_temporaries, tensor_bytes, with_checksums)
 
@@ -343,7 +343,7 @@ def _save_error(e: RestoreError, what: str, died_hint: str | None = None) -> Sav
                 lines.append(f"  the ranks' writes do not cover these tensors exactly (a piece shifted, lost or"
                              f" doubled) ({len(moments)}): {', '.join(moments[:20])}")
         else:
-            lines.append(f"  {_LABELS.get(kind, kind)} ({len(items)}): {', '.join(items[:20])}")
+            lines.append("  " + problem_line(_LABELS.get(kind, kind), items, e.counts.get(kind)))
     if any(text.startswith("a rank died") for text in e.problems.get("error", [])):
         lines.append(f"  hint: {died_hint or _DIED_HINT}")
     return SaveError("\n".join(lines), e.problems)

@@ -214,36 +214,45 @@ def _from_ranks(obj: object, senders: list[int], group: dist.ProcessGroup | None
 
 
 def _reports(items: dict[str, list[str]], mine: bool, failing: int, group: dist.ProcessGroup | None, rank: int,
-             world: int) -> tuple[dict[str, list[str]], dict[str, int]]:
+             world: int) -> tuple[dict[str, list[str]], dict[str, tuple[int, bool]]]:
     """The problems of the (at most `REPORTERS`) lowest failing ranks, merged in rank order (per-rank kinds
-    tagged with the ranks that saw them), and how many there are of each kind: a kind every rank sees alike
-    counts the most any reporter holds, a per-rank kind adds what each reporter held back. Every rank gets
-    the same text."""
+    tagged with the ranks that saw them), and how many there are of each kind, ``(count, exact)``: the texts
+    shown plus the most any one reporter held back, exact unless several held some back (then a floor: what
+    they held back may be the same names, as with replicated parameters, or other ones). Every rank gets the
+    same text."""
     if world == 1:
         return dict(items), {}
     reporters = _lowest_ranks(mine, group, rank, world, min(REPORTERS, failing))
     sent = _from_ranks(_capped(items), reporters, group, rank)
     by_text: dict[str, dict[str, list[int]]] = {}
-    held_back: dict[str, int] = {}
-    most: dict[str, int] = {}
+    held_back: dict[str, list[int]] = {}
     for sender, (rank_items, rank_counts) in zip(reporters, [s or ({}, {}) for s in sent]):
         for kind, texts in rank_items.items():
             bucket = by_text.setdefault(kind, {})
             for text in texts:
                 bucket.setdefault(text, []).append(sender)  # texts are distinct per sender (_capped)
-            held_back[kind] = held_back.get(kind, 0) + rank_counts[kind] - len(texts)
-            most[kind] = max(most.get(kind, 0), rank_counts[kind])
+            held_back.setdefault(kind, []).append(rank_counts[kind] - len(texts))
     merged: dict[str, list[str]] = {}
-    counts: dict[str, int] = {}
+    counts: dict[str, tuple[int, bool]] = {}
+    if failing > len(reporters):  # first: it must not fall among the texts a long list leaves out
+        merged["error"] = [f"({failing} ranks failed; the problems of the first {len(reporters)} are shown)"]
     for kind, texts in by_text.items():
-        merged[kind] = [f"{text} [{_ranks_text(ranks, world)}]" if kind in _PER_RANK else text
-                        for text, ranks in texts.items()]
-        counts[kind] = len(texts) + held_back[kind] if kind in _PER_RANK else max(len(texts), most[kind])
-    if failing > len(reporters):
-        merged.setdefault("error", []).append(f"({failing} ranks failed; the problems of the first {len(reporters)}"
-                                              " are shown)")
-        counts["error"] = counts.get("error", 0) + 1
+        merged.setdefault(kind, []).extend(f"{text} [{_ranks_text(ranks, world)}]" if kind in _PER_RANK else text
+                                           for text, ranks in texts.items())
+        hidden = [n for n in held_back[kind] if n]
+        counts[kind] = (len(merged[kind]) + max(hidden, default=0), len(hidden) <= 1)
     return merged, counts
+
+
+def problem_line(label: str, items: Sequence[str], count: tuple[int, bool] | None = None, limit: int = 20) -> str:
+    """``label (count): the first `limit` items, ... (N more)``; ``count``: ``(how many, exact)`` where ``items``
+    holds only some of them (a floor when not exact: "at least")."""
+    total, exact = count if count is not None else (len(items), True)
+    total = max(total, len(items))
+    more = total - min(limit, len(items))
+    about = "" if exact else "at least "
+    shown = ", ".join(items[:limit]) + (f", ... ({about}{more} more)" if more else "")
+    return f"{label} ({about}{total}): {shown}"
 
 
 def _uncovered_names(coverage: dict[str, tuple[int, int]], group: dist.ProcessGroup | None, rank: int,
@@ -291,22 +300,20 @@ def _ranks_text(ranks: list[int], world: int) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def _raise(problems: dict[str, list[str]], what: str, limit: int = 20, *, counts: dict[str, int] | None = None
+def _raise(problems: dict[str, list[str]], what: str, *, counts: dict[str, tuple[int, bool]] | None = None
            ) -> None:
-    """Raise one `RestoreError` listing every kind of problem (first ``limit`` of each); ``counts``: how many
-    problems of a kind there are where ``problems`` holds only some of them (the ranks' reports)."""
+    """Raise one `RestoreError` listing every kind of problem (`problem_line`); ``counts``: how many problems
+    of a kind there are where ``problems`` holds only some of them (the ranks' reports)."""
     problems = {k: v for k, v in problems.items() if v}
     if not problems:
         return
+    counts = {kind: (counts or {}).get(kind, (len(items), True)) for kind, items in problems.items()}
     lines = [f"{what} failed:"]
     hints = []
     for kind, items in problems.items():
-        count = max(len(items), (counts or {}).get(kind, 0))
-        more = count - min(limit, len(items))
-        shown = ", ".join(items[:limit]) + (f", ... ({more} more)" if more else "")
-        lines.append(f"  {_LABELS.get(kind, kind)} ({count}): {shown}")
+        lines.append("  " + problem_line(_LABELS.get(kind, kind), items, counts[kind]))
         hint = _HINTS.get(kind)
         if hint and hint not in hints:
             hints.append(hint)
     lines.extend(f"  hint: {h}" for h in hints)
-    raise RestoreError("\n".join(lines), problems)
+    raise RestoreError("\n".join(lines), problems, counts)

@@ -622,3 +622,13 @@ def _unshaped_state(rank, world_size, path):
 def test_state_not_laid_out_like_a_sharded_parameter_is_refused(tmp_path):
     texts = run_ranks(_unshaped_state, 2, str(tmp_path / "x.safetensors"))
     assert texts[0] == texts[1] and "row_factor" in texts[0] and "not laid out like its sharded" in texts[0]
+
+
+def test_a_save_error_counts_what_the_ranks_reported_and_says_what_it_leaves_out():
+    """The save's words for the verdict kept its own count (the texts shown) and cut the list at 20 silently."""
+    from fsdp_restore.errors import RestoreError
+    from fsdp_restore.sharded_save import _save_error
+
+    names = [f"w{i}" for i in range(25)]
+    text = str(_save_error(RestoreError("x", {"missing": names}, {"missing": (30, True)}), "save_sharded (plan)"))
+    assert "(30): w0, w1" in text and "w19, ... (10 more)" in text and "w20" not in text, text
