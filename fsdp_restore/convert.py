@@ -28,7 +28,7 @@ import torch.distributed as dist
 from . import torch_zip
 from .errors import ConvertError, FormatError, UnsafePickleError, thread_count_argument
 from .flatten import flatten
-from .format import META_SOURCE, PT_SUFFIXES
+from .format import META_SOURCE, PT_SUFFIXES, SNIFF_BYTES, is_legacy_torch_save
 from .jobs import ConvertReport, cast_groups, cast_target, parse_size, plan_jobs, write_converted
 from .mapped import MappedFile
 from .measure import PeakAnonMemory, Stopwatch
@@ -130,17 +130,18 @@ def load_pt(path: str | os.PathLike[str], *, trust_pickle: bool = False, allow_g
     if not path.is_file():
         raise FormatError(path, "no such file")
     with open(path, "rb") as f:
-        magic = f.read(4)
+        head = f.read(SNIFF_BYTES)
+    magic = head[:4]
     try:
         is_zip = zipfile.is_zipfile(path)
     except zipfile.BadZipFile:  # an end record it cannot take (e.g. "spans several disks"): not one torch wrote
         is_zip = False
     if magic == b"PK\x03\x04" and not is_zip:
         raise FormatError(path, "zip archive is truncated or corrupt (no central directory); re-copy the file")
-    if not is_zip and not (len(magic) >= 2 and magic[0] == 0x80 and 2 <= magic[1] <= 5) and not trust_pickle:
-        # neither torch.save's zip nor a legacy pickle (PROTO opcode first): no "legacy file" warning for it
+    if not is_zip and not is_legacy_torch_save(head) and not trust_pickle:
+        # neither torch.save's zip nor its legacy pickle (torch's magic number first): not a "legacy file"
         raise FormatError(path, f"not a torch.save file (it starts with {magic!r}: neither a zip archive nor a"
-                                " pickle); is it the file you meant?")
+                                " legacy torch.save pickle); is it the file you meant?")
     extra = [_import_global(n) for n in allow_globals]
     if is_zip and mmap and not trust_pickle:
         try:  # the common case, without torch.load's cost per tensor; the same result and the same refusals

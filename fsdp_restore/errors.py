@@ -56,11 +56,14 @@ class VerifyError(FsdpRestoreError):
 
 class ConvertError(FsdpRestoreError):
     """A conversion on several ranks (``convert(..., process_group=...)``) failed; raised with the same message on
-    every rank (nothing is put at the destination)."""
+    every rank (nothing is put at the destination), but where a rank died just after rank 0 put the whole output
+    in place: rank 0 then says it is there, the others that it may be."""
 
 
 class SaveError(FsdpRestoreError):
-    """`save_sharded` failed; raised with the same message on every rank (nothing is left at the destination)."""
+    """`save_sharded` failed; raised with the same message on every rank (the destination is untouched), but where a
+    rank died just after rank 0 put the whole new checkpoint in place: rank 0 then says it is there, the others
+    that it may be."""
 
     def __init__(self, message: str, problems: dict[str, list[str]] | None = None,
                  counts: dict[str, tuple[int, bool]] | None = None) -> None:

@@ -212,7 +212,7 @@ def check_seal(head: bytes, body: bytes, prefix: bytes, recorded: str | None, pa
     fix = (f"it can change values (a learning rate, a step, a shape) without touching any tensor, so it is not"
            f" used; convert the source again (fsdp-restore convert SRC {path} --force)")
     if recorded is None and not body.startswith(prefix):
-        if version is None or not version.isdigit() or int(version) < SEALED_SINCE_VERSION:
+        if version is None or not (version.isascii() and version.isdigit()) or int(version) < SEALED_SINCE_VERSION:
             return
         raise FormatError(path, f"{what} was modified after it was written (it says it is of format version"
                           f" {version}, which is sealed, but its '{META_HEADER_CRC}' field is gone); {fix}")
@@ -385,15 +385,31 @@ MISSING = "missing"
 UNKNOWN = "unknown"
 
 
+_LEGACY_MAGIC = b"\x8a\x0a" + 0x1950A86A20F9469CFC6C.to_bytes(10, "little")  # LONG1 of torch's MAGIC_NUMBER
+SNIFF_BYTES = 32  # what `sniff` reads of a file
+
+
+def is_legacy_torch_save(head: bytes) -> bool:
+    """Whether ``head`` (a file's first `SNIFF_BYTES`) starts a legacy (pre-zip) ``torch.save`` file: a pickle
+    (PROTO 2-5, then a FRAME for 4 and 5) whose first object is torch's magic number, as torch writes it first.
+    Any pickle, or garbage that starts with PROTO, is not one."""
+    if len(head) < 2 or head[0] != 0x80 or not 2 <= head[1] <= 5:
+        return False
+    body = head[2:]
+    if body[:1] == b"\x95":  # FRAME and its 8-byte length (protocols 4 and 5)
+        body = body[9:]
+    return body[:len(_LEGACY_MAGIC)] == _LEGACY_MAGIC
+
+
 def sniff(head: bytes, file_size: int) -> str:
-    """What a file is from its first 9 bytes (and its size): a safetensors file (8-byte little-endian header
+    """What a file is from its first `SNIFF_BYTES` bytes (and its size): a safetensors file (8-byte little-endian header
     length that fits in the file, then ``{``), a ``torch.save`` file (a zip since torch 1.6; a pickle before),
     JSON text (an index), or `UNKNOWN`."""
     if len(head) >= 9 and head[8:9] == b"{" and 2 <= int.from_bytes(head[:8], "little") <= file_size - 8:
         return SAFETENSORS
     if head[:4] in (b"PK\x03\x04", b"PK\x05\x06"):
         return TORCH_ZIP
-    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
+    if is_legacy_torch_save(head):
         return TORCH_LEGACY
     if head.lstrip()[:1] == b"{":
         return JSON_TEXT
@@ -408,7 +424,7 @@ def detect(path: str | os.PathLike[str]) -> str:
         return DIRECTORY
     try:
         with open(path, "rb") as f:
-            return sniff(f.read(9), os.fstat(f.fileno()).st_size)
+            return sniff(f.read(SNIFF_BYTES), os.fstat(f.fileno()).st_size)
     except FileNotFoundError:
         return MISSING
     except OSError:

@@ -144,6 +144,11 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
             if check and check_buffers:
                 buffer_issues, prints = buffer_problems(model)
                 problems.add("buffers", buffer_issues)
+            if extra_keys is not None and plan.model_report is not None:
+                # the rest of the checkpoint (small values), read now: a failure here leaves the model untouched;
+                # a plain weights file (prefix "") has nothing but its weights
+                weights_at = plan.model_report.prefix
+                extra = extras(ckpt, (weights_at, *extra_keys)) if weights_at else {}
             if dist.is_initialized() and dist.get_world_size(group) > 1:
                 same = _same_on_every_rank(ckpt, prefix=prefix, optim_prefix=optim_prefix, weights=weights,
                                            optimizer=optimizer, strict=strict, check=check,
@@ -186,17 +191,13 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
                     result = checks.screen(storages, plan, ckpt, threads)
                 problems.add("unrestored", result.unrestored)
                 timings["check"] = (t1 - t1_fill) + (time.perf_counter() - t2)  # fill pass + verdict
-            if extra_keys is not None and plan.model_report is not None:
-                # the rest of the checkpoint; a plain weights file (prefix "") has nothing but its weights
-                weights_at = plan.model_report.prefix
-                extra = extras(ckpt, (weights_at, *extra_keys)) if weights_at else {}
         t3 = time.perf_counter()
         try:
             agree(problems, f"{what} check", group)
         except RestoreError as e:  # unlike a failure of the plan, this one comes after the model was written to
             if "partly written" in str(e):
                 raise
-            raise RestoreError(f"{e}\n  hint: {_PARTLY_WRITTEN}", e.problems) from None
+            raise RestoreError(f"{e}\n  hint: {_PARTLY_WRITTEN[weights]}", e.problems, e.counts) from None
         timings["agree"] = time.perf_counter() - t3
 
         _fill_reports(plan, ckpt, result, bytes_read=ckpt.bytes_read - before, method=method,
@@ -210,20 +211,32 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
             ckpt.close()
 
 
-_PARTLY_WRITTEN = ("the reads had begun on every rank, so the model's parameters (and the optimizer's state"
-                   " tensors) are now partly written: restore again into them, or rebuild them, before using them")
+_PARTLY_WRITTEN = {  # by whether the model's weights were restored too
+    True: "the reads had begun on every rank, so the model's parameters and buffers (and the optimizer's state"
+          " tensors, if restored with them) are now partly written: restore again into them, or rebuild them,"
+          " before using them",
+    False: "the reads had begun on every rank, so the optimizer's state tensors are now partly written (the model"
+           " is untouched): restore again into them, or rebuild the optimizer, before using it",
+}
 
 
-def _same_on_every_rank(ckpt: Checkpoint, *, prefix: str | None, **options: Any) -> list[tuple[str, str]]:
+def _same_on_every_rank(ckpt: Checkpoint, *, prefix: str | None, optim_prefix: str, weights: bool,
+                        optimizer: torch.optim.Optimizer | None, strict: bool, check: bool, check_buffers: bool,
+                        method: str, dtype_policy: str, key_map: KeyMap | None) -> list[tuple[str, str]]:
     """What every rank of a restore must hold alike, for `agree`: the checkpoint's content (ranks that open it
     while it is replaced may each see a whole version but not the same one; copies on two nodes may differ)
-    and each option that decides what is read where (a rank with another one would read other bytes, or check
-    other memory, with no error of its own)."""
+    and each option that decides what is read where, as the call uses it (a rank with another one would read
+    other bytes, or check other memory, with no error of its own; an option the call ignores is not compared)."""
     pairs = [(ckpt.content_sample(), "the ranks opened different versions of the checkpoint (it was replaced while"
               " they opened it, or the copies they read differ): give every rank the same file and restore again")]
-    options["model_prefix"] = default_prefix(ckpt) if prefix is None else prefix
-    options["optimizer"] = options["optimizer"] is not None
-    options["key_map"] = options["key_map"] is not None
+    ignored = "(not used)"  # every rank has every slot, in the same order: the messages are the same everywhere
+    options: dict[str, object] = {
+        "check": bool(check), "optimizer": optimizer is not None, "key_map": key_map is not None,
+        "dtype_policy": dtype_policy,
+        "model_prefix": (default_prefix(ckpt) if prefix is None else prefix) if weights else ignored,
+        "strict": bool(strict) if weights else ignored, "method": method if weights else ignored,
+        "optim_prefix": optim_prefix if optimizer is not None else ignored,
+        "check_buffers": bool(check_buffers) if check else ignored}
     for name in sorted(options):
         pairs.append((repr(options[name]), f"the ranks called the restore with different values of {name}= (one"
                                            " value on every rank)"))

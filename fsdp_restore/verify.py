@@ -28,7 +28,7 @@ from .errors import FsdpRestoreError, thread_count_argument
 from .flatten import flatten, iter_nodes_with_keys
 from .format import torch_dtype_name
 from .measure import Stopwatch
-from .read import Checkpoint
+from .read import Checkpoint, find_safetensors_for
 from .checksum import combine_segments, plan_segments
 from .write import default_threads, tensor_bytes
 
@@ -193,7 +193,9 @@ def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | No
     thread_count = thread_count_argument(thread_count, threads)
     allowed = _allowed_classes(allow_globals)
     report = VerifyReport(path=str(path), against=str(against) if against else None)
-    if against is not None and os.path.exists(against) and os.path.exists(path) and os.path.samefile(path, against):
+    checked = find_safetensors_for(path) or path  # x.pt names its sibling x.safetensors: that is what is checked
+    if against is not None and os.path.exists(against) and os.path.exists(checked) and os.path.samefile(checked,
+                                                                                                         against):
         report.problems.append((str(against), "is the checkpoint itself: a comparison with itself proves nothing;"
                                 " pass the source it was converted from (.pt, ZeRO or DCP directory)"))
         return report

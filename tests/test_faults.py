@@ -383,3 +383,21 @@ def test_a_failure_after_the_reads_began_says_the_model_is_partly_written(tmp_pa
     texts = run_ranks(_read_fails_half_way, 2, path)
     assert len(set(texts)) == 1 and "injected" in texts[0] and "[rank 1]" in texts[0], texts
     assert "are now partly written: restore again into them, or rebuild them" in texts[0], texts[0]
+
+
+def _restore_alike(rank: int, world_size: int, path, options: list) -> int:
+    from models import build, wrap
+
+    model = wrap(build("mlp", seed=1), "fsdp2", world_size)
+    return fsdp_restore.restore_model(model, path, **options[rank]).tensors
+
+
+@pytest.mark.parametrize("options", [[{"check": 1}, {"check": True}],
+                                     [{"check": False, "check_buffers": False}, {"check": False}],
+                                     [{"model_prefix": "model"}, {}]], ids=["1-is-True", "ignored", "the-default"])
+def test_ranks_whose_options_mean_the_same_are_not_refused(tmp_path, options):
+    from models import build
+
+    path = tmp_path / "ck.safetensors"
+    fsdp_restore.save({"model": build("mlp", seed=0).state_dict()}, path)
+    assert len(set(run_ranks(_restore_alike, 2, path, options))) == 1

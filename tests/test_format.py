@@ -213,3 +213,26 @@ def test_a_tensor_named_like_the_metadata_field_is_refused():
 
     with pytest.raises(ValueError, match="__metadata__.*rename it"):
         build_header([("w", torch.float32, (2,)), ("__metadata__", torch.float32, (2,))], {})
+
+
+def test_a_legacy_torch_save_file_is_told_from_any_pickle_or_garbage(tmp_path):
+    """Legacy torch.save files start with torch's magic number, pickled (after a FRAME from protocol 4): only
+    those are sent to torch's unpickler as one. A damaged safetensors file that came to start with b"\\x80\\x04"
+    (hypothesis found it) was refused as a protocol-4 pickle (UnsafePickleError) instead of a bad file."""
+    import io
+    import pickle
+
+    import torch
+
+    import fsdp_restore
+    from fsdp_restore.format import SNIFF_BYTES, is_legacy_torch_save
+
+    for protocol in (2, 3, 4, 5):
+        buf = io.BytesIO()
+        torch.save({"a": torch.ones(2)}, buf, _use_new_zipfile_serialization=False, pickle_protocol=protocol)
+        assert is_legacy_torch_save(buf.getvalue()[:SNIFF_BYTES]), protocol
+    assert not is_legacy_torch_save(pickle.dumps({"a": 1}, protocol=2)[:SNIFF_BYTES])
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(b"\x80\x04" + b"\x0f\x00" * 50)
+    with pytest.raises(FormatError):
+        fsdp_restore.load(path)

@@ -324,6 +324,7 @@ def test_a_checkpoint_verified_against_itself_proves_nothing(tmp_path):
     fsdp_restore.convert(src, dst)
     report = verify(dst, against=dst)
     assert not report.ok and "a comparison with itself proves nothing" in report.problems[0][1]
+    assert verify(src, against=src).ok  # x.pt names its conversion x.safetensors, checked against x.pt
     (tmp_path / "empty").mkdir()  # a directory that holds no checkpoint: no table of zeros before the FAIL line
     res = subprocess.run([sys.executable, "-m", "fsdp_restore", "verify", str(tmp_path / "empty")],
                          capture_output=True, text=True)
