@@ -386,13 +386,16 @@ UNKNOWN = "unknown"
 
 
 _LEGACY_MAGIC = b"\x8a\x0a" + 0x1950A86A20F9469CFC6C.to_bytes(10, "little")  # LONG1 of torch's MAGIC_NUMBER
+_LEGACY_TEXT_MAGIC = b"L%dL\n" % 0x1950A86A20F9469CFC6C  # the same, by protocols 0 and 1
 SNIFF_BYTES = 32  # what `sniff` reads of a file
 
 
 def is_legacy_torch_save(head: bytes) -> bool:
     """Whether ``head`` (a file's first `SNIFF_BYTES`) starts a legacy (pre-zip) ``torch.save`` file: a pickle
-    (PROTO 2-5, then a FRAME for 4 and 5) whose first object is torch's magic number, as torch writes it first.
-    Any pickle, or garbage that starts with PROTO, is not one."""
+    whose first object is torch's magic number, as torch writes it first (protocols 0 and 1 as text, 2-5 after
+    PROTO and, for 4 and 5, a FRAME). Any other pickle, or garbage that starts with PROTO, is not one."""
+    if head.startswith(_LEGACY_TEXT_MAGIC):
+        return True
     if len(head) < 2 or head[0] != 0x80 or not 2 <= head[1] <= 5:
         return False
     body = head[2:]

@@ -55,6 +55,7 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, prefix: str | None, strict
                                " with model.to_empty(device=...) before restoring (then fsdp_restore."
                                "init_non_persistent_buffers(model) for buffers that no checkpoint holds)")
     stored_as, map_problems = key_maps.apply(key_map, [t.name for t in targets] + list(aliases), same=aliases)
+    plan.stored_as = stored_as
     for text in map_problems:
         plan.add_problem("key_map", text)
     if weights:

@@ -60,7 +60,8 @@ class RestoreReport:
     unexpected: list[str] = field(default_factory=list)  # only when strict=False
     prefix: str = ""  # the subtree read: the model_prefix of the weights, the optim_prefix of the optimizer state
     method: str = "read"
-    # seconds per phase of the whole restore call: "plan" (open, plan, validate, agree), "read" (with the
+    # seconds per phase of the whole restore call: "plan" (open, plan, validate, read the rest of the checkpoint
+    # that `restore` returns, agree), "read" (with the
     # ledger's fill and screen on the read threads), "check" (the verdict of the check), "agree"
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -95,6 +96,8 @@ class ReadPlan:
     # names not planned because of a problem already reported (missing, shape, dtype)
     refused: set[str] = field(default_factory=set)
     targets: list[Target] = field(default_factory=list)
+    # {model name: the checkpoint's name} as the key map applied (every rank must read from the same names)
+    stored_as: dict[str, str] = field(default_factory=dict)
 
     def add_problem(self, kind: str, text: str) -> None:
         self.problems.setdefault(kind, []).append(text)

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
 import time
+import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -153,7 +155,7 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
                 same = _same_on_every_rank(ckpt, prefix=prefix, optim_prefix=optim_prefix, weights=weights,
                                            optimizer=optimizer, strict=strict, check=check,
                                            check_buffers=check_buffers, method=method, dtype_policy=dtype_policy,
-                                           key_map=key_map)
+                                           stored_as=plan.stored_as)
         agree(problems, what, group, coverage=coverage, buffer_prints=prints, same=same)
         assert ckpt is not None
         timings = {"plan": time.perf_counter() - t0}
@@ -222,16 +224,19 @@ _PARTLY_WRITTEN = {  # by whether the model's weights were restored too
 
 def _same_on_every_rank(ckpt: Checkpoint, *, prefix: str | None, optim_prefix: str, weights: bool,
                         optimizer: torch.optim.Optimizer | None, strict: bool, check: bool, check_buffers: bool,
-                        method: str, dtype_policy: str, key_map: KeyMap | None) -> list[tuple[str, str]]:
+                        method: str, dtype_policy: str, stored_as: dict[str, str]) -> list[tuple[str, str]]:
     """What every rank of a restore must hold alike, for `agree`: the checkpoint's content (ranks that open it
     while it is replaced may each see a whole version but not the same one; copies on two nodes may differ)
     and each option that decides what is read where, as the call uses it (a rank with another one would read
-    other bytes, or check other memory, with no error of its own; an option the call ignores is not compared)."""
+    other bytes, or check other memory, with no error of its own; an option the call ignores is not compared):
+    a key map by the names it gave (``stored_as``: a model name's checkpoint name; without a map, its own), not by
+    the object passed."""
     pairs = [(ckpt.content_sample(), "the ranks opened different versions of the checkpoint (it was replaced while"
               " they opened it, or the copies they read differ): give every rank the same file and restore again")]
     ignored = "(not used)"  # every rank has every slot, in the same order: the messages are the same everywhere
     options: dict[str, object] = {
-        "check": bool(check), "optimizer": optimizer is not None, "key_map": key_map is not None,
+        "check": bool(check), "optimizer": optimizer is not None,
+        "key_map": zlib.crc32(json.dumps(sorted(stored_as.items())).encode()),
         "dtype_policy": dtype_policy,
         "model_prefix": (default_prefix(ckpt) if prefix is None else prefix) if weights else ignored,
         "strict": bool(strict) if weights else ignored, "method": method if weights else ignored,

@@ -337,16 +337,16 @@ def _save_error(e: RestoreError, what: str, died_hint: str | None = None) -> Sav
             counts = [n.removesuffix(" (elements written)") for n in items if n.endswith(" (elements written)")]
             moments = [n for n in items if not n.endswith(" (elements written)")]
             if counts:
-                lines.append(f"  the ranks together do not write every element of these tensors exactly once"
-                             f" ({len(counts)}): {', '.join(counts[:20])}")
+                lines.append("  " + problem_line("the ranks together do not write every element of these tensors"
+                                                 " exactly once", counts))
             if moments:
-                lines.append(f"  the ranks' writes do not cover these tensors exactly (a piece shifted, lost or"
-                             f" doubled) ({len(moments)}): {', '.join(moments[:20])}")
+                lines.append("  " + problem_line("the ranks' writes do not cover these tensors exactly (a piece"
+                                                 " shifted, lost or doubled)", moments))
         else:
             lines.append("  " + problem_line(_LABELS.get(kind, kind), items, e.counts.get(kind)))
     if any(text.startswith("a rank died") for text in e.problems.get("error", [])):
         lines.append(f"  hint: {died_hint or _DIED_HINT}")
-    return SaveError("\n".join(lines), e.problems)
+    return SaveError("\n".join(lines), e.problems, e.counts)
 
 
 _DIED_HINT = ("find the rank that died in its own log and exit status (killed, out of memory, a crash) or the broken"

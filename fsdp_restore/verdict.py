@@ -76,8 +76,8 @@ class Problems:
 
 
 _DIED_HINT = ("find the rank that died in its own log and exit status (killed, out of memory, a crash) or the"
-              " broken connection, fix that and restart every rank; do not use this model as it is (a restore"
-              " stopped in its reads leaves it partly written). With gloo on one host the others fail at once;"
+              " broken connection, fix that and restart every rank; do not use what was being restored as it is (a"
+              " restore stopped in its reads leaves it partly written; one stopped while planning, untouched). With gloo on one host the others fail at once;"
               " with NCCL, or a rank that hangs, they wait until the process group's timeout: pass timeout= to"
               " init_process_group to bound it")
 
@@ -217,30 +217,34 @@ def _reports(items: dict[str, list[str]], mine: bool, failing: int, group: dist.
              world: int) -> tuple[dict[str, list[str]], dict[str, tuple[int, bool]]]:
     """The problems of the (at most `REPORTERS`) lowest failing ranks, merged in rank order (per-rank kinds
     tagged with the ranks that saw them), and how many there are of each kind, ``(count, exact)``: the texts
-    shown plus the most any one reporter held back, exact unless several held some back (then a floor: what
-    they held back may be the same names, as with replicated parameters, or other ones). Every rank gets the
-    same text."""
+    shown plus the most any one reporter held back, exact where one reporter sent the kind or none held any
+    back (else a floor: what they held back may be names already shown, as with replicated parameters, or other
+    ones). Every rank gets the same text."""
     if world == 1:
         return dict(items), {}
     reporters = _lowest_ranks(mine, group, rank, world, min(REPORTERS, failing))
     sent = _from_ranks(_capped(items), reporters, group, rank)
     by_text: dict[str, dict[str, list[int]]] = {}
-    held_back: dict[str, list[int]] = {}
+    held: dict[str, list[tuple[int, int]]] = {}  # per reporter: (how many it holds, how many it held back)
     for sender, (rank_items, rank_counts) in zip(reporters, [s or ({}, {}) for s in sent]):
         for kind, texts in rank_items.items():
             bucket = by_text.setdefault(kind, {})
             for text in texts:
                 bucket.setdefault(text, []).append(sender)  # texts are distinct per sender (_capped)
-            held_back.setdefault(kind, []).append(rank_counts[kind] - len(texts))
+            held.setdefault(kind, []).append((rank_counts[kind], rank_counts[kind] - len(texts)))
     merged: dict[str, list[str]] = {}
     counts: dict[str, tuple[int, bool]] = {}
     if failing > len(reporters):  # first: it must not fall among the texts a long list leaves out
         merged["error"] = [f"({failing} ranks failed; the problems of the first {len(reporters)} are shown)"]
     for kind, texts in by_text.items():
-        merged.setdefault(kind, []).extend(f"{text} [{_ranks_text(ranks, world)}]" if kind in _PER_RANK else text
-                                           for text, ranks in texts.items())
-        hidden = [n for n in held_back[kind] if n]
-        counts[kind] = (len(merged[kind]) + max(hidden, default=0), len(hidden) <= 1)
+        lines = merged.setdefault(kind, [])
+        extra = len(lines)  # the line on the ranks that did not report
+        lines.extend(f"{text} [{_ranks_text(ranks, world)}]" if kind in _PER_RANK else text
+                     for text, ranks in texts.items())
+        # exact where one reporter sent the kind, or none held any back; else a floor: the distinct texts shown,
+        # or the most one reporter holds (what several held back may be names already shown, or other ones)
+        exact = len(held[kind]) == 1 or not any(back for _, back in held[kind])
+        counts[kind] = (extra + max(len(texts), max(n for n, _ in held[kind])), exact)
     return merged, counts
 
 
@@ -251,8 +255,8 @@ def problem_line(label: str, items: Sequence[str], count: tuple[int, bool] | Non
     total = max(total, len(items))
     more = total - min(limit, len(items))
     about = "" if exact else "at least "
-    shown = ", ".join(items[:limit]) + (f", ... ({about}{more} more)" if more else "")
-    return f"{label} ({about}{total}): {shown}"
+    tail = f", ... ({about}{more} more)" if more else "" if exact else ", ... (perhaps more, held back on the ranks)"
+    return f"{label} ({about}{total}): {', '.join(items[:limit])}{tail}"
 
 
 def _uncovered_names(coverage: dict[str, tuple[int, int]], group: dist.ProcessGroup | None, rank: int,

@@ -193,9 +193,10 @@ def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | No
     thread_count = thread_count_argument(thread_count, threads)
     allowed = _allowed_classes(allow_globals)
     report = VerifyReport(path=str(path), against=str(against) if against else None)
-    checked = find_safetensors_for(path) or path  # x.pt names its sibling x.safetensors: that is what is checked
-    if against is not None and os.path.exists(against) and os.path.exists(checked) and os.path.samefile(checked,
-                                                                                                         against):
+    checked = find_safetensors_for(path)  # x.pt names its sibling x.safetensors: that is what is checked (None:
+    # x.pt has none, and opening it below says to convert it first)
+    if (against is not None and checked is not None and os.path.exists(against) and os.path.exists(checked)
+            and os.path.samefile(checked, against)):
         report.problems.append((str(against), "is the checkpoint itself: a comparison with itself proves nothing;"
                                 " pass the source it was converted from (.pt, ZeRO or DCP directory)"))
         return report

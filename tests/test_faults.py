@@ -336,9 +336,14 @@ def _restore_with(rank: int, world_size: int, path, options: list) -> str:
     return str(info.value)
 
 
+_SWAP = {"blocks.0.weight": "blocks.1.weight", "blocks.1.weight": "blocks.0.weight"}
+
+
 @pytest.mark.parametrize("options", [[{"check": True}, {"check": False}],
                                      [{"model_prefix": "ema"}, {}],
-                                     [{"strict": False}, {}]], ids=["check", "model_prefix", "strict"])
+                                     [{"strict": False}, {}],
+                                     [{"key_map": {}}, {"key_map": _SWAP}]],
+                         ids=["check", "model_prefix", "strict", "key_map"])
 def test_ranks_called_with_different_options_fail_together_naming_it(tmp_path, options):
     """A rank whose options differ reads other bytes or checks other memory with no error of its own (here:
     the weights or their moving average, both complete): every rank refuses, naming the option, before anything
@@ -394,7 +399,9 @@ def _restore_alike(rank: int, world_size: int, path, options: list) -> int:
 
 @pytest.mark.parametrize("options", [[{"check": 1}, {"check": True}],
                                      [{"check": False, "check_buffers": False}, {"check": False}],
-                                     [{"model_prefix": "model"}, {}]], ids=["1-is-True", "ignored", "the-default"])
+                                     [{"model_prefix": "model"}, {}],
+                                     [{"key_map": {}}, {}]],
+                         ids=["1-is-True", "ignored", "the-default", "a-map-that-renames-nothing"])
 def test_ranks_whose_options_mean_the_same_are_not_refused(tmp_path, options):
     from models import build
 

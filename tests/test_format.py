@@ -227,7 +227,7 @@ def test_a_legacy_torch_save_file_is_told_from_any_pickle_or_garbage(tmp_path):
     import fsdp_restore
     from fsdp_restore.format import SNIFF_BYTES, is_legacy_torch_save
 
-    for protocol in (2, 3, 4, 5):
+    for protocol in (0, 1, 2, 3, 4, 5):
         buf = io.BytesIO()
         torch.save({"a": torch.ones(2)}, buf, _use_new_zipfile_serialization=False, pickle_protocol=protocol)
         assert is_legacy_torch_save(buf.getvalue()[:SNIFF_BYTES]), protocol

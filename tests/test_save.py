@@ -630,5 +630,10 @@ def test_a_save_error_counts_what_the_ranks_reported_and_says_what_it_leaves_out
     from fsdp_restore.sharded_save import _save_error
 
     names = [f"w{i}" for i in range(25)]
-    text = str(_save_error(RestoreError("x", {"missing": names}, {"missing": (30, True)}), "save_sharded (plan)"))
+    error = _save_error(RestoreError("x", {"missing": names}, {"missing": (30, True)}), "save_sharded (plan)")
+    text = str(error)
     assert "(30): w0, w1" in text and "w19, ... (10 more)" in text and "w20" not in text, text
+    assert error.counts == {"missing": (30, True)}
+    uncovered = [f"c{i} (elements written)" for i in range(30)]
+    text = str(_save_error(RestoreError("x", {"coverage": uncovered}), "save_sharded (plan)"))
+    assert "exactly once (30): c0, c1" in text and "c19, ... (10 more)" in text and "c20" not in text, text

@@ -325,6 +325,9 @@ def test_a_checkpoint_verified_against_itself_proves_nothing(tmp_path):
     report = verify(dst, against=dst)
     assert not report.ok and "a comparison with itself proves nothing" in report.problems[0][1]
     assert verify(src, against=src).ok  # x.pt names its conversion x.safetensors, checked against x.pt
+    dst.unlink()
+    alone = verify(src, against=src)  # no conversion yet: say that, not "the checkpoint itself"
+    assert not alone.ok and "itself" not in alone.problems[0][1], alone.problems
     (tmp_path / "empty").mkdir()  # a directory that holds no checkpoint: no table of zeros before the FAIL line
     res = subprocess.run([sys.executable, "-m", "fsdp_restore", "verify", str(tmp_path / "empty")],
                          capture_output=True, text=True)
