@@ -35,11 +35,12 @@ _LABELS = {
     "coverage": "plan: the ranks' reads do not cover these tensors exactly (a planner bug)",
     "key_map": "key_map problems",
 }
+_NAMES_HINT = ("check model_prefix= (CLI: --model-prefix; the subtree holding the weights), pass key_map= when the"
+               " model names its tensors differently, or strict=False to restore the keys that match (in the restore"
+               " calls: check-restore proves a strict restore)")
 _HINTS = {
-    "missing": "check model_prefix= (CLI: --model-prefix; the subtree holding the weights), pass key_map= when the"
-               " model names its tensors differently, or strict=False to restore the keys that match",
-    "unexpected": "check model_prefix= (CLI: --model-prefix; the subtree holding the weights), pass key_map= when the"
-                  " model names its tensors differently, or strict=False to restore the keys that match",
+    "missing": _NAMES_HINT,
+    "unexpected": _NAMES_HINT,
     "buffers": "the model was probably built on the meta device and materialized with to_empty(): call"
                " fsdp_restore.init_non_persistent_buffers(model) (Hugging Face rotary embeddings, modules with"
                " reset_buffers()), re-run your own buffer initialisation, or build these modules on the real"
