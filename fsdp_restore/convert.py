@@ -411,7 +411,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
         return identity, obj, tensors, structure, fd, locations
 
     with PeakAnonMemory() as mem, Stopwatch() as clock, _gc_paused():
-        identity, obj, tensors, structure, fd, locations = one.step("read the source", read_source)  # type: ignore[misc]
+        read = one.step("read the source", read_source)
+        identity, obj, tensors, structure, fd, locations = read  # type: ignore[misc]
         try:
             _same_source(one, identity)
             result, casts = write_converted(tensors, structure, dst, dtype=dtype, cast_include=cast_include,

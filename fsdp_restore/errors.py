@@ -39,8 +39,8 @@ class UnsafePickleError(FsdpRestoreError):
     """A .pt file needs pickle globals outside the allowlist; loading it could execute code."""
 
 
-class RestoreError(FsdpRestoreError):
-    """Restoring into a model failed; raised with the same message on every rank."""
+class _AgreedError(FsdpRestoreError):
+    """An error every rank raises alike, carrying the problems the ranks agreed on."""
 
     def __init__(self, message: str, problems: dict[str, list[str]] | None = None,
                  counts: dict[str, tuple[int, bool]] | None = None) -> None:
@@ -48,6 +48,10 @@ class RestoreError(FsdpRestoreError):
         # by kind, (how many there are, whether that is exact or a floor)
         self.counts = counts or {kind: (len(items), True) for kind, items in self.problems.items()}
         super().__init__(message)
+
+
+class RestoreError(_AgreedError):
+    """Restoring into a model failed; raised with the same message on every rank."""
 
 
 class VerifyError(FsdpRestoreError):
@@ -60,17 +64,10 @@ class ConvertError(FsdpRestoreError):
     in place: rank 0 then says it is there, the others that it may be."""
 
 
-class SaveError(FsdpRestoreError):
+class SaveError(_AgreedError):
     """`save_sharded` failed; raised with the same message on every rank (the destination is untouched), but where a
     rank died just after rank 0 put the whole new checkpoint in place: rank 0 then says it is there, the others
     that it may be."""
-
-    def __init__(self, message: str, problems: dict[str, list[str]] | None = None,
-                 counts: dict[str, tuple[int, bool]] | None = None) -> None:
-        self.problems = problems or {}  # by kind, the problems shown (a multi-rank failure shows some of them)
-        # by kind, (how many there are, whether that is exact or a floor)
-        self.counts = counts or {kind: (len(items), True) for kind, items in self.problems.items()}
-        super().__init__(message)
 
 
 def thread_count_argument(thread_count: object, threads: object = None, *, stacklevel: int = 3) -> int | None:

@@ -405,9 +405,9 @@ def is_legacy_torch_save(head: bytes) -> bool:
 
 
 def sniff(head: bytes, file_size: int) -> str:
-    """What a file is from its first `SNIFF_BYTES` bytes (and its size): a safetensors file (8-byte little-endian header
-    length that fits in the file, then ``{``), a ``torch.save`` file (a zip since torch 1.6; a pickle before),
-    JSON text (an index), or `UNKNOWN`."""
+    """What a file is from its first `SNIFF_BYTES` bytes (and its size): a safetensors file (8-byte little-endian
+    header length that fits in the file, then ``{``), a ``torch.save`` file (a zip since torch 1.6; a pickle
+    before, `is_legacy_torch_save`), JSON text (an index), or `UNKNOWN`."""
     if len(head) >= 9 and head[8:9] == b"{" and 2 <= int.from_bytes(head[:8], "little") <= file_size - 8:
         return SAFETENSORS
     if head[:4] in (b"PK\x03\x04", b"PK\x05\x06"):

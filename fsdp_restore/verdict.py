@@ -78,8 +78,8 @@ class Problems:
 
 _DIED_HINT = ("find the rank that died in its own log and exit status (killed, out of memory, a crash) or the"
               " broken connection, fix that and restart every rank; do not use what was being restored as it is (a"
-              " restore stopped in its reads leaves it partly written; one stopped while planning, untouched). With gloo on one host the others fail at once;"
-              " with NCCL, or a rank that hangs, they wait until the process group's timeout: pass timeout= to"
+              " restore stopped in its reads leaves it partly written; one stopped while planning, untouched)."
+              " With gloo on one host the others fail at once; with NCCL, or a rank that hangs, they wait until the process group's timeout: pass timeout= to"
               " init_process_group to bound it")
 
 
@@ -256,7 +256,12 @@ def problem_line(label: str, items: Sequence[str], count: tuple[int, bool] | Non
     total = max(total, len(items))
     more = total - min(limit, len(items))
     about = "" if exact else "at least "
-    tail = f", ... ({about}{more} more)" if more else "" if exact else ", ... (perhaps more, held back on the ranks)"
+    if more:
+        tail = f", ... ({about}{more} more)"
+    elif not exact:  # all of the floor is shown, but a rank held names back that may be others
+        tail = ", ... (perhaps more, held back on the ranks)"
+    else:
+        tail = ""
     return f"{label} ({about}{total}): {', '.join(items[:limit])}{tail}"
 
 

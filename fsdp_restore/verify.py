@@ -193,8 +193,8 @@ def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | No
     thread_count = thread_count_argument(thread_count, threads)
     allowed = _allowed_classes(allow_globals)
     report = VerifyReport(path=str(path), against=str(against) if against else None)
-    checked = find_safetensors_for(path)  # x.pt names its sibling x.safetensors: that is what is checked (None:
-    # x.pt has none, and opening it below says to convert it first)
+    # what is checked: x.pt names its sibling x.safetensors (None: it has none, and opening it below says so)
+    checked = find_safetensors_for(path)
     if (against is not None and checked is not None and os.path.exists(against) and os.path.exists(checked)
             and os.path.samefile(checked, against)):
         report.problems.append((str(against), "is the checkpoint itself: a comparison with itself proves nothing;"

@@ -501,6 +501,7 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
         # the other ranks' crc32 pieces (and header pages), for rank 0's `finish`
         others = one.gather([w.segments() for w in writers], "checksums")[1:] if one.world > 1 else []
         result = WriteResult(paths=[], nbytes=sum(j.nbytes for j in jobs))
+        renamed: list[bool] = []  # set by rank 0's commit once the output is in place
 
         def commit() -> None:
             if not lead:
@@ -518,7 +519,6 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
             _replace(tmp, dst)
             renamed.append(True)
 
-        renamed: list[bool] = []
         try:
             one.step("commit", commit)
             result.checksums = one.first(result.checksums, "commit")
