@@ -380,14 +380,19 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
     `ConvertError` on every rank, and nothing is put at ``dst``.
 
     ``threads=``, the old name of ``thread_count``, still works with a `DeprecationWarning`; a
-    ``thread_count`` that is not an int >= 1 is a `ValueError` before anything is read.
+    ``thread_count`` that is not an int >= 1 is a `ValueError` before anything is read (with a
+    ``process_group`` of several ranks, a bad argument on any rank is the same `ConvertError` on every rank).
     """
-    thread_count = thread_count_argument(thread_count, threads)
-    dtype = cast_target(dtype)
-    if tag is not None and Path(src).is_file():
-        raise ValueError(f"tag='{tag}' (--tag) picks a tag of a DeepSpeed checkpoint directory; {src} is a file:"
-                         " drop --tag")
     one = Share.of(process_group) if process_group is not None else Share(0, 1)
+
+    def check_arguments() -> tuple[int | None, torch.dtype | None]:
+        if tag is not None and Path(src).is_file():
+            raise ValueError(f"tag='{tag}' (--tag) picks a tag of a DeepSpeed checkpoint directory; {src} is a file:"
+                             " drop --tag")
+        return thread_count_argument(thread_count, threads, stacklevel=5), cast_target(dtype)
+
+    # alone, a bad argument raises as it is; with several ranks, as the same ConvertError on every rank
+    thread_count, dtype = one.step("check the arguments", check_arguments)  # type: ignore[misc]
     if Path(src).is_dir():
         return _convert_directory(src, dst, dtype=dtype, cast_include=cast_include, cast_exclude=cast_exclude,
                                   max_shard_size=max_shard_size, select=select, threads=thread_count, force=force,

@@ -22,7 +22,7 @@ import time
 import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -97,6 +97,21 @@ def _no_cyclic_gc() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+def _refuse_on_every_rank(error: Exception, what: str, group: dist.ProcessGroup | None) -> NoReturn:
+    """A bad argument found at the door of an entry point on this rank. Alone, it is raised as it is (a
+    `ValueError` or `TypeError`); with several ranks the others are already on their way to the plan's verdict, so
+    this rank joins that verdict with the error and every rank raises the same `RestoreError` naming it, at once,
+    instead of the others waiting in a collective for a rank that has left."""
+    several = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    if not several:
+        raise error
+    problems = new_problems()
+    with problems.guard():
+        raise error
+    agree(problems, what, group)
+    raise error  # not reached: agree raised on every rank
 
 
 def _run(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint, **options: Any
@@ -298,10 +313,14 @@ def restore_model(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpo
     elements, or any exception.
 
     ``thread_count``: read threads per rank (default 4); ``threads=``, its old name, still works with a
-    `DeprecationWarning`. A value that is not an int >= 1 is a `ValueError` before anything is read.
+    `DeprecationWarning`. A value that is not an int >= 1 is a `ValueError` before anything is read; with
+    several ranks, a bad argument on any rank is the same `RestoreError` on every rank instead.
     """
-    thread_count = thread_count_argument(thread_count, threads)
-    model_prefix = renamed_argument("prefix", prefix, "model_prefix", model_prefix)
+    try:
+        thread_count = thread_count_argument(thread_count, threads)
+        model_prefix = renamed_argument("prefix", prefix, "model_prefix", model_prefix)
+    except (TypeError, ValueError) as e:
+        _refuse_on_every_rank(e, "restore", process_group)
     plan, _ = _run(model, checkpoint, weights=True, optimizer=None, prefix=model_prefix, optim_prefix="optim",
                    strict=strict, check=check, check_buffers=check_buffers, method=method, threads=thread_count,
                    dtype_policy=dtype_policy, group=process_group, key_map=key_map)
@@ -329,8 +348,11 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
     raises the same `RestoreError` when the optimizer does not match the checkpoint (nothing is
     modified then) or when a read or its check fails (the state is then not installed). ``thread_count``:
     as `restore_model`."""
-    thread_count = thread_count_argument(thread_count, threads)
-    optim_prefix = renamed_argument("prefix", prefix, "optim_prefix", optim_prefix)
+    try:
+        thread_count = thread_count_argument(thread_count, threads)
+        optim_prefix = renamed_argument("prefix", prefix, "optim_prefix", optim_prefix)
+    except (TypeError, ValueError) as e:
+        _refuse_on_every_rank(e, "optimizer restore", process_group)
     optim_prefix = "optim" if optim_prefix is None else optim_prefix
     plan, _ = _run(model, checkpoint, weights=False, optimizer=optimizer, prefix=model_prefix,
                    optim_prefix=optim_prefix, strict=True, check=check, check_buffers=False, method="read",
@@ -356,9 +378,12 @@ def restore(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint,
     ``"optim"``). ``model_key=`` and
     ``optim_key=``, their old names, still work with a `DeprecationWarning`. ``key_map`` and ``thread_count``:
     as `restore_model`."""
-    thread_count = thread_count_argument(thread_count, threads)
-    model_prefix = renamed_argument("model_key", model_key, "model_prefix", model_prefix)
-    optim_prefix = renamed_argument("optim_key", optim_key, "optim_prefix", optim_prefix)
+    try:
+        thread_count = thread_count_argument(thread_count, threads)
+        model_prefix = renamed_argument("model_key", model_key, "model_prefix", model_prefix)
+        optim_prefix = renamed_argument("optim_key", optim_key, "optim_prefix", optim_prefix)
+    except (TypeError, ValueError) as e:
+        _refuse_on_every_rank(e, "restore", process_group)
     optim_prefix = "optim" if optim_prefix is None else optim_prefix
     plan, extra = _run(model, checkpoint, weights=True, optimizer=optimizer, prefix=model_prefix,
                        optim_prefix=optim_prefix, strict=strict, check=check, check_buffers=check_buffers,

@@ -175,6 +175,44 @@ def test_error_on_one_rank_fails_every_rank(tmp_path):
         assert "nowhere.safetensors" in message and seconds < 30
 
 
+def _bad_argument_on_rank_1(rank, world_size, path, entry):
+    from models import build, wrap
+
+    model = wrap(build("mlp", seed=1), "fsdp2", world_size)
+    opt = torch.optim.AdamW(model.parameters())
+    before = {k: v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone()
+              for k, v in model.state_dict().items()}
+    bad = {"thread_count": 0} if rank == 1 else {}
+    calls = {"restore_model": lambda: fsdp_restore.restore_model(model, path, **bad),
+             "restore_optimizer": lambda: fsdp_restore.restore_optimizer(opt, model, path, **bad),
+             "restore": lambda: fsdp_restore.restore(model, path, opt, **bad)}
+    t0 = time.monotonic()
+    with pytest.raises(RestoreError) as info:
+        calls[entry]()
+    after = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    assert all(torch.equal(after[k], v) for k, v in before.items()) and not opt.state  # nothing was read
+    return str(info.value), time.monotonic() - t0
+
+
+@pytest.mark.parametrize("entry", ["restore_model", "restore_optimizer", "restore"])
+def test_a_bad_argument_on_one_rank_fails_every_rank_at_once(tmp_path, entry):
+    """``thread_count=0`` on rank 1 only: it raised its ValueError at the door and left, while rank 0 waited in
+    the plan's verdict for it (until its process exited, or the process group's timeout if it lingered). Now
+    every rank raises the same RestoreError naming the argument, before anything is read."""
+    from models import build
+
+    model = build("mlp", seed=0)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 7)).sum().backward()
+    opt.step()
+    path = tmp_path / "ck.safetensors"
+    fsdp_restore.save({"model": model.state_dict(), "optim": opt.state_dict()}, path)
+    results = run_ranks(_bad_argument_on_rank_1, 2, path, entry, pg_timeout=60)
+    texts = [text for text, _ in results]
+    assert texts[0] == texts[1] and "ValueError: thread_count must be a positive int, not 0" in texts[0], texts
+    assert "[rank 1]" in texts[0] and all(seconds < 30 for _, seconds in results), results
+
+
 # ---- fuzzing -----------------------------------------------------------------------------
 
 

@@ -222,6 +222,24 @@ def test_ranks_given_different_options_are_refused(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["src.pt"]
 
 
+def _bad_thread_count_on_rank_1(rank: int, world_size: int, src: str, dst: str) -> str:
+    import torch.distributed as dist
+
+    with pytest.raises(ConvertError) as info:
+        fsdp_restore.convert(src, dst, process_group=dist.group.WORLD, thread_count=0 if rank else None)
+    return str(info.value)
+
+
+def test_a_bad_argument_on_one_rank_is_the_same_error_everywhere(tmp_path):
+    """Rank 1 raised its ValueError at the door and left; rank 0 went on to read the source and waited for it."""
+    src = tmp_path / "src.pt"
+    _source(str(src))
+    texts = run_ranks(_bad_thread_count_on_rank_1, 2, str(src), str(tmp_path / "out.safetensors"), pg_timeout=60)
+    assert texts[0] == texts[1] and "(check the arguments) failed on rank(s) 1 of 2" in texts[0], texts
+    assert "thread_count must be a positive int, not 0" in texts[0], texts
+    assert sorted(os.listdir(tmp_path)) == ["src.pt"]
+
+
 def _cannot_map_on_rank_1(rank: int, world_size: int, src: str, dst: str) -> str:
     import importlib
 
