@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from .torch_zip import bytes_as_loaded
+
 
 class MappedFile:
     """The mappings of one file in this process: ``offset_of(t)`` is the file offset of ``t``'s first byte."""
@@ -33,6 +35,8 @@ class MappedFile:
                     self._ranges.append((start, end, int(fields[2], 16)))
         except OSError:
             pass
+        if self._ranges and not bytes_as_loaded(self.path):  # byte-swapped by torch.load: memory is not the file
+            self._ranges = []
         self._ranges.sort()
         self._starts = [r[0] for r in self._ranges]
 

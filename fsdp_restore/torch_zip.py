@@ -103,6 +103,22 @@ def load(path: str | os.PathLike[str], safe_globals: Sequence[Any]) -> Any:
     return result
 
 
+def bytes_as_loaded(path: str | os.PathLike[str]) -> bool:
+    """Whether the storage records of the zip-format ``torch.save`` file ``path`` hold their tensors' bytes as
+    torch.load puts them in memory: little-endian records on a little-endian host, as the file says or as the
+    load's byte order assumes. Where not (a file saved on a big-endian host), torch.load byte-swaps each storage
+    in its own copy, so the file's bytes at a mapped tensor's offset are not the tensor's; False too for what
+    torch's zip reader does not open."""
+    if sys.byteorder != "little":
+        return False
+    try:
+        reader = torch._C.PyTorchFileReader(os.fspath(path))
+        _check_byte_order(reader, {"byteorder"} if reader.has_record("byteorder") else set())
+    except Exception:  # noqa: BLE001 - NotHandled, or not an archive torch reads: never take its bytes as they lie
+        return False
+    return True
+
+
 def _check_byte_order(reader: Any, names: Collection[str]) -> None:
     """Little-endian data only, as the file says or, without a ``byteorder`` record, as torch.load assumes by
     default; anything else (byteswapped storages) is torch.load's."""

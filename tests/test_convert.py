@@ -30,6 +30,37 @@ def train_ckpt(tmp_path_factory):
     return path, ckpt
 
 
+def _big_endian(src, dst) -> None:
+    """``src`` as a big-endian host writes it: every storage record byte-swapped, the byteorder record 'big'."""
+    import zipfile
+
+    loaded = torch.load(src, weights_only=True)
+    sizes = {f"data/{i}": t.element_size() for i, t in enumerate(loaded.values())}  # one storage per tensor
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        for info in zin.infolist():
+            short, data = info.filename.split("/", 1)[1], zin.read(info.filename)
+            if short == "byteorder":
+                data = b"big"
+            elif short in sizes:
+                n = sizes[short]
+                data = b"".join(data[i:i + n][::-1] for i in range(0, len(data), n))
+            zout.writestr(info, data)
+
+
+def test_a_checkpoint_saved_on_a_big_endian_host_converts_to_its_values(tmp_path):
+    """torch.load byte-swaps such a file's storages in memory; the conversion copied the file's bytes at each
+    tensor's mapped offset, so every value came out byte-swapped (0.5 as 8.8e-44), silently."""
+    obj = {"w": torch.arange(6, dtype=torch.float32) + 0.5, "i": torch.tensor([1, 2, 3]),
+           "h": torch.tensor([1.5, -2.0], dtype=torch.bfloat16)}
+    torch.save(obj, tmp_path / "le.pt")
+    _big_endian(tmp_path / "le.pt", tmp_path / "be.pt")
+    reference = torch.load(tmp_path / "be.pt", weights_only=True)
+    assert all(torch.equal(reference[k], v) for k, v in obj.items())  # the file is what a big-endian host saves
+    convert(tmp_path / "be.pt", tmp_path / "be.safetensors")
+    back = fsdp_restore.load(tmp_path / "be.safetensors")
+    assert all(torch.equal(back[k], v) and back[k].dtype == v.dtype for k, v in obj.items()), back
+
+
 def test_training_checkpoint_roundtrips_exactly(train_ckpt, tmp_path):
     src, ckpt = train_ckpt
     report = convert(src, tmp_path / "out.safetensors")
