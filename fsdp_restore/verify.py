@@ -112,10 +112,12 @@ class _CastStats:
     max_rel: float = 0.0
     integer_valued: bool = True  # every finite source value is a whole number (a counter, an index)
     changed: bool = False
+    overflowed: int = 0  # finite source values stored as inf or NaN (beyond the stored dtype's range)
 
     def update(self, src: torch.Tensor, stored: torch.Tensor) -> None:
         src64, back = src.double(), stored.to(src.dtype).double()
         finite = torch.isfinite(src64) & torch.isfinite(back)
+        self.overflowed += int((torch.isfinite(src64) & ~torch.isfinite(back)).sum())
         diff = (back - src64).abs()[finite]
         if diff.numel():
             self.max_abs = max(self.max_abs, float(diff.max()))
@@ -128,6 +130,7 @@ class _CastStats:
         self.max_abs, self.max_rel = max(self.max_abs, other.max_abs), max(self.max_rel, other.max_rel)
         self.integer_valued &= other.integer_valued
         self.changed |= other.changed
+        self.overflowed += other.overflowed
 
 
 def _check_segment(ckpt: Checkpoint, key: str, start: int, stop: int, source: torch.Tensor | None,
@@ -739,11 +742,15 @@ def _verify_open(ckpt: Checkpoint, report: VerifyReport, against: Any, select: s
 
 
 def _judge_cast(report: VerifyReport, key: str, ckpt: Checkpoint, source: torch.Tensor, st: _CastStats) -> None:
-    """A declared cast is acceptable on weights; one that changed a whole-number tensor (a counter, an
-    index) or a 0-dim value (a step) changed what the run will do, and fails the verification."""
+    """A declared cast is acceptable on weights; one that made finite values inf or NaN, or changed a whole-number
+    tensor (a counter, an index) or a 0-dim value (a step), changed what the run will do, and fails the
+    verification."""
     before, after = torch_dtype_name(source.dtype), torch_dtype_name(ckpt.entries[key].dtype)
     report.casts.append(CastChange(key, before, after, st.max_abs, st.max_rel))
-    if st.changed and source.dim() == 0:
+    if st.overflowed:
+        report.problems.append((key, f"the cast {before} -> {after} made {st.overflowed} finite value(s) infinite or"
+                                     f" NaN (beyond {after}'s range): the run would not go on as it was"))
+    elif st.changed and source.dim() == 0:
         report.problems.append((key, f"the cast {before} -> {after} changed this 0-dim value"
                                      f" ({source.item()!r} -> {source.to(ckpt.entries[key].dtype).item()!r})"))
     elif st.changed and st.integer_valued:

@@ -264,6 +264,7 @@ class _FileWriter:
         self._retired: list[int] = []  # descriptors left by `_stop_direct`
         self._head_tail = b""  # direct only: the data bytes in the page where the header ends
         self.checksums: dict[str, str] = {}
+        self.overflowed: dict[str, int] = {}  # per key: finite values a narrowing cast made inf or NaN
         self._segment_crcs: dict[str, dict[int, tuple[int, int]]] = {j.key: {} for j in jobs}
 
     def blocks(self) -> list[_Block]:
@@ -291,7 +292,10 @@ class _FileWriter:
                     pread_exactly(job.location[0], memoryview(memory)[piece.at:piece.at + piece.nbytes],
                                   job.location[1] + piece.first)
                 else:
-                    _copy_piece(piece, buffer)
+                    overflowed = _copy_piece(piece, buffer)
+                    if overflowed:
+                        with self._lock:
+                            self.overflowed[job.key] = self.overflowed.get(job.key, 0) + overflowed
                 crc = zlib.crc32(data[piece.at:piece.at + piece.nbytes])
                 with self._lock:
                     self._segment_crcs[job.key][piece.first] = (crc, piece.nbytes)
@@ -360,17 +364,47 @@ class _FileWriter:
             self.fd = -1
 
 
-def _copy_piece(piece: _Piece, buffer: torch.Tensor) -> None:
-    """Copy (and cast) one piece of a tensor that is not read from a file at its offset into the block buffer."""
+def _copy_piece(piece: _Piece, buffer: torch.Tensor) -> int:
+    """Copy (and cast) one piece of a tensor that is not read from a file at its offset into the block buffer;
+    returns how many finite source values a narrowing cast made infinite or NaN (`narrowing`)."""
     job, size = piece.job, piece.job.dtype.itemsize
     first, stop = piece.first // size, -(-(piece.first + piece.nbytes) // size)
+    parts = _source_elements(job, first, stop)
     if piece.first % size == 0 and piece.nbytes % size == 0 and piece.at % size == 0:
-        _copy_elements(buffer[piece.at:piece.at + piece.nbytes].view(job.dtype), _source_elements(job, first, stop))
+        out = buffer[piece.at:piece.at + piece.nbytes].view(job.dtype)
+        _copy_elements(out, parts)
     else:  # the tensor does not start at a multiple of its element size (after an odd-length one)
-        whole = torch.empty(stop - first, dtype=job.dtype)
-        _copy_elements(whole, _source_elements(job, first, stop))
+        out = torch.empty(stop - first, dtype=job.dtype)
+        _copy_elements(out, parts)
         skip = piece.first - first * size
-        buffer[piece.at:piece.at + piece.nbytes].copy_(whole.view(torch.uint8)[skip:skip + piece.nbytes])
+        buffer[piece.at:piece.at + piece.nbytes].copy_(out.view(torch.uint8)[skip:skip + piece.nbytes])
+    if not narrowing(job.source.dtype, job.dtype):
+        return 0
+    # a sum is non-finite where any element is (one cheap pass; isfinite() is several times the cast itself);
+    # torch cannot sum float8, and a sum that overflows only sends the piece to the exact count below
+    if bool(torch.isfinite(out.sum() if job.dtype.itemsize > 1 else out).all()):
+        return 0
+    source = torch.cat([p.reshape(-1) for p in parts])  # only where the cast made something non-finite
+    return int((torch.isfinite(source) & ~torch.isfinite(out)).sum())
+
+
+def narrowing(source: torch.dtype, target: torch.dtype) -> bool:
+    """Whether casting floating ``source`` to floating ``target`` can make a finite value inf or NaN (``target``'s
+    largest finite value is smaller: fp32 -> fp16, and -> bf16 at the very top of fp32's range)."""
+    return (source.is_floating_point and target.is_floating_point
+            and torch.finfo(target).max < torch.finfo(source).max)
+
+
+def overflow_error(overflowed: dict[str, int], target: torch.dtype) -> ConvertError:
+    """The error for casts that made finite values of these keys inf or NaN, listing every one and the fix."""
+    keys = sorted(overflowed)
+    listed = ", ".join(f"{k} ({overflowed[k]} values)" for k in keys[:20]) + (
+        f", ... ({len(keys) - 20} more)" if len(keys) > 20 else "")
+    name = str(target).removeprefix("torch.")
+    return ConvertError(f"the cast to {name} would make finite values infinite or NaN (beyond its range,"
+                        f" +-{torch.finfo(target).max:g}) in {len(keys)} tensor(s): {listed}; nothing was written."
+                        f" Keep them in their dtype (cast_exclude=[{', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}]),"
+                        " or cast to bf16, whose range is fp32's")
 
 
 def _write_block(block: _Block, progress: ProgressFn | None) -> None:
@@ -493,6 +527,9 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
             with ThreadPoolExecutor(max_workers=threads or default_io_threads()) as pool:
                 for f in [pool.submit(_write_block, block, progress) for block in blocks]:
                     f.result()
+            overflowed = {key: n for w in writers for key, n in w.overflowed.items()}
+            if overflowed:  # every offender at once, before the output is put in place
+                raise overflow_error(overflowed, next(j.dtype for j in jobs if j.key in overflowed))
             if one.world > 1:  # on the device before rank 0 commits (a single process fsyncs in `finish`)
                 for w in writers:
                     os.fsync(w.fd)

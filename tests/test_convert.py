@@ -299,6 +299,29 @@ def test_plain_weights_file_casts_everything_floating(tmp_path):
     assert back["count"].dtype == torch.int64 and report.cast_tensors == 2
 
 
+def test_a_cast_beyond_the_target_range_is_refused_naming_every_tensor(tmp_path):
+    """fp16 tops out at 65504: a BatchNorm running_var or a large weight became inf, silently, and verify passed
+    it as a declared cast. Values already inf or NaN in the source are not the cast's doing; bf16 keeps fp32's
+    range; cast_exclude keeps the named tensors as they are."""
+    state = {"bn.running_var": torch.tensor([1.0, 7e4, 2.0]), "w": torch.tensor([0.5, -1e6 + 0.25, 3.0]),
+             "ok": torch.tensor([1.0, float("inf"), float("nan"), -65504.0])}
+    torch.save(state, tmp_path / "w.pt")
+    dst = tmp_path / "w.safetensors"
+    with pytest.raises(fsdp_restore.ConvertError) as info:
+        convert(tmp_path / "w.pt", dst, dtype="fp16", thread_count=1)
+    text = str(info.value)
+    assert "bn.running_var (1 values), w (1 values)" in text and "float16" in text and "ok" not in text.split(":")[1]
+    assert not dst.exists() and sorted(os.listdir(tmp_path)) == ["w.pt"]
+    convert(tmp_path / "w.pt", dst, dtype="fp16", cast_exclude=["bn.running_var", "w"])
+    back = fsdp_restore.load(dst)
+    assert torch.equal(back["w"], state["w"]) and back["ok"].dtype == torch.float16
+    convert(tmp_path / "w.pt", dst, dtype="bf16", force=True)
+    assert torch.isfinite(fsdp_restore.load(dst)["bn.running_var"]).all()
+    res = subprocess.run([sys.executable, "-m", "fsdp_restore", "convert", str(tmp_path / "w.pt"),
+                          str(tmp_path / "cli.safetensors"), "--dtype", "fp16"], capture_output=True, text=True)
+    assert res.returncode == 1 and "cast_exclude=[bn.running_var, w]" in res.stderr and "Traceback" not in res.stderr
+
+
 def test_cli_int8_is_one_clear_error(train_ckpt, tmp_path):
     src, _ = train_ckpt
     res = subprocess.run([sys.executable, "-m", "fsdp_restore", "convert", str(src), str(tmp_path / "o.safetensors"),

@@ -193,6 +193,22 @@ def test_cast_that_changes_a_counter_or_a_scalar_fails(tmp_path):
     assert "whole numbers" in problems["optim.seen"]
 
 
+def test_a_cast_that_made_values_infinite_fails(tmp_path, monkeypatch):
+    """A file whose declared fp16 cast overflowed (convert refuses that now; a file from before, written here with
+    that check switched off) passed as 'identical up to the declared cast'."""
+    import fsdp_restore.write as write_module
+
+    src = tmp_path / "src.pt"
+    torch.save({"model": {"w": torch.tensor([0.5, 7e4, 3.0]), "v": torch.tensor([1.0, float("inf")])}}, src)
+    monkeypatch.setattr(write_module, "narrowing", lambda source, target: False)
+    fsdp_restore.convert(src, tmp_path / "fp16.safetensors", dtype="fp16")
+    monkeypatch.undo()
+    report = verify(tmp_path / "fp16.safetensors", against=src)
+    problems = dict(report.problems)
+    assert report.verdict == "failed" and set(problems) == {"model.w"}, report.problems  # v's inf was the source's
+    assert "made 1 finite value(s) infinite or NaN" in problems["model.w"]
+
+
 def test_header_only_verdict_for_a_file_without_checksums(tmp_path):
     from safetensors.torch import save_file
 
