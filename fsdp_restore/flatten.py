@@ -253,11 +253,11 @@ def unflatten(tensors: Mapping[str, torch.Tensor], structure: Structure) -> Any:
     if not isinstance(structure, dict) or structure.get("version") != STRUCTURE_VERSION or "root" not in structure:
         raise FormatError("<structure>", f"unsupported structure (expected version {STRUCTURE_VERSION}"
                           f" with a 'root'), got keys {sorted(structure)[:5] if isinstance(structure, dict) else type(structure).__name__}")
-    cache: dict[str, torch.Tensor] = {}
+    cache: dict[Any, torch.Tensor] = {}  # per key, and per ("requires_grad", key)
     return _decode(structure["root"], tensors, cache, "")
 
 
-def _decode(node: Any, tensors: Mapping[str, torch.Tensor], cache: dict[str, torch.Tensor], path: str) -> Any:
+def _decode(node: Any, tensors: Mapping[str, torch.Tensor], cache: dict[Any, torch.Tensor], path: str) -> Any:
     if node is None or isinstance(node, (str, bool, int)) and not isinstance(node, float):
         return node
     if not isinstance(node, dict) or not isinstance(node.get("type"), str):
@@ -287,7 +287,16 @@ def _decode(node: Any, tensors: Mapping[str, torch.Tensor], cache: dict[str, tor
                 t = t.conj()
             if node.get("param"):
                 return torch.nn.Parameter(t, requires_grad=bool(node.get("requires_grad")))
-            return t.requires_grad_(True) if node.get("requires_grad") else t
+            if not node.get("requires_grad"):
+                return t
+            if t is not cache.get(node["key"]):  # a view made for this node alone
+                return t.requires_grad_(True)
+            # the tensor every alias of this key shares: its own object, so that the others stay as they were
+            # (a detached copy of a weight must not come back requiring grad); one per key, as torch.load shares it
+            grad_key = ("requires_grad", node["key"])
+            if grad_key not in cache:
+                cache[grad_key] = t.detach().requires_grad_(True)
+            return cache[grad_key]
         if kind == "ndarray":
             array = _lookup(node, tensors, cache, path).numpy()
             dtype = np.dtype(node["dtype"])
@@ -323,7 +332,8 @@ def _decode(node: Any, tensors: Mapping[str, torch.Tensor], cache: dict[str, tor
     raise FormatError("<structure>", f"at '{path}': unknown node type {kind!r}")
 
 
-def _lookup(node: dict[str, Any], tensors: Mapping[str, torch.Tensor], cache: dict[str, torch.Tensor], path: str) -> torch.Tensor:
+def _lookup(node: dict[str, Any], tensors: Mapping[str, torch.Tensor], cache: dict[Any, torch.Tensor], path: str
+            ) -> torch.Tensor:
     key = node["key"]
     if key not in cache:
         try:

@@ -64,6 +64,29 @@ def test_tensor_details():
     assert back["zero_dim"].shape == () and back["empty"].shape == (0, 4)
 
 
+@pytest.mark.parametrize("order", ["base first", "aliases first"])
+def test_requires_grad_stays_with_its_own_alias(tmp_path, order):
+    """A weight requiring grad and detached aliases of it (the same memory, a view): loading gave every alias
+    requires_grad (one was the weight's own object, a view had a grad_fn) as the flag was set on the tensor they
+    shared. torch.load is the oracle, mapped and not."""
+    import fsdp_restore
+
+    w = torch.randn(3, 2, requires_grad=True)
+    items = {"a": w, "b": w.detach(), "v": w.detach()[1:], "g": w[1:].detach().requires_grad_(True), "a2": w}
+    obj = dict(items if order == "base first" else reversed(list(items.items())))
+    torch.save(obj, tmp_path / "src.pt")
+    fsdp_restore.convert(tmp_path / "src.pt", tmp_path / "out.safetensors")
+    expected = torch.load(tmp_path / "src.pt", weights_only=True)
+    for mmap in (True, False):
+        back = fsdp_restore.load(tmp_path / "out.safetensors", mmap=mmap)
+        for key, t in expected.items():
+            got = back[key]
+            assert (got.requires_grad, got.grad_fn, got.is_leaf) == (t.requires_grad, None, True), (mmap, key)
+            assert torch.equal(got.detach(), t.detach()) and got.untyped_storage().data_ptr() == \
+                back["a"].untyped_storage().data_ptr(), (mmap, key)  # still one storage
+        assert back["a"] is back["a2"] and back["a"] is not back["b"]  # as torch.load shares objects
+
+
 def test_tied_weights_stored_once_and_restored_as_aliases():
     w = torch.randn(5, 4)
     obj = {"model": {"wte.weight": w, "lm_head.weight": w}}
