@@ -81,8 +81,6 @@ def _plan_weights(plan: ReadPlan, targets: Sequence[Target], aliases: dict[str, 
                                   " weights file")
         plan.refused.update(t.name for t in targets)  # one problem, not one more per tensor never planned
         return
-    for text in unsupported:
-        plan.add_problem("unsupported", text)
     tied_names: dict[str, list[str]] = {}
     for alias, name in aliases.items():
         tied_names.setdefault(name, []).append(alias)
@@ -92,6 +90,10 @@ def _plan_weights(plan: ReadPlan, targets: Sequence[Target], aliases: dict[str, 
             plan.refused.add(target.name)
             continue
         if target.name not in stored_as:  # the key map failed for it: reported already
+            plan.refused.add(target.name)
+            continue
+        if stored_as[target.name] in unsupported:
+            plan.add_problem("unreadable", f"{target.name}: {unsupported[stored_as[target.name]]}")
             plan.refused.add(target.name)
             continue
         # a tied tensor may be stored under any of its names (save_model keeps only one)
@@ -126,7 +128,7 @@ def _plan_weights(plan: ReadPlan, targets: Sequence[Target], aliases: dict[str, 
             plan.items.append(ReadItem(src.key, src.start + piece.start, piece.dest, target.name, piece.start, numel,
                                        piece.rows, piece.stride))
     known = {stored_as.get(n, n) for n in [t.name for t in targets] + list(aliases)}
-    unexpected = sorted(set(sources) - known)
+    unexpected = sorted((set(sources) | set(unsupported)) - known)
     if strict:
         for name in unexpected:
             plan.add_problem("unexpected", name)

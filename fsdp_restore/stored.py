@@ -99,29 +99,45 @@ def default_prefix(ckpt: Checkpoint) -> str:
 
 
 def tensor_sources(ckpt: Checkpoint, prefix: str, model_names: Iterable[str] = ()
-                   ) -> tuple[dict[str, Source], list[str]]:
-    """``{normalized name: Source}`` for every tensor under dotted ``prefix``, plus names we cannot range-read.
+                   ) -> tuple[dict[str, Source], dict[str, str]]:
+    """``{normalized name: Source}`` for every tensor under dotted ``prefix``, and ``{normalized name: why}`` for
+    the names that cannot be range-read: a view whose values are not one range of stored elements, or a name
+    that two of the checkpoint's tensors share (a key holding dots beside a nested one, ``{"a.b": x, "a": {"b":
+    y}}``, or a wrapper's name beside the plain one): the restore must not pick one of them silently.
 
     Names that a plain safetensors file dropped as duplicates of a tied tensor
     (``safetensors.torch.save_model`` records ``{dropped: kept}`` in its metadata) resolve to the kept one."""
     found: dict[str, Source] = {}
-    unsupported: list[str] = []
+    unreadable_as: dict[str, str] = {}  # stored name -> why
+    keys: dict[str, list[str]] = {}  # stored name -> the keys of the tensors found under it
     lead = prefix + "." if prefix else ""
     for path, node in iter_tensor_nodes(ckpt.structure["root"]):
         if not path.startswith(lead):
             continue
+        name = path[len(lead):]
+        keys.setdefault(name, []).append(node["key"])
         src = node_source(ckpt, node)
         if src is None:
-            unsupported.append(f"{path[len(lead):]} ({unreadable(node)})")
+            unreadable_as[name] = unreadable(node)
         else:
-            found[path[len(lead):]] = src
+            found[name] = src
     if not ckpt.has_structure:
         for dropped, kept in ckpt.tied_aliases().items():
             name, kept_name = dropped[len(lead):], kept[len(lead):]
             if dropped.startswith(lead) and kept.startswith(lead) and kept_name in found:
                 found.setdefault(name, found[kept_name])
-    normal = normalize_names(found, model_names)
-    return {normal[n]: src for n, src in found.items()}, unsupported
+    normal = normalize_names([*found, *unreadable_as], model_names)
+    by_normal: dict[str, list[str]] = {}
+    for stored in normal:
+        by_normal.setdefault(normal[stored], []).append(stored)
+    problems = {normal[n]: why for n, why in unreadable_as.items()}
+    for name, stored in by_normal.items():
+        held = [key for n in stored for key in keys.get(n, [])]
+        if len(held) > 1 and len(set(held)) > 1:  # (one tensor under two names of a tied pair is not a clash)
+            names = f" (as {', '.join(repr(n) for n in stored)})" if len(stored) > 1 else ""
+            problems[name] = (f"{len(set(held))} of the checkpoint's tensors have this name{names}, stored as"
+                              f" {', '.join(repr(k) for k in sorted(set(held)))}")
+    return {normal[n]: src for n, src in found.items() if normal[n] not in problems}, problems
 
 
 # ---- optimizer state ----------------------------------------------------------------------------

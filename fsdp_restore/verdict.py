@@ -33,12 +33,16 @@ _LABELS = {
     "shape": "shape mismatches", "dtype": "dtype mismatches", "unrestored": "not restored (still NaN / not covered)",
     "unsupported": "unsupported layouts", "buffers": "non-persistent buffers (held by no checkpoint) that are wrong",
     "coverage": "plan: the ranks' reads do not cover these tensors exactly (a planner bug)",
-    "key_map": "key_map problems",
+    "key_map": "key_map problems", "unreadable": "stored in a form a restore cannot read",
 }
 _NAMES_HINT = ("check model_prefix= (CLI: --model-prefix; the subtree holding the weights), pass key_map= when the"
                " model names its tensors differently, or strict=False to restore the keys that match (in the restore"
                " calls: check-restore proves a strict restore)")
 _HINTS = {
+    "unreadable": "a view whose values are not one range of another tensor's elements (a transpose, a conj or neg"
+                  " view) cannot be read in slices: save a contiguous copy of it (.contiguous(), .resolve_conj(),"
+                  " .resolve_neg()) and convert again; two tensors under one name: rename one in the source and"
+                  " convert again",
     "missing": _NAMES_HINT,
     "unexpected": _NAMES_HINT,
     "buffers": "the model was probably built on the meta device and materialized with to_empty(): call"

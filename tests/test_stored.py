@@ -61,3 +61,40 @@ def test_a_conj_view_is_refused_not_read_as_its_memory(tmp_path):
     save(state, tmp_path / "c.safetensors")
     with pytest.raises(RestoreError, match="a conj view of 'weight': its stored memory is not its values"):
         fsdp_restore.restore_model(torch.nn.Linear(2, 2).to(torch.complex64), tmp_path / "c.safetensors")
+
+
+def test_a_transposed_view_is_one_clear_refusal_with_its_fix(tmp_path):
+    """It was reported both as unsupported and as missing, with the hint to pass strict=False (which failed the
+    same way); a view the model does not ask for is only unexpected."""
+    base = torch.arange(24.0).reshape(4, 6)
+    torch.save({"a": base, "b": base.t()}, tmp_path / "sv.pt")
+    fsdp_restore.convert(tmp_path / "sv.pt", tmp_path / "sv.safetensors")
+    model = torch.nn.Module()
+    model.a, model.b = torch.nn.Parameter(torch.zeros(4, 6)), torch.nn.Parameter(torch.zeros(6, 4))
+    for strict in (True, False):
+        with pytest.raises(RestoreError) as info:
+            fsdp_restore.restore_model(model, tmp_path / "sv.safetensors", strict=strict)
+        text = str(info.value)
+        assert "b: a strided view of 'a'" in text and ".contiguous()" in text and "missing" not in text, text
+    only_a = torch.nn.Module()
+    only_a.a = torch.nn.Parameter(torch.zeros(4, 6))
+    report = fsdp_restore.restore_model(only_a, tmp_path / "sv.safetensors", strict=False)
+    assert report.unexpected == ["b"] and torch.equal(only_a.a.detach(), base)
+
+
+@pytest.mark.parametrize("saved", [{"a.b": torch.full((2,), 1.0), "a": {"b": torch.full((2,), 2.0)}},
+                                   {"_orig_mod.a.b": torch.full((2,), 1.0), "a.b": torch.full((2,), 2.0)}],
+                         ids=["dotted-beside-nested", "compiled-beside-plain"])
+def test_two_tensors_under_one_name_are_refused_not_picked(tmp_path, saved):
+    """{"a.b": x, "a": {"b": y}} restored y into a.b silently (the last one found won)."""
+    torch.save(saved, tmp_path / "two.pt")
+    fsdp_restore.convert(tmp_path / "two.pt", tmp_path / "two.safetensors")
+    model = torch.nn.Module()
+    model.a = torch.nn.Module()
+    model.a.b = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(RestoreError, match=r"a\.b: 2 of the checkpoint's tensors have this name") as info:
+        fsdp_restore.restore_model(model, tmp_path / "two.safetensors")
+    assert "rename one in the source" in str(info.value) and torch.equal(model.a.b.detach(), torch.zeros(2))
+    with fsdp_restore.open_checkpoint(tmp_path / "two.safetensors") as ckpt:
+        found, problems = tensor_sources(ckpt, "", ["a.b"])
+    assert not found and set(problems) == {"a.b"}
