@@ -25,13 +25,15 @@ class FormatError(FsdpRestoreError):
 class UnsupportedObjectError(FsdpRestoreError):
     """The flattener met an object it cannot store without pickle."""
 
-    def __init__(self, path: str, obj: object, hint: str = "") -> None:
+    def __init__(self, path: str, obj: object, hint: str = "", *, skippable: bool = True) -> None:
         self.path = path
         self.type_name = f"{type(obj).__module__}.{type(obj).__qualname__}"
-        msg = f"cannot store object of type {self.type_name} at '{path or '<root>'}'"
+        shown = (path or "<root>").encode("utf-8", "backslashreplace").decode()  # printable, whatever the key
+        msg = f"cannot store object of type {self.type_name} at '{shown}'"
         msg += f": {hint}" if hint else (
-            "; convert it to a supported type (tensor, ndarray, dict, list, tuple, str, number, None)"
-            " or pass on_unsupported='skip' (CLI: on_unsupported=skip) to drop it with a warning")
+            "; convert it to a supported type (tensor, ndarray, dict, list, tuple, str, number, None)")
+        if skippable:  # (a dict key cannot be dropped alone)
+            msg += ("; or" if hint else " or") + " pass on_unsupported='skip' (CLI: on_unsupported=skip) to drop it with a warning"
         super().__init__(msg)
 
 

@@ -82,6 +82,8 @@ class _Flattener:
             raise UnsupportedObjectError(path, obj, f"nested deeper than {MAX_DEPTH} levels, which readers refuse;"
                                          " flatten that part (e.g. a list of its items) before saving")
         down = depth + 1
+        if t is str and not _utf8(obj):
+            return self.unsupported(obj, path, _NOT_UTF8)
         if obj is None or t is str or t is bool:
             return obj
         if t is int:
@@ -132,7 +134,9 @@ class _Flattener:
         """A dict key (``path`` is its entry's): only what readers accept as a key node, tuples of those too."""
         if not _storable_key(key):
             raise UnsupportedObjectError(path, key, "dict keys must be str, int, float, bool, None, torch.dtype"
-                                         " or tuples of those")
+                                         " or tuples of those", skippable=False)
+        if type(key) is str and not _utf8(key):
+            raise UnsupportedObjectError(path, key, f"a dict key that is {_NOT_UTF8}", skippable=False)
         return self.encode(key, path, depth)
 
     def encode_tensor(self, tensor: torch.Tensor, path: str) -> Any:
@@ -203,6 +207,21 @@ class _Flattener:
                     ref.node["view"] = {"offset": ref.tensor.storage_offset() - base.tensor.storage_offset(),
                                         "shape": list(ref.tensor.shape), "stride": list(ref.tensor.stride())}
         return tensors
+
+
+_NOT_UTF8 = ("not valid Unicode (a lone surrogate, as a file name decoded with surrogateescape gives), which JSON"
+             " cannot hold: rename it (e.g. s.encode('utf-8', 'surrogateescape').decode('utf-8', 'replace'))")
+
+
+def _utf8(text: str) -> bool:
+    """Whether ``text`` can be written as UTF-8 (the header's JSON): no lone surrogates."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _storable_key(key: Any) -> bool:

@@ -300,3 +300,27 @@ def test_flags_must_be_booleans():
     structure = {"version": 1, "root": {"type": "tensor", "key": "t", "conj": "yes"}}
     with pytest.raises(FormatError, match="conj"):
         validate_structure(structure, "f.safetensors", {"t": None})
+
+
+def test_a_string_that_is_not_valid_unicode_is_refused_naming_it(tmp_path):
+    """A lone surrogate (a file name decoded with surrogateescape) crashed the header's JSON with a bare
+    UnicodeEncodeError; as a key or a value it is now refused naming where, printable; a value can be skipped."""
+    import fsdp_restore
+    from fsdp_restore.cli import main
+
+    torch.save({"img_\udcff.png": torch.ones(2)}, tmp_path / "key.pt")
+    with pytest.raises(UnsupportedObjectError, match=r"at 'img_\\udcff\.png': a dict key that is not valid Unicode") as info:
+        fsdp_restore.convert(tmp_path / "key.pt", tmp_path / "key.safetensors")
+    assert "on_unsupported" not in str(info.value)  # a key cannot be dropped alone
+    assert main(["convert", str(tmp_path / "key.pt"), str(tmp_path / "k2.safetensors")]) == 1
+    obj = {"files": ["ok.png", "bad_\udcff.png"], "w": torch.ones(1)}
+    with pytest.raises(UnsupportedObjectError, match=r"at 'files\.1': not valid Unicode.*on_unsupported='skip'"):
+        flatten(obj)
+    with pytest.warns(UserWarning, match=r"files\.1"):
+        tensors, structure = flatten(obj, on_unsupported="skip")
+    assert unflatten(tensors, json.loads(json.dumps(structure)))["files"] == ["ok.png", None]
+
+
+def test_an_unsupported_tensor_names_both_the_problem_and_the_skip():
+    with pytest.raises(UnsupportedObjectError, match=r"'c': dtype torch\.complex128.*; or pass on_unsupported='skip'"):
+        flatten({"c": torch.zeros(2, dtype=torch.complex128)})
