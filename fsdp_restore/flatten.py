@@ -184,8 +184,10 @@ class _Flattener:
         groups: dict[tuple[str, int], list[_TensorRef]] = {}
         for ref in self.refs:
             t = ref.tensor
-            if t.numel() == 0:  # empty tensors may all report data_ptr 0: never group them
-                groups[("empty", id(ref))] = [ref]
+            # empty tensors may all report data_ptr 0: never group them; nor arrays (and bytes), which torch.save
+            # pickles by value: an array sharing a tensor's memory is its own copy after torch.load, uncast
+            if t.numel() == 0 or ref.node["type"] != "tensor":
+                groups[("own", id(ref))] = [ref]
             else:
                 groups.setdefault((str(t.device), t.untyped_storage().data_ptr()), []).append(ref)
         tensors: dict[str, torch.Tensor] = {}

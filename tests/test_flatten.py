@@ -324,3 +324,23 @@ def test_a_string_that_is_not_valid_unicode_is_refused_naming_it(tmp_path):
 def test_an_unsupported_tensor_names_both_the_problem_and_the_skip():
     with pytest.raises(UnsupportedObjectError, match=r"'c': dtype torch\.complex128.*; or pass on_unsupported='skip'"):
         flatten({"c": torch.zeros(2, dtype=torch.complex128)})
+
+
+def test_an_array_sharing_a_tensors_memory_is_its_own_value(tmp_path):
+    """torch.save pickles numpy arrays by value. An array sharing a tensor's memory (t.numpy()) was stored as a view
+    of the tensor: save(dtype=fp16) cast it too, a bf16 cast left a file load could not read, and a tensor
+    requiring grad made load fail. Arrays sharing memory with each other come back apart, as from torch.load."""
+    import fsdp_restore
+
+    t = torch.tensor([1.1, 2.2, 3.3], requires_grad=True)
+    base = np.arange(6.0)
+    obj = {"w": t, "arr": t.detach().numpy(), "x": base, "y": base[2:]}
+    torch.save(obj, tmp_path / "src.pt")
+    expected = torch.load(tmp_path / "src.pt", weights_only=False)
+    for dtype in (None, torch.float16, torch.bfloat16):
+        fsdp_restore.save(obj, tmp_path / "out.safetensors", dtype=dtype)
+        back = fsdp_restore.load(tmp_path / "out.safetensors")
+        for key in ("arr", "x", "y"):
+            assert back[key].dtype == expected[key].dtype and back[key].tobytes() == expected[key].tobytes(), key
+        assert np.shares_memory(back["x"], back["y"]) == np.shares_memory(expected["x"], expected["y"])
+        assert back["w"].requires_grad and back["w"].dtype == (dtype or torch.float32)
