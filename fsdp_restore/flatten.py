@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import pathlib
+import struct
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
@@ -89,9 +90,12 @@ class _Flattener:
         if t is int:
             return obj if _INT64[0] <= obj <= _INT64[1] else {"type": "int", "value": str(obj)}
         if t is float:
-            return {"type": "float", "value": repr(obj)}
+            node = {"type": "float", "value": repr(obj)}
+            return {**node, "hex": _F64.pack(obj).hex()} if _odd_nan(obj) else node
         if t is complex:
-            return {"type": "complex", "real": repr(obj.real), "imag": repr(obj.imag)}
+            node = {"type": "complex", "real": repr(obj.real), "imag": repr(obj.imag)}
+            odd = _odd_nan(obj.real) or _odd_nan(obj.imag)
+            return {**node, "hex": (_F64.pack(obj.real) + _F64.pack(obj.imag)).hex()} if odd else node
         if t is dict or t is OrderedDict:
             items = [[self.encode_key(k, _join(path, k), down), self.encode(v, _join(path, k), down)]
                      for k, v in obj.items()]
@@ -211,6 +215,15 @@ class _Flattener:
         return tensors
 
 
+# a NaN's sign and payload (x86 makes 0/0 a negative NaN) are lost by repr(): such a NaN also carries its bits
+_F64 = struct.Struct("<d")
+_NAN_BITS = _F64.pack(float("nan"))
+
+
+def _odd_nan(x: float) -> bool:
+    """A NaN whose bits are not ``float('nan')``'s."""
+    return x != x and _F64.pack(x) != _NAN_BITS
+
 _NOT_UTF8 = ("not valid Unicode (a lone surrogate, as a file name decoded with surrogateescape gives), which JSON"
              " cannot hold: rename it (e.g. s.encode('utf-8', 'surrogateescape').decode('utf-8', 'replace'))")
 
@@ -297,8 +310,10 @@ def _decode(node: Any, tensors: Mapping[str, torch.Tensor], cache: dict[Any, tor
         if kind == "int":
             return int(node["value"])
         if kind == "float":
-            return float(node["value"])
+            return float(node["value"]) if "hex" not in node else _F64.unpack(bytes.fromhex(node["hex"]))[0]
         if kind == "complex":
+            if "hex" in node:
+                return complex(*struct.unpack("<dd", bytes.fromhex(node["hex"])))
             return complex(float(node["real"]), float(node["imag"]))
         if kind == "tensor":
             t = _lookup(node, tensors, cache, path)
@@ -378,6 +393,7 @@ MAX_DEPTH = 256  # real checkpoints nest a few levels; the limit keeps every rec
 _CONTAINERS = {"list", "tuple", "set", "frozenset"}
 _MAPPINGS = {"dict", "OrderedDict", "Namespace"}
 _STORED = {"tensor", "ndarray", "bytes", "bytearray"}
+_BITS = {"float": 16, "complex": 32}  # the optional "hex" of a NaN that is not float('nan'): its bytes, little-endian
 _STRING_FIELDS = {"int": ("value",), "float": ("value",), "complex": ("real", "imag"), "np_scalar": ("dtype", "hex"),
                   "dtype": ("value",), "device": ("value",), "path": ("class", "value"), "skipped": ("python_type",)}
 
@@ -447,6 +463,10 @@ def validate_structure(structure: Any, where: object, keys: Mapping[str, Any] | 
             missing = [f for f in _STRING_FIELDS[kind] if not isinstance(node.get(f), str)]
             if missing:
                 raise _bad_node(where, path, f"{kind} node needs string field(s) {', '.join(missing)}")
+            bits = node.get("hex")
+            if kind in _BITS and bits is not None and not (isinstance(bits, str) and len(bits) == _BITS[kind]
+                                                           and all(c in "0123456789abcdef" for c in bits)):
+                raise _bad_node(where, path, f"a {kind} node's hex must be {_BITS[kind]} lowercase hex digits")
         else:
             raise _bad_node(where, path, f"unknown node type {kind[:40]!r}")
 

@@ -8,6 +8,7 @@ import importlib
 import math
 import os
 import re
+import struct
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -396,8 +397,10 @@ def _skipped_values(node: Any, parts: tuple[Any, ...] = (), found: dict[tuple[An
 
 
 def _same_float(a: float, b: float) -> bool:
-    """Equal as stored: NaN equals NaN, -0.0 differs from 0.0."""
-    return (a != a and b != b) or (a == b and math.copysign(1.0, a) == math.copysign(1.0, b))
+    """Equal as stored, bit for bit: a NaN equals a NaN of the same sign and payload, -0.0 differs from 0.0."""
+    if a != a or b != b:
+        return struct.pack("<d", a) == struct.pack("<d", b)
+    return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
 
 
 @dataclass
@@ -836,6 +839,12 @@ def _describe(node: Any, ckpt: Checkpoint, name: str) -> dict[str, Any]:
     value = node.get("value", node.get("items", ""))
     if kind == "float" and math.isfinite(float(value)):  # a JSON number; nan, inf and ints beyond int64 stay text
         value = float(value)
+    elif kind == "complex":
+        value = f"({node['real']}, {node['imag']})"
+    elif kind == "np_scalar":  # its value, as numpy prints it (the node holds its bytes)
+        value = f"{np.frombuffer(bytes.fromhex(node['hex']), dtype=np.dtype(node['dtype']))[0]!r}"
+    if kind in ("float", "complex") and "hex" in node:  # a NaN of another sign or payload: its bits too
+        value = f"{value} (bits {node['hex']})"
     return {"name": name, "kind": kind, "value": value if isinstance(value, float) else str(value), "bytes": 0,
             "tensors": 0}
 

@@ -344,3 +344,27 @@ def test_an_array_sharing_a_tensors_memory_is_its_own_value(tmp_path):
             assert back[key].dtype == expected[key].dtype and back[key].tobytes() == expected[key].tobytes(), key
         assert np.shares_memory(back["x"], back["y"]) == np.shares_memory(expected["x"], expected["y"])
         assert back["w"].requires_grad and back["w"].dtype == (dtype or torch.float32)
+
+
+def test_a_nan_keeps_its_sign_and_payload(tmp_path):
+    """repr() made every NaN float('nan'): x86's 0/0 (a negative NaN, e.g. a diverged loss's .item()) came back
+    positive and verify called it identical. torch.load is the oracle, bit for bit."""
+    import struct
+
+    import fsdp_restore
+
+    negative = struct.unpack("<d", bytes.fromhex("000000000000f8ff"))[0]
+    payload = struct.unpack("<d", bytes.fromhex("0100000000f8ff7f"))[0]
+    obj = {"loss": negative, "p": payload, "plain": float("nan"), "z": complex(payload, -0.0), "zz": complex(1, 2)}
+    torch.save(obj, tmp_path / "src.pt")
+    fsdp_restore.convert(tmp_path / "src.pt", tmp_path / "out.safetensors")
+    expected, back = torch.load(tmp_path / "src.pt"), fsdp_restore.load(tmp_path / "out.safetensors")
+
+    def bits(v):
+        return struct.pack("<dd", v.real, v.imag) if isinstance(v, complex) else struct.pack("<d", v)
+
+    assert {k: bits(v) for k, v in back.items()} == {k: bits(v) for k, v in expected.items()}
+    assert fsdp_restore.verify(tmp_path / "out.safetensors", against=tmp_path / "src.pt").verdict == "identical"
+    _, structure = flatten(obj)
+    plain = dict(structure["root"]["items"])["plain"]
+    assert "hex" not in plain  # a file without such NaNs is written as before

@@ -6,6 +6,7 @@ import struct
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -135,6 +136,15 @@ def test_inspect_json_gives_scalars_as_json_values_and_the_tree_shows_them_as_te
     assert "name str = '[red]x'" in res.stdout and "lr float = 0.0006" in res.stdout, res.stdout
 
 
+def test_inspect_shows_numpy_scalars_complex_numbers_and_a_nans_bits(tmp_path):
+    """A numpy scalar showed an empty value, a complex number none either."""
+    fsdp_restore.save({"lr": np.float32(0.5), "n": np.int64(7), "z": complex(1, 2),
+                       "loss": struct.unpack("<d", bytes.fromhex("000000000000f8ff"))[0]}, tmp_path / "s.safetensors")
+    values = {c["name"]: c.get("value") for c in inspect_checkpoint(tmp_path / "s.safetensors")["tree"]["children"]}
+    assert values == {"lr": "np.float32(0.5)", "n": "np.int64(7)", "z": "(1.0, 2.0)",
+                      "loss": "nan (bits 000000000000f8ff)"}, values
+
+
 def test_inspect_counts_each_stored_tensor_once_where_it_first_appears(tmp_path):
     """Tied names and views count no tensor and no byte of their own, so the tree's totals are the file's."""
     w = torch.randn(8, 4)
@@ -207,6 +217,22 @@ def test_a_cast_that_made_values_infinite_fails(tmp_path, monkeypatch):
     problems = dict(report.problems)
     assert report.verdict == "failed" and set(problems) == {"model.w"}, report.problems  # v's inf was the source's
     assert "made 1 finite value(s) infinite or NaN" in problems["model.w"]
+
+
+def test_a_nan_that_lost_its_sign_is_a_difference(tmp_path, monkeypatch):
+    """verify took any two NaNs as equal: a file that stored x86's negative NaN as float('nan') (as before the
+    flattener kept NaN bits; written here with that switched off) was 'identical'."""
+    import importlib
+    import struct
+
+    flatten_module = importlib.import_module("fsdp_restore.flatten")  # (the package's `flatten` is the function)
+    src = tmp_path / "src.pt"
+    torch.save({"loss": struct.unpack("<d", bytes.fromhex("000000000000f8ff"))[0], "w": torch.ones(2)}, src)
+    monkeypatch.setattr(flatten_module, "_odd_nan", lambda x: False)
+    fsdp_restore.convert(src, tmp_path / "out.safetensors")
+    monkeypatch.undo()
+    report = verify(tmp_path / "out.safetensors", against=src)
+    assert report.verdict == "failed" and [where for where, _ in report.problems] == ["loss"], report.problems
 
 
 def test_header_only_verdict_for_a_file_without_checksums(tmp_path):
