@@ -31,6 +31,7 @@ import torch
 
 from .plan import ReadItem
 from .read import Checkpoint
+from .write import cast_overflow, narrowing
 
 DEFAULT_READ_THREADS = 4  # past 4, more threads read no faster on the GPU path (BENCHMARKS.md, "GPU")
 READ_CHUNK_BYTES = 16 * 1024 * 1024  # items above this are split so that several threads share them
@@ -172,6 +173,7 @@ class _Worker:
     stream: torch.cuda.Stream | None = None
     ones: torch.Tensor | None = None  # 0xFF bytes on the device: the source that re-poisons a pinned buffer
     turn: int = 0
+    overflowed: dict[str, int] = field(default_factory=dict)  # per stored key: finite values a cast made inf/NaN
 
     def __post_init__(self) -> None:
         if self.device.type == "cuda":
@@ -284,8 +286,10 @@ class _Worker:
             self.ckpt.read_contiguous([(key, start, v) for (key, start, *_), v in zip(reads, staged)])
         dests = [dest for _, _, dest, _, _ in reads]
         if self.stream is None:
-            for d, v in zip(dests, staged):
+            for (key, *_), d, v in zip(reads, dests, staged):
                 d.copy_(v)
+                if d.dtype != v.dtype and narrowing(v.dtype, d.dtype) and (n := cast_overflow(lambda: v, d)):
+                    self.overflowed[key] = self.overflowed.get(key, 0) + n
             if self.poison:
                 raw_bytes.fill_(0xFF)
             return
@@ -474,5 +478,16 @@ def execute_reads(ckpt: Checkpoint, items: Sequence[ReadItem], threads: int = DE
             w.finish()
     if failed:
         raise failed[0]
+    overflowed: dict[str, int] = {}
+    for w in workers:
+        for key, n in w.overflowed.items():
+            overflowed[key] = overflowed.get(key, 0) + n
+    if overflowed:  # every element was written, but not with a value of the checkpoint's
+        keys = sorted(overflowed)
+        raise ValueError("the cast into the model's dtype made finite values infinite or NaN (beyond that dtype's"
+                         " range) in " + ", ".join(f"'{k}' ({overflowed[k]} values)" for k in keys[:20])
+                         + (f", ... ({len(keys) - 20} more)" if len(keys) > 20 else "")
+                         + ": restore into a model of a wider dtype (bf16 has fp32's range), or bring those values"
+                           " into range before casting")
     for item in items:  # reached only when every chunk was read (a failed read raised above)
         item.done = True

@@ -380,12 +380,19 @@ def _copy_piece(piece: _Piece, buffer: torch.Tensor) -> int:
         buffer[piece.at:piece.at + piece.nbytes].copy_(out.view(torch.uint8)[skip:skip + piece.nbytes])
     if not narrowing(job.source.dtype, job.dtype):
         return 0
-    # a sum is non-finite where any element is (one cheap pass; isfinite() is several times the cast itself);
-    # torch cannot sum float8, and a sum that overflows only sends the piece to the exact count below
-    if bool(torch.isfinite(out.sum() if job.dtype.itemsize > 1 else out).all()):
+    return cast_overflow(lambda: torch.cat([p.reshape(-1) for p in parts]), out)
+
+
+def cast_overflow(source: Callable[[], torch.Tensor], out: torch.Tensor) -> int:
+    """How many finite values of ``source()`` (called only when needed) the cast into ``out`` made inf or NaN.
+    A sum is non-finite where any element is: one cheap pass (isfinite() is several times the cast itself); a sum
+    that overflows only sends the piece to the exact count."""
+    if out.dtype.itemsize == 1:  # float8: torch neither sums these nor asks isfinite of all of them
+        out = out.float()
+    if bool(torch.isfinite(out.sum()).all()):
         return 0
-    source = torch.cat([p.reshape(-1) for p in parts])  # only where the cast made something non-finite
-    return int((torch.isfinite(source) & ~torch.isfinite(out)).sum())
+    flat = source().reshape(-1)
+    return int((torch.isfinite(flat) & ~torch.isfinite(out.reshape(-1))).sum())
 
 
 def narrowing(source: torch.dtype, target: torch.dtype) -> bool:

@@ -281,6 +281,30 @@ def test_dtype_policy_error_lists_every_problem_at_once(tmp_path):
     assert set(error.problems) == {"missing", "shape", "dtype"}
 
 
+@pytest.mark.parametrize("check", [True, False])
+def test_a_cast_into_the_model_beyond_its_range_fails_naming_every_tensor(tmp_path, check):
+    """An fp32 value beyond fp16's 65504 restored into an fp16 model became inf silently (the check looks for
+    NaN); into float8_e4m3fnuz it became NaN and was reported as 'not restored'. Values the file holds as inf
+    are not the cast's doing."""
+    state = build("mlp").state_dict()
+    state["inp.weight"][0, 0] = 7e4
+    state["out.weight"][1, 2] = -1e6
+    state["blocks.0.bias"][0] = float("inf")
+    torch.save({"model": state}, tmp_path / "m.pt")
+    fsdp_restore.convert(tmp_path / "m.pt", tmp_path / "m.safetensors")
+    model = build("mlp").half()
+    with pytest.raises(RestoreError) as info:
+        restore_model(model, tmp_path / "m.safetensors", check=check)
+    text = str(info.value)
+    assert "'model.inp.weight' (1 values), 'model.out.weight' (1 values)" in text and "bias" not in text, text
+    assert "partly written" in text
+    state["inp.weight"][0, 0], state["out.weight"][1, 2] = 1.0, 2.0  # in range: restores, inf where the file has it
+    torch.save({"model": state}, tmp_path / "m.pt")
+    fsdp_restore.convert(tmp_path / "m.pt", tmp_path / "m.safetensors", force=True)
+    restore_model(model, tmp_path / "m.safetensors", check=check)
+    assert torch.equal(model.blocks[0].bias.detach(), state["blocks.0.bias"].half())
+
+
 def test_a_prefix_with_no_tensors_is_one_problem_naming_the_top_level(tmp_path):
     error = _refused_restore(tmp_path, {"model": build("mlp").state_dict(), "step": 3}, model_prefix="modle")
     msg = str(error)
