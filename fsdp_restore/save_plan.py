@@ -13,7 +13,8 @@ piece), a ``Shard(1)`` column block one item of rows at a stride. A piece that s
 of them: a large piece is cut into one part per replica, a small one goes whole to one replica chosen by
 its name (so the work spreads). Optimizer state laid out like its parameter follows the parameter's
 pieces; every other value (step counters, param-group tensors, ``extra``) is written by rank 0 (a step
-counter by the lowest rank holding its parameter's state, where ranks hold state for different parameters).
+counter, where ranks hold state for different parameters, by the lowest rank holding elements of its parameter:
+one holding none never steps it, `merge_schemas`).
 
 Coverage is proven like the restore's (`check.coverage_terms`, summed over ranks in the verdict's one
 all-reduce): plus a count term per tensor, so that the ranks together write every element exactly once.
@@ -465,14 +466,15 @@ def needs_state_schema(model: nn.Module) -> bool:
     return any(getattr(handle, "_use_orig_params", False) for _, handle in _fsdp1_units(model))
 
 
-def state_schema(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[tuple]]:
-    """``{name: [(field, "shaped", dtype) | (field, "whole", shape, dtype) | (field, "value", value)]}`` of the
-    optimizer state this rank holds, for ranks that hold none of some parameter's (`merge_schemas`)."""
+def state_schema(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, tuple[bool, list[tuple]]]:
+    """``{name: (holds elements, [(field, "shaped", dtype) | (field, "whole", shape, dtype) | (field, "value",
+    value)])}`` of the optimizer state this rank holds, for ranks that hold none of some parameter's
+    (`merge_schemas`), and whether this rank holds any element of that parameter."""
     from .format import torch_dtype_name
 
     targets, aliases = local_targets(model)
     groups, _ = live_groups(model, optimizer, targets, aliases)
-    out: dict[str, list[tuple]] = {}
+    out: dict[str, tuple[bool, list[tuple]]] = {}
     for slot in (s for slots in groups for s in slots):
         param_state = optimizer.state.get(slot.param)
         if not param_state:
@@ -486,15 +488,22 @@ def state_schema(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str
             else:
                 fields.append((fld, "value", value))
         for name in slot.names:
-            out[name] = fields
+            out[name] = (slot.local.numel() > 0, fields)
     return out
 
 
-def merge_schemas(schemas: Sequence[dict[str, list[tuple]] | None]) -> dict[str, tuple[int, list[tuple]]]:
-    """Every rank's `state_schema` (in rank order) -> ``{name: (lowest rank holding its state, fields)}``: that
-    rank writes its whole values (step)."""
+def merge_schemas(schemas: Sequence[dict[str, tuple[bool, list[tuple]]] | None]
+                  ) -> dict[str, tuple[int, list[tuple]]]:
+    """Every rank's `state_schema` (in rank order) -> ``{name: (rank, fields)}``: the rank that writes its whole
+    values (step), the lowest holding elements of the parameter, else the lowest holding its state. A rank that
+    holds none of its elements and yet has state (Adagrad makes state for every parameter; a restore or torch's
+    get_state_dict can make it) never steps it: its step counter stays where it was."""
     merged: dict[str, tuple[int, list[tuple]]] = {}
+    with_elements: set[str] = set()
     for rank, schema in enumerate(schemas):
-        for name, fields in (schema or {}).items():
-            merged.setdefault(name, (rank, fields))
+        for name, (holds, fields) in (schema or {}).items():
+            if name not in merged or (holds and name not in with_elements):
+                merged[name] = (rank, fields)
+            if holds:
+                with_elements.add(name)
     return merged

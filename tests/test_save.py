@@ -637,3 +637,41 @@ def test_a_save_error_counts_what_the_ranks_reported_and_says_what_it_leaves_out
     uncovered = [f"c{i} (elements written)" for i in range(30)]
     text = str(_save_error(RestoreError("x", {"coverage": uncovered}), "save_sharded (plan)"))
     assert "exactly once (30): c0, c1" in text and "c19, ... (10 more)" in text and "c20" not in text, text
+
+
+def _step_counters(rank, world_size, path, optimizer, restored):
+    """FSDP1 with use_orig_params: a rank holding none of a parameter's elements never steps its state; Adagrad
+    makes state for every parameter up front, and a restore installs it on every rank."""
+    model = wrap(build("mlp"), "fsdp1-FULL_SHARD-orig", world_size)
+    opt = {"adagrad": torch.optim.Adagrad, "adamw": torch.optim.AdamW}[optimizer](model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(3)
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            model(torch.randn(4, 7, generator=gen)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    steps(2)
+    if restored:  # save, restore into the same model and optimizer, go on: the empty ranks' counters now exist
+        save_sharded(model, path, optimizer=opt)
+        fsdp_restore.restore(model, path, opt)
+        steps(2)
+    empty = [n for n, p in model.named_parameters() if p.numel() == 0]
+    save_sharded(model, path, optimizer=opt)
+    return empty
+
+
+@pytest.mark.parametrize("optimizer,restored", [("adagrad", False), ("adamw", True)], ids=["adagrad", "resumed"])
+def test_step_counters_come_from_a_rank_that_holds_the_parameter(tmp_path, optimizer, restored):
+    """The counter was taken from the lowest rank holding the state: one holding none of the elements, whose
+    counter stays where it was (0 for Adagrad; 2 after a resume that went on to 4): Adam's bias correction of
+    the resumed run was silently wrong. The saved file is read with safetensors' own reader."""
+    from safetensors import safe_open
+
+    path = tmp_path / "ck.safetensors"
+    empty = run_ranks(_step_counters, 3, str(path), optimizer, restored)
+    assert any(empty), "no rank holds an empty parameter: the test proves nothing"
+    with safe_open(str(path), "pt") as f:
+        steps = {k: float(f.get_tensor(k)) for k in f.keys() if k.endswith(".step")}
+    assert steps and set(steps.values()) == {4.0 if restored else 2.0}, steps
