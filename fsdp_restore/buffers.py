@@ -15,14 +15,14 @@ import zlib
 import torch
 from torch import nn
 
-from .shards import _join, clean_name
+from .shards import _join, clean_name, ddp_prefix
 
 FINGERPRINT_MODULUS = 1_048_573  # a prime below 2**20: sums of squares over many ranks stay within int64
 
 
 def nonpersistent_buffers(model: nn.Module) -> list[tuple[str, nn.Module, str, torch.Tensor]]:
     """``(clean name, module, attribute, tensor)`` of every non-persistent buffer, each tensor once."""
-    top = "module." if isinstance(model, nn.parallel.DistributedDataParallel) else ""
+    top = ddp_prefix(model)
     seen: set[int] = set()
     out = []
     for mod_name, module in model.named_modules(remove_duplicate=False):

@@ -38,7 +38,8 @@ from torch import nn
 
 from .plan import OptimizerPlan, ReadItem, ReadPlan
 from .read import Checkpoint
-from .shards import _fsdp1_units, _join, clean_name, local_tensor, module_walk, named_parameters_of
+from .shards import (_fsdp1_units, _join, clean_name, ddp_prefix, local_tensor, module_walk,
+                     named_parameters_of)
 
 CHECK_CHUNK_BYTES = 16 * 1024 * 1024
 DIGEST_PRIME = 2**31 - 1  # modulus of the coverage digest: sums of world_size of them stay within int64
@@ -107,7 +108,7 @@ def model_storages(model: nn.Module) -> list[Storage]:
     """Every parameter's and persistent buffer's local memory, with its real elements by name."""
     from torch.distributed.fsdp._flat_param import FlatParameter
 
-    top = "module." if isinstance(model, nn.parallel.DistributedDataParallel) else ""
+    top = ddp_prefix(model)
     storages: list[Storage] = []
     # Memory already listed: FSDP1 flat shards (a few spans: use_orig_params views lie inside them) and
     # every tensor's first element (a tied tensor is the same memory under a second name).

@@ -30,7 +30,7 @@ from .errors import FsdpRestoreError
 from .flatten import unflatten
 from .read import Checkpoint
 from .readplan import ReadItem, ReadPlan
-from .shards import Piece, Target, _fsdp1_units, _is_dtensor, _join, clean_name, local_tensor
+from .shards import Piece, Target, _fsdp1_units, _is_dtensor, _join, clean_name, ddp_prefix, local_tensor
 from .stored import StoredOptimizer, is_tensor_node, node_shape, node_source, stored_optimizer
 
 # State fields that torch's optimizers keep shaped like their parameter (AdamW, Adam, SGD, Adagrad,
@@ -61,7 +61,7 @@ def live_groups(model: nn.Module, optimizer: torch.optim.Optimizer, targets: Seq
     parameter the model does not hold: nothing about the optimizer can be planned then."""
     from torch.distributed.fsdp._flat_param import FlatParameter
 
-    top = "module." if isinstance(model, nn.parallel.DistributedDataParallel) else ""
+    top = ddp_prefix(model)
     # Tied parameters: whichever name a wrapper reports first, use the canonical (first stored) one.
     name_of = {id(p): aliases.get(c, c) for n, p in model.named_parameters()
                for c in [clean_name(n.removeprefix(top))]}

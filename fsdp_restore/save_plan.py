@@ -35,7 +35,8 @@ from .errors import FsdpRestoreError
 from .flatten import flatten, iter_tensor_nodes
 from .format import META_SET_ID
 from .jobs import plan_jobs
-from .shards import Piece, Target, _fsdp1_units, _is_dtensor, _join, clean_name, local_targets, local_tensor
+from .shards import (Piece, Target, _fsdp1_units, _is_dtensor, _join, clean_name, ddp_prefix, local_targets,
+                     local_tensor)
 from .write import HeldInPieces, OutputFile, TensorJob, file_header, file_layout, stand_in
 
 from .optim_plan import live_groups
@@ -126,7 +127,7 @@ def state_dict_names(model: nn.Module) -> list[str]:
     modules that registered the original parameters."""
     from torch.distributed.fsdp._flat_param import FlatParameter
 
-    top = "module." if isinstance(model, nn.parallel.DistributedDataParallel) else ""
+    top = ddp_prefix(model)
     flat_params: dict[int, list[str]] = {}  # id(original module) -> its parameter names held by a flat param
     for _, handle in _fsdp1_units(model):
         flat = handle.flat_param
@@ -158,7 +159,7 @@ def state_dict_names(model: nn.Module) -> list[str]:
 def _replicas(model: nn.Module, targets: Sequence[Target], rank: int, world: int) -> dict[str, tuple[int, int]]:
     """``{target name: (replicas, this rank's replica index)}``: how many ranks hold the same pieces."""
     by_name: dict[str, torch.Tensor] = {}
-    top = "module." if isinstance(model, nn.parallel.DistributedDataParallel) else ""
+    top = ddp_prefix(model)
     for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
         by_name.setdefault(clean_name(name.removeprefix(top)), t)
     fsdp1: dict[str, tuple[int, int]] = {}

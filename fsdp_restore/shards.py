@@ -63,6 +63,16 @@ def clean_name(name: str) -> str:
     return name.removesuffix("_fsdp_wrapped_module").removesuffix("_orig_mod").rstrip(".")
 
 
+def ddp_prefix(model: nn.Module) -> str:
+    """What DDP puts before every name of ``model``'s (``module.``), with the ``_orig_mod.`` of any
+    ``torch.compile`` wrapped around the DDP (``torch.compile(DDP(m))``: ``_orig_mod.module.``); ``""`` when no
+    DDP is at the top. Removed before `clean_name`, so names match the unwrapped model's ``state_dict``."""
+    lead = ""
+    while type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        lead, model = lead + "_orig_mod.", model._orig_mod
+    return lead + "module." if isinstance(model, nn.parallel.DistributedDataParallel) else ""
+
+
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix and name else prefix or name
 
@@ -118,7 +128,7 @@ def local_targets(model: nn.Module) -> tuple[list[Target], dict[str, str]]:
     targets: list[Target] = []
     aliases: dict[str, str] = {}
     done: set[str] = set()
-    top = "module." if isinstance(model, nn.parallel.DistributedDataParallel) else ""
+    top = ddp_prefix(model)
 
     def clean(name: str) -> str:
         return clean_name(name.removeprefix(top))
