@@ -11,7 +11,8 @@ an FSDP2 ``Shard(0)`` block is one range, an FSDP1 flat-parameter segment one ra
 piece), a ``Shard(1)`` column block one item of rows at a stride. A piece that several ranks hold alike
 (DDP, plain modules, ``Replicate`` mesh dims, HSDP and FSDP1 hybrid replicas) is written by exactly one
 of them: a large piece is cut into one part per replica, a small one goes whole to one replica chosen by
-its name (so the work spreads). Optimizer state laid out like its parameter follows the parameter's
+its name (so the work spreads); a buffer, whose replicas may differ (BatchNorm statistics under DDP), is
+written whole by the first replica. Optimizer state laid out like its parameter follows the parameter's
 pieces; every other value (step counters, param-group tensors, ``extra``) is written by rank 0 (a step
 counter, where ranks hold state for different parameters, by the lowest rank holding elements of its parameter:
 one holding none never steps it, `merge_schemas`).
@@ -243,6 +244,10 @@ class _Shaped:
 
     pieces: list[tuple[torch.Tensor, Piece]]  # (local 1-D data, the piece it follows)
     replicas: tuple[int, int]
+    # a buffer: written whole by the first replica. Replicas of a parameter are equal (DDP all-reduces the
+    # gradients), but a buffer's may differ (BatchNorm's running statistics, from each rank's own batch): the
+    # file holds one rank's, rank 0's where it holds them, as a gather to rank 0 would, never a mix
+    first_replica_only: bool = False
 
 
 @dataclass
@@ -280,9 +285,9 @@ def build_write_plan(model: nn.Module, *, optimizer: torch.optim.Optimizer | Non
     sources: dict[int, _Shaped | _Whole] = {}  # stand-in data_ptr -> what this rank writes of it
 
     def shaped(shape: tuple[int, ...], dtype: torch.dtype, pieces: list[tuple[torch.Tensor, Piece]],
-               rep: tuple[int, int]) -> torch.Tensor:
+               rep: tuple[int, int], first_replica_only: bool = False) -> torch.Tensor:
         t = stand_in(held, shape, dtype, _never)
-        sources[t.data_ptr()] = _Shaped(pieces, rep)
+        sources[t.data_ptr()] = _Shaped(pieces, rep, first_replica_only)
         return t
 
     def whole(value: torch.Tensor | None, where: str, owner: int = 0, shape: tuple[int, ...] = (),
@@ -308,7 +313,8 @@ def build_write_plan(model: nn.Module, *, optimizer: torch.optim.Optimizer | Non
         if canonical not in model_stand_ins:
             target = by_name[canonical]
             model_stand_ins[canonical] = shaped(target.global_shape, target.dtype,
-                                                [(p.dest, p) for p in target.pieces], replicas[canonical])
+                                                [(p.dest, p) for p in target.pieces], replicas[canonical],
+                                                first_replica_only=target.kind == "buffer")
         state[name] = model_stand_ins[canonical]
 
     if weights_only:
@@ -359,8 +365,12 @@ def build_write_plan(model: nn.Module, *, optimizer: torch.optim.Optimizer | Non
                 plan.items.append(WriteItem(job.key, value.reshape(-1), 0, numel))
             continue
         for data, piece in kind.pieces:
-            for part, start, rows, stride in _my_part(job.key, data, piece.start, piece.rows, piece.stride,
-                                                      *kind.replicas):
+            if kind.first_replica_only:
+                parts = [(data, piece.start, piece.rows, piece.stride)] if kind.replicas[1] == 0 and data.numel() \
+                    else []
+            else:
+                parts = _my_part(job.key, data, piece.start, piece.rows, piece.stride, *kind.replicas)
+            for part, start, rows, stride in parts:
                 plan.items.append(WriteItem(job.key, part, start, numel, rows, stride))
     return plan
 

@@ -695,3 +695,33 @@ def test_a_compiled_ddp_model_saves_its_plain_names(tmp_path):
     saved = load_file(str(path))
     expected = build("mlp", seed=1).state_dict()
     assert sorted(saved) == sorted(expected) and all(torch.equal(saved[k], v) for k, v in expected.items())
+
+
+class _Normed(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 8)
+        self.bn = torch.nn.BatchNorm1d(8)
+        self.register_buffer("big", torch.zeros(2**20 + 3))  # over SPLIT_MIN_BYTES: replicas used to split it
+
+
+def _ddp_buffers(rank, world_size, path):
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(_Normed())
+    model.module.big.fill_(float(rank))  # each rank's own, as a forward leaves BatchNorm's statistics
+    model.module.bn(torch.randn(5, 8, generator=torch.Generator().manual_seed(rank)) * (rank + 1))
+    save_sharded(model, path)
+    return {k: v.clone() for k, v in model.module.state_dict().items()}
+
+
+def test_replicas_of_a_buffer_that_differ_are_saved_as_rank_0s(tmp_path):
+    """DDP ranks hold their own BatchNorm statistics after a forward: the save wrote running_mean from one rank
+    and running_var from another (writers chosen by name), a large buffer half from each. The file now holds
+    rank 0's buffers, as a gather to rank 0 would; read with safetensors' own reader."""
+    from safetensors.torch import load_file
+
+    path = tmp_path / "w.safetensors"
+    states = run_ranks(_ddp_buffers, 2, str(path))
+    assert not torch.equal(states[0]["bn.running_var"], states[1]["bn.running_var"])  # the ranks really differ
+    saved = load_file(str(path))
+    assert sorted(saved) == sorted(states[0]) and all(torch.equal(saved[k], v) for k, v in states[0].items())
