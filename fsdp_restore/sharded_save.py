@@ -282,7 +282,8 @@ def _open_temp(tmp: Path, plan: WritePlan, sharded: bool, rank: int) -> list[int
             except FileNotFoundError:
                 raise FsdpRestoreError(
                     f"rank {rank} does not see {path}, which rank 0 has just created: the ranks do not share one"
-                    f" filesystem at {tmp.parent} (a node-local disk?). Every rank writes its own bytes into the"
+                    f" filesystem at {tmp.parent} (a node-local disk?), or it was given another directory than rank"
+                    f" 0's. Every rank writes its own bytes into the"
                     " one file, so save to a path every rank sees (NFS, Lustre, GPFS, a cloud file store mounted"
                     " on every node)") from None
             fds.append(fd)
@@ -315,6 +316,8 @@ def _commit(dst: Path, tmp: Path, plan: WritePlan, sharded: bool, checksums: dic
 # ---- the verdicts ----------------------------------------------------------------------------------------------
 
 
+_DIFFERENT_DESTINATIONS = ("the ranks were given different destinations (a name computed on each rank, such as a"
+                           " time stamp?): give every rank the same path, one every rank sees; nothing was written")
 _DIFFERENT_HEADERS = ("the ranks computed different checkpoint headers (their models' shapes, dtypes, optimizer"
                       " state or param groups differ); nothing was written")
 
@@ -373,10 +376,12 @@ def _exchange(what: str, step: str) -> Iterator[None]:
 
 def _agree(problems: Any, what: str, group: dist.ProcessGroup | None,
            coverage: dict[str, tuple[int, int]] | None = None, header: str | None = None,
-           died_hint: str | None = None) -> None:
+           died_hint: str | None = None, destination: str | None = None) -> None:
+    same = [(header, _DIFFERENT_HEADERS)] if header is not None else []
+    if destination is not None:  # the file name: a directory may be mounted under other paths on other nodes
+        same.append((destination, _DIFFERENT_DESTINATIONS))
     try:
-        agree(problems, what, group, coverage=coverage,
-              same=[(header, _DIFFERENT_HEADERS)] if header is not None else [])
+        agree(problems, what, group, coverage=coverage, same=same)
     except RestoreError as e:
         raise _save_error(e, what, died_hint) from None
 
@@ -488,7 +493,8 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
                     if rank == 0:
                         created = True
                         _create_temp(dst, tmp, plan, size is not None)
-            _agree(problems, "save_sharded (plan)", group, coverage, header)
+            _agree(problems, "save_sharded (plan)", group, coverage, header,
+                   destination=Path(path).name if isinstance(path, (str, os.PathLike)) else None)
             assert plan is not None and tmp is not None
             timings["plan"] = time.perf_counter() - t0
             sharded = size is not None

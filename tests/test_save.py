@@ -725,3 +725,18 @@ def test_replicas_of_a_buffer_that_differ_are_saved_as_rank_0s(tmp_path):
     assert not torch.equal(states[0]["bn.running_var"], states[1]["bn.running_var"])  # the ranks really differ
     saved = load_file(str(path))
     assert sorted(saved) == sorted(states[0]) and all(torch.equal(saved[k], v) for k, v in states[0].items())
+
+
+def _own_name(rank, world_size, root):
+    model = wrap(build("mlp"), "fsdp2", world_size)
+    with pytest.raises(SaveError) as info:
+        save_sharded(model, os.path.join(root, f"ck{rank}.safetensors"))
+    return str(info.value)
+
+
+def test_ranks_given_different_destinations_are_refused(tmp_path):
+    """A path computed on each rank: one file was written, under rank 0's name, and rank 1 reported success for
+    a file that does not exist."""
+    texts = run_ranks(_own_name, 2, str(tmp_path))
+    assert texts[0] == texts[1] and "the ranks were given different destinations" in texts[0], texts
+    assert os.listdir(tmp_path) == []
