@@ -109,16 +109,18 @@ def tensor_sources(ckpt: Checkpoint, prefix: str, model_names: Iterable[str] = (
     (``safetensors.torch.save_model`` records ``{dropped: kept}`` in its metadata) resolve to the kept one."""
     found: dict[str, Source] = {}
     unreadable_as: dict[str, str] = {}  # stored name -> why
-    keys: dict[str, list[str]] = {}  # stored name -> the keys of the tensors found under it
+    key_of: dict[str, str] = {}  # stored name -> the key of an unreadable node (a readable one's is its Source's)
+    clashes: dict[str, list[str]] = {}  # stored name found twice -> the keys found under it
     lead = prefix + "." if prefix else ""
     for path, node in iter_tensor_nodes(ckpt.structure["root"]):
         if not path.startswith(lead):
             continue
         name = path[len(lead):]
-        keys.setdefault(name, []).append(node["key"])
+        if name in found or name in unreadable_as:
+            clashes.setdefault(name, [found[name].key if name in found else key_of[name]]).append(node["key"])
         src = node_source(ckpt, node)
         if src is None:
-            unreadable_as[name] = unreadable(node)
+            unreadable_as[name], key_of[name] = unreadable(node), node["key"]
         else:
             found[name] = src
     if not ckpt.has_structure:
@@ -127,16 +129,20 @@ def tensor_sources(ckpt: Checkpoint, prefix: str, model_names: Iterable[str] = (
             if dropped.startswith(lead) and kept.startswith(lead) and kept_name in found:
                 found.setdefault(name, found[kept_name])
     normal = normalize_names([*found, *unreadable_as], model_names)
-    by_normal: dict[str, list[str]] = {}
-    for stored in normal:
-        by_normal.setdefault(normal[stored], []).append(stored)
     problems = {normal[n]: why for n, why in unreadable_as.items()}
-    for name, stored in by_normal.items():
-        held = [key for n in stored for key in keys.get(n, [])]
-        if len(held) > 1 and len(set(held)) > 1:  # (one tensor under two names of a tied pair is not a clash)
+    clashing = {name: [n] for n, name in normal.items() if n in clashes}
+    if len(set(normal.values())) < len(normal):  # names that normalize alike ('_orig_mod.a' and 'a'): rare
+        by_normal: dict[str, list[str]] = {}
+        for stored, name in normal.items():
+            by_normal.setdefault(name, []).append(stored)
+        clashing.update({name: stored for name, stored in by_normal.items() if len(stored) > 1})
+    for name, stored in clashing.items():
+        held = sorted({key for n in stored
+                       for key in clashes.get(n, [found[n].key if n in found else key_of[n]])})
+        if len(held) > 1:  # (one tensor under two names of a tied pair is not a clash)
             names = f" (as {', '.join(repr(n) for n in stored)})" if len(stored) > 1 else ""
-            problems[name] = (f"{len(set(held))} of the checkpoint's tensors have this name{names}, stored as"
-                              f" {', '.join(repr(k) for k in sorted(set(held)))}")
+            problems[name] = (f"{len(held)} of the checkpoint's tensors have this name{names}, stored as"
+                              f" {', '.join(repr(k) for k in held)}")
     return {normal[n]: src for n, src in found.items() if normal[n] not in problems}, problems
 
 
