@@ -389,6 +389,14 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
         if tag is not None and Path(src).is_file():
             raise ValueError(f"tag='{tag}' (--tag) picks a tag of a DeepSpeed checkpoint directory; {src} is a file:"
                              " drop --tag")
+        for name, patterns in (("cast_include", cast_include), ("cast_exclude", cast_exclude)):
+            if patterns is not None and (isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns)):
+                raise TypeError(f"{name} must be a list of key patterns (strings), not {patterns!r}")
+        if on_unsupported not in ("error", "skip"):
+            raise ValueError(f"on_unsupported must be 'error' or 'skip', not {on_unsupported!r}")
+        size = parse_size(max_shard_size)  # a bad size: here, not after the source was read
+        if size is not None and size <= 0:
+            raise ValueError(f"max_shard_size must be positive, not {max_shard_size!r}")
         return thread_count_argument(thread_count, threads, stacklevel=5), cast_target(dtype)
 
     # alone, a bad argument raises as it is; with several ranks, as the same ConvertError on every rank

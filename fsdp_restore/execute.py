@@ -487,7 +487,7 @@ def execute_reads(ckpt: Checkpoint, items: Sequence[ReadItem], threads: int = DE
         raise ValueError("the cast into the model's dtype made finite values infinite or NaN (beyond that dtype's"
                          " range) in " + ", ".join(f"'{k}' ({overflowed[k]} values)" for k in keys[:20])
                          + (f", ... ({len(keys) - 20} more)" if len(keys) > 20 else "")
-                         + ": restore into a model of a wider dtype (bf16 has fp32's range), or bring those values"
-                           " into range before casting")
+                         + ": restore into a model whose dtype's range holds them (fp16 tops out at 65504; bf16"
+                           " holds fp32's range), or bring those values into range before casting")
     for item in items:  # reached only when every chunk was read (a failed read raised above)
         item.done = True

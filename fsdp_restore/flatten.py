@@ -39,6 +39,7 @@ class _TensorRef:
     tensor: torch.Tensor
     path: str
     node: dict[str, Any]
+    identity: int | None = None  # an ndarray's id(): the same array object twice is stored once
 
 
 def flatten(obj: Any, *, on_unsupported: Literal["error", "skip"] = "error") -> tuple[dict[str, torch.Tensor], Structure]:
@@ -67,8 +68,12 @@ class _Flattener:
         self.used_keys: set[str] = {"__metadata__"}
         self.skipped: list[str] = []
 
-    def key_for(self, path: str) -> str:
-        """A unique readable key for ``path`` (collisions such as {'a.b': x, 'a': {'b': y}} get ``~N``)."""
+    def key_for(self, path: str, obj: object = None) -> str:
+        """A unique readable key for ``path`` (collisions such as {'a.b': x, 'a': {'b': y}} get ``~N``). A stored
+        name must be valid Unicode (the structure's JSON escapes any string; the safetensors header's names are
+        UTF-8): `UnsupportedObjectError` naming the path where it is not."""
+        if not _utf8(path):
+            raise UnsupportedObjectError(path, obj, f"its name is {_NOT_UTF8}", skippable=False)
         key, n = path or "_", 1
         while key in self.used_keys:
             n += 1
@@ -83,8 +88,6 @@ class _Flattener:
             raise UnsupportedObjectError(path, obj, f"nested deeper than {MAX_DEPTH} levels, which readers refuse;"
                                          " flatten that part (e.g. a list of its items) before saving")
         down = depth + 1
-        if t is str and not _utf8(obj):
-            return self.unsupported(obj, path, _NOT_UTF8)
         if obj is None or t is str or t is bool:
             return obj
         if t is int:
@@ -139,8 +142,6 @@ class _Flattener:
         if not _storable_key(key):
             raise UnsupportedObjectError(path, key, "dict keys must be str, int, float, bool, None, torch.dtype"
                                          " or tuples of those", skippable=False)
-        if type(key) is str and not _utf8(key):
-            raise UnsupportedObjectError(path, key, f"a dict key that is {_NOT_UTF8}", skippable=False)
         return self.encode(key, path, depth)
 
     def encode_tensor(self, tensor: torch.Tensor, path: str) -> Any:
@@ -180,7 +181,7 @@ class _Flattener:
         if tensor.dtype not in DTYPE_TO_NAME:
             return self.unsupported(array, path, f"numpy dtype {array.dtype} has no safetensors equivalent")
         node = {"type": "ndarray", "dtype": array.dtype.str}
-        self.refs.append(_TensorRef(tensor, path, node))
+        self.refs.append(_TensorRef(tensor, path, node, id(array)))
         return node
 
     def assign_storage(self) -> dict[str, torch.Tensor]:
@@ -190,8 +191,8 @@ class _Flattener:
             t = ref.tensor
             # empty tensors may all report data_ptr 0: never group them; nor arrays (and bytes), which torch.save
             # pickles by value: an array sharing a tensor's memory is its own copy after torch.load, uncast
-            if t.numel() == 0 or ref.node["type"] != "tensor":
-                groups[("own", id(ref))] = [ref]
+            if t.numel() == 0 or ref.node["type"] != "tensor":  # (the same array object twice: one group)
+                groups.setdefault(("own", ref.identity if ref.identity is not None else id(ref)), []).append(ref)
             else:
                 groups.setdefault((str(t.device), t.untyped_storage().data_ptr()), []).append(ref)
         tensors: dict[str, torch.Tensor] = {}
@@ -202,10 +203,10 @@ class _Flattener:
                     warnings.warn("tensors at " + ", ".join(r.path for r in refs) + " share storage but none of"
                                   " them covers the others; storing them as separate tensors", stacklevel=3)
                 for ref in refs:
-                    ref.node["key"] = key = self.key_for(ref.path)
+                    ref.node["key"] = key = self.key_for(ref.path, ref.tensor)
                     tensors[key] = ref.tensor
                 continue
-            base_key = self.key_for(base.path)
+            base_key = self.key_for(base.path, base.tensor)
             tensors[base_key] = base.tensor
             for ref in refs:
                 ref.node["key"] = base_key
@@ -224,8 +225,9 @@ def _odd_nan(x: float) -> bool:
     """A NaN whose bits are not ``float('nan')``'s."""
     return x != x and _F64.pack(x) != _NAN_BITS
 
-_NOT_UTF8 = ("not valid Unicode (a lone surrogate, as a file name decoded with surrogateescape gives), which JSON"
-             " cannot hold: rename it (e.g. s.encode('utf-8', 'surrogateescape').decode('utf-8', 'replace'))")
+_NOT_UTF8 = ("not valid Unicode (a lone surrogate, as a file name decoded with surrogateescape gives), which a"
+             " safetensors header cannot hold: rename the entry (e.g. name.encode('utf-8', 'surrogateescape')"
+             ".decode('utf-8', 'replace'))")
 
 
 def _utf8(text: str) -> bool:
@@ -287,11 +289,11 @@ def unflatten(tensors: Mapping[str, torch.Tensor], structure: Structure) -> Any:
     if not isinstance(structure, dict) or structure.get("version") != STRUCTURE_VERSION or "root" not in structure:
         raise FormatError("<structure>", f"unsupported structure (expected version {STRUCTURE_VERSION}"
                           f" with a 'root'), got keys {sorted(structure)[:5] if isinstance(structure, dict) else type(structure).__name__}")
-    cache: dict[Any, torch.Tensor] = {}  # per key, and per ("requires_grad", key)
+    cache: dict[Any, Any] = {}  # per key; per ("requires_grad", key) and ("ndarray", key): one object each
     return _decode(structure["root"], tensors, cache, "")
 
 
-def _decode(node: Any, tensors: Mapping[str, torch.Tensor], cache: dict[Any, torch.Tensor], path: str) -> Any:
+def _decode(node: Any, tensors: Mapping[str, torch.Tensor], cache: dict[Any, Any], path: str) -> Any:
     if node is None or isinstance(node, (str, bool, int)) and not isinstance(node, float):
         return node
     if not isinstance(node, dict) or not isinstance(node.get("type"), str):
@@ -333,12 +335,15 @@ def _decode(node: Any, tensors: Mapping[str, torch.Tensor], cache: dict[Any, tor
             if grad_key not in cache:
                 cache[grad_key] = t.detach().requires_grad_(True)
             return cache[grad_key]
-        if kind == "ndarray":
-            array = _lookup(node, tensors, cache, path).numpy()
-            dtype = np.dtype(node["dtype"])
-            if dtype.kind not in "biufc":
-                raise ValueError(f"ndarray dtype {dtype} is not numeric")
-            return array if array.dtype == dtype else array.astype(dtype)
+        if kind == "ndarray":  # one object per key, as torch.load gives the same array object twice
+            array_key = ("ndarray", node["key"])
+            if array_key not in cache:
+                array = _lookup(node, tensors, cache, path).numpy()
+                dtype = np.dtype(node["dtype"])
+                if dtype.kind not in "biufc":
+                    raise ValueError(f"ndarray dtype {dtype} is not numeric")
+                cache[array_key] = array if array.dtype == dtype else array.astype(dtype)
+            return cache[array_key]
         if kind in ("bytes", "bytearray"):
             data = _lookup(node, tensors, cache, path).numpy().tobytes()
             return data if kind == "bytes" else bytearray(data)
@@ -368,7 +373,7 @@ def _decode(node: Any, tensors: Mapping[str, torch.Tensor], cache: dict[Any, tor
     raise FormatError("<structure>", f"at '{path}': unknown node type {kind!r}")
 
 
-def _lookup(node: dict[str, Any], tensors: Mapping[str, torch.Tensor], cache: dict[Any, torch.Tensor], path: str
+def _lookup(node: dict[str, Any], tensors: Mapping[str, torch.Tensor], cache: dict[Any, Any], path: str
             ) -> torch.Tensor:
     key = node["key"]
     if key not in cache:

@@ -73,7 +73,7 @@ def _plan_weights(plan: ReadPlan, targets: Sequence[Target], aliases: dict[str, 
     report = plan.model_report
     assert report is not None
     sources, unsupported = tensor_sources(ckpt, prefix, [t.name for t in targets])
-    if not sources and prefix:
+    if not sources and not unsupported and prefix:
         tops = sorted({key.split(".", 1)[0] for key in ckpt.entries})
         plan.add_problem("error", f"the checkpoint has no tensors under prefix '{prefix}' (its top-level names:"
                                   f" {', '.join(tops[:10])}{', ...' if len(tops) > 10 else ''}); pass the subtree"

@@ -84,11 +84,11 @@ def node_shape(ckpt: Checkpoint, node: Mapping[str, Any]) -> tuple[int, ...]:
 def normalize_names(names: Iterable[str], model_names: Iterable[str] = ()) -> dict[str, str]:
     """``{stored name: normalized name}``: wrapper infixes dropped, and DDP's ``module.`` when every stored
     name starts with it and not every model name does (a model may have a submodule called ``module``)."""
-    names = list(names)
+    cleaned = {n: clean_name(n) for n in names}  # first: torch.compile(DDP(m)) saves '_orig_mod.module.x'
     model_names = list(model_names)
-    strip = (bool(names) and all(n.startswith(_DDP_PREFIX) for n in names)
+    strip = (bool(cleaned) and all(c.startswith(_DDP_PREFIX) for c in cleaned.values())
              and not (model_names and all(n.startswith(_DDP_PREFIX) for n in model_names)))
-    return {n: clean_name(n.removeprefix(_DDP_PREFIX) if strip else n) for n in names}
+    return {n: c.removeprefix(_DDP_PREFIX) if strip else c for n, c in cleaned.items()}
 
 
 def default_prefix(ckpt: Checkpoint) -> str:
@@ -109,20 +109,30 @@ def tensor_sources(ckpt: Checkpoint, prefix: str, model_names: Iterable[str] = (
     (``safetensors.torch.save_model`` records ``{dropped: kept}`` in its metadata) resolve to the kept one."""
     found: dict[str, Source] = {}
     unreadable_as: dict[str, str] = {}  # stored name -> why
-    key_of: dict[str, str] = {}  # stored name -> the key of an unreadable node (a readable one's is its Source's)
-    clashes: dict[str, list[str]] = {}  # stored name found twice -> the keys found under it
+    other: dict[str, tuple] = {}  # stored name -> what an unreadable node reads (a readable one's: its Source)
+    clashes: dict[str, list[tuple]] = {}  # stored name found twice -> what each of them reads
     lead = prefix + "." if prefix else ""
+
+    def reads(name: str) -> tuple:  # two nodes are one tensor only where they read the same elements
+        if name in found:
+            return found[name].key, found[name].start, found[name].shape
+        return other[name]
+
     for path, node in iter_tensor_nodes(ckpt.structure["root"]):
         if not path.startswith(lead):
             continue
         name = path[len(lead):]
-        if name in found or name in unreadable_as:
-            clashes.setdefault(name, [found[name].key if name in found else key_of[name]]).append(node["key"])
+        previous = reads(name) if name in found or name in unreadable_as else None
         src = node_source(ckpt, node)
         if src is None:
-            unreadable_as[name], key_of[name] = unreadable(node), node["key"]
+            unreadable_as[name] = unreadable(node)
+            other[name] = (node["key"], repr(node.get("view")), bool(node.get("conj")), bool(node.get("neg")))
+            found.pop(name, None)
         else:
             found[name] = src
+            unreadable_as.pop(name, None)
+        if previous is not None:
+            clashes.setdefault(name, [previous]).append(reads(name))
     if not ckpt.has_structure:
         for dropped, kept in ckpt.tied_aliases().items():
             name, kept_name = dropped[len(lead):], kept[len(lead):]
@@ -137,12 +147,12 @@ def tensor_sources(ckpt: Checkpoint, prefix: str, model_names: Iterable[str] = (
             by_normal.setdefault(name, []).append(stored)
         clashing.update({name: stored for name, stored in by_normal.items() if len(stored) > 1})
     for name, stored in clashing.items():
-        held = sorted({key for n in stored
-                       for key in clashes.get(n, [found[n].key if n in found else key_of[n]])})
+        held = {r for n in stored for r in clashes.get(n, [reads(n)])}
         if len(held) > 1:  # (one tensor under two names of a tied pair is not a clash)
             names = f" (as {', '.join(repr(n) for n in stored)})" if len(stored) > 1 else ""
+            keys = sorted({str(r[0]) for r in held})
             problems[name] = (f"{len(held)} of the checkpoint's tensors have this name{names}, stored as"
-                              f" {', '.join(repr(k) for k in held)}")
+                              f" {', '.join(repr(k) for k in keys)}")
     return {normal[n]: src for n, src in found.items() if normal[n] not in problems}, problems
 
 

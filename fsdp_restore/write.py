@@ -385,11 +385,15 @@ def _copy_piece(piece: _Piece, buffer: torch.Tensor) -> int:
 
 def cast_overflow(source: Callable[[], torch.Tensor], out: torch.Tensor) -> int:
     """How many finite values of ``source()`` (called only when needed) the cast into ``out`` made inf or NaN.
-    A sum is non-finite where any element is: one cheap pass (isfinite() is several times the cast itself); a sum
-    that overflows only sends the piece to the exact count."""
-    if out.dtype.itemsize == 1:  # float8: torch neither sums these nor asks isfinite of all of them
+    The smallest and largest values are finite only where every value is: one cheap pass (isfinite() is several
+    times the cast itself; a sum accumulated in fp32 as slow, one in fp16 passes 65504); the exact count only
+    where they are not."""
+    if out.numel() == 0:
+        return 0
+    if out.dtype.itemsize == 1:  # float8: torch asks neither aminmax nor isfinite of these
         out = out.float()
-    if bool(torch.isfinite(out.sum()).all()):
+    low, high = torch.aminmax(out)  # NaN propagates; no sum that could itself pass fp16's 65504
+    if bool(torch.isfinite(low)) and bool(torch.isfinite(high)):
         return 0
     flat = source().reshape(-1)
     return int((torch.isfinite(flat) & ~torch.isfinite(out.reshape(-1))).sum())
@@ -402,16 +406,20 @@ def narrowing(source: torch.dtype, target: torch.dtype) -> bool:
             and torch.finfo(target).max < torch.finfo(source).max)
 
 
-def overflow_error(overflowed: dict[str, int], target: torch.dtype) -> ConvertError:
+def overflow_error(overflowed: dict[str, int], jobs: Sequence[TensorJob]) -> ConvertError:
     """The error for casts that made finite values of these keys inf or NaN, listing every one and the fix."""
     keys = sorted(overflowed)
+    by_key = {j.key: j for j in jobs}
+    target = by_key[keys[0]].dtype
     listed = ", ".join(f"{k} ({overflowed[k]} values)" for k in keys[:20]) + (
         f", ... ({len(keys) - 20} more)" if len(keys) > 20 else "")
-    name = str(target).removeprefix("torch.")
-    return ConvertError(f"the cast to {name} would make finite values infinite or NaN (beyond its range,"
-                        f" +-{torch.finfo(target).max:g}) in {len(keys)} tensor(s): {listed}; nothing was written."
-                        f" Keep them in their dtype (cast_exclude=[{', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}]),"
-                        " or cast to bf16, whose range is fp32's")
+    wider = (" or cast to bf16, which holds fp32's range;" if target == torch.float16 and all(
+        by_key[k].source.dtype in (torch.float32, torch.bfloat16) for k in keys) else "")
+    shown = [k for k in keys[:3]] + (["..."] if len(keys) > 3 else [])
+    return ConvertError(f"the cast to {str(target).removeprefix('torch.')} would make finite values infinite or NaN"
+                        f" (beyond its range, +-{torch.finfo(target).max:g}) in {len(keys)} tensor(s): {listed};"
+                        f" nothing was written. Keep them in their dtype (convert: cast_exclude={shown!r});{wider}"
+                        " or bring those values into range first")
 
 
 def _write_block(block: _Block, progress: ProgressFn | None) -> None:
@@ -534,14 +542,18 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
             with ThreadPoolExecutor(max_workers=threads or default_io_threads()) as pool:
                 for f in [pool.submit(_write_block, block, progress) for block in blocks]:
                     f.result()
-            overflowed = {key: n for w in writers for key, n in w.overflowed.items()}
-            if overflowed:  # every offender at once, before the output is put in place
-                raise overflow_error(overflowed, next(j.dtype for j in jobs if j.key in overflowed))
             if one.world > 1:  # on the device before rank 0 commits (a single process fsyncs in `finish`)
                 for w in writers:
                     os.fsync(w.fd)
 
         one.step("write", write_blocks)
+        # casts that overflowed: every offender at once, from every rank's blocks, before the output is in place
+        overflowed: dict[str, int] = {}
+        for found in one.gather({k: n for w in writers for k, n in w.overflowed.items()}, "the casts' check"):
+            for key, n in found.items():
+                overflowed[key] = overflowed.get(key, 0) + n
+        if overflowed:
+            raise overflow_error(overflowed, jobs)
         # the other ranks' crc32 pieces (and header pages), for rank 0's `finish`
         others = one.gather([w.segments() for w in writers], "checksums")[1:] if one.world > 1 else []
         result = WriteResult(paths=[], nbytes=sum(j.nbytes for j in jobs))

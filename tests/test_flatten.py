@@ -302,23 +302,28 @@ def test_flags_must_be_booleans():
         validate_structure(structure, "f.safetensors", {"t": None})
 
 
-def test_a_string_that_is_not_valid_unicode_is_refused_naming_it(tmp_path):
-    """A lone surrogate (a file name decoded with surrogateescape) crashed the header's JSON with a bare
-    UnicodeEncodeError; as a key or a value it is now refused naming where, printable; a value can be skipped."""
+def test_a_tensor_named_with_a_string_that_is_not_valid_unicode_is_refused_naming_it(tmp_path):
+    """A lone surrogate (a file name decoded with surrogateescape) in a tensor's name crashed convert with a bare
+    UnicodeEncodeError (a safetensors header's names are UTF-8): refused now naming where, printable, with the
+    fix, wherever the name comes from (a dict key, a Namespace attribute). Strings elsewhere (values, keys of
+    other values, inside a tuple key) are escaped in the structure's JSON and come back as torch.load gives them."""
+    import argparse
+
     import fsdp_restore
     from fsdp_restore.cli import main
 
-    torch.save({"img_\udcff.png": torch.ones(2)}, tmp_path / "key.pt")
-    with pytest.raises(UnsupportedObjectError, match=r"at 'img_\\udcff\.png': a dict key that is not valid Unicode") as info:
-        fsdp_restore.convert(tmp_path / "key.pt", tmp_path / "key.safetensors")
-    assert "on_unsupported" not in str(info.value)  # a key cannot be dropped alone
-    assert main(["convert", str(tmp_path / "key.pt"), str(tmp_path / "k2.safetensors")]) == 1
-    obj = {"files": ["ok.png", "bad_\udcff.png"], "w": torch.ones(1)}
-    with pytest.raises(UnsupportedObjectError, match=r"at 'files\.1': not valid Unicode.*on_unsupported='skip'"):
-        flatten(obj)
-    with pytest.warns(UserWarning, match=r"files\.1"):
-        tensors, structure = flatten(obj, on_unsupported="skip")
-    assert unflatten(tensors, json.loads(json.dumps(structure)))["files"] == ["ok.png", None]
+    for name, obj in [("key", {"img_\udcff.png": torch.ones(2)}),
+                      ("ns", {"args": argparse.Namespace(**{"ckpt_\udcff": torch.ones(2)})})]:
+        torch.save(obj, tmp_path / f"{name}.pt")
+        with pytest.raises(UnsupportedObjectError, match=r"\\udcff.*its name is not valid Unicode") as info:
+            fsdp_restore.convert(tmp_path / f"{name}.pt", tmp_path / f"{name}.safetensors")
+        assert "on_unsupported" not in str(info.value)  # a name cannot be dropped alone
+        assert main(["convert", str(tmp_path / f"{name}.pt"), str(tmp_path / f"{name}2.safetensors")]) == 1
+    fine = {"files": ["ok.png", "bad_\udcff.png"], ("a\udcff", "b"): 1, "k\udcff": "v", "w": torch.ones(1)}
+    torch.save(fine, tmp_path / "fine.pt")
+    fsdp_restore.convert(tmp_path / "fine.pt", tmp_path / "fine.safetensors")
+    back, expected = fsdp_restore.load(tmp_path / "fine.safetensors"), torch.load(tmp_path / "fine.pt")
+    assert list(back) == list(expected) and back["files"] == expected["files"] and back["k\udcff"] == "v"
 
 
 def test_an_unsupported_tensor_names_both_the_problem_and_the_skip():
@@ -334,7 +339,7 @@ def test_an_array_sharing_a_tensors_memory_is_its_own_value(tmp_path):
 
     t = torch.tensor([1.1, 2.2, 3.3], requires_grad=True)
     base = np.arange(6.0)
-    obj = {"w": t, "arr": t.detach().numpy(), "x": base, "y": base[2:]}
+    obj = {"w": t, "arr": t.detach().numpy(), "x": base, "y": base[2:], "x2": base}
     torch.save(obj, tmp_path / "src.pt")
     expected = torch.load(tmp_path / "src.pt", weights_only=False)
     for dtype in (None, torch.float16, torch.bfloat16):
@@ -343,6 +348,7 @@ def test_an_array_sharing_a_tensors_memory_is_its_own_value(tmp_path):
         for key in ("arr", "x", "y"):
             assert back[key].dtype == expected[key].dtype and back[key].tobytes() == expected[key].tobytes(), key
         assert np.shares_memory(back["x"], back["y"]) == np.shares_memory(expected["x"], expected["y"])
+        assert back["x"] is back["x2"] and expected["x"] is expected["x2"]  # one object, stored once
         assert back["w"].requires_grad and back["w"].dtype == (dtype or torch.float32)
 
 

@@ -222,21 +222,25 @@ def test_ranks_given_different_options_are_refused(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["src.pt"]
 
 
-def _bad_thread_count_on_rank_1(rank: int, world_size: int, src: str, dst: str) -> str:
+def _bad_argument_on_rank_1(rank: int, world_size: int, src: str, dst: str, bad: dict) -> str:
     import torch.distributed as dist
 
     with pytest.raises(ConvertError) as info:
-        fsdp_restore.convert(src, dst, process_group=dist.group.WORLD, thread_count=0 if rank else None)
+        fsdp_restore.convert(src, dst, process_group=dist.group.WORLD, **(bad if rank else {}))
     return str(info.value)
 
 
-def test_a_bad_argument_on_one_rank_is_the_same_error_everywhere(tmp_path):
-    """Rank 1 raised its ValueError at the door and left; rank 0 went on to read the source and waited for it."""
+@pytest.mark.parametrize("bad,expected", [({"thread_count": 0}, "thread_count must be a positive int, not 0"),
+                                          ({"max_shard_size": "lots"}, "cannot parse size 'lots'")],
+                         ids=["thread_count", "max_shard_size"])
+def test_a_bad_argument_on_one_rank_is_the_same_error_everywhere(tmp_path, bad, expected):
+    """Rank 1 raised its ValueError at the door (or, for a size, once it had read the source) and left; rank 0
+    waited for it in the next exchange until the process group's timeout."""
     src = tmp_path / "src.pt"
     _source(str(src))
-    texts = run_ranks(_bad_thread_count_on_rank_1, 2, str(src), str(tmp_path / "out.safetensors"), pg_timeout=60)
+    texts = run_ranks(_bad_argument_on_rank_1, 2, str(src), str(tmp_path / "out.safetensors"), bad, pg_timeout=60)
     assert texts[0] == texts[1] and "(check the arguments) failed on rank(s) 1 of 2" in texts[0], texts
-    assert "thread_count must be a positive int, not 0" in texts[0], texts
+    assert expected in texts[0], texts
     assert sorted(os.listdir(tmp_path)) == ["src.pt"]
 
 
@@ -329,3 +333,25 @@ def test_a_rank_dying_between_steps_is_a_convert_error_saying_where_the_output_i
     else:
         assert "the output is in place and whole" in text and fsdp_restore.verify(dst, against=src).ok
     assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
+
+
+def _overflowing_casts(rank: int, world_size: int, src: str, dst: str) -> str:
+    import torch.distributed as dist
+
+    import fsdp_restore.write as write
+
+    write.BLOCK_BYTES = 8192  # 'a' and 'b' in blocks of different ranks
+    with pytest.raises(ConvertError) as info:
+        fsdp_restore.convert(src, dst, process_group=dist.group.WORLD, dtype="fp16")
+    return str(info.value)
+
+
+def test_casts_that_overflow_on_several_ranks_are_all_named_on_every_rank(tmp_path):
+    """Each rank knows only the blocks it wrote: the error named the first failing rank's tensors only, and
+    following its cast_exclude advice failed again on the next."""
+    a, b = torch.zeros(4096), torch.zeros(4096)
+    a[0], b[100] = 1e6, -1e6
+    torch.save({"a": a, "b": b}, tmp_path / "x.pt")
+    texts = run_ranks(_overflowing_casts, 2, str(tmp_path / "x.pt"), str(tmp_path / "out.safetensors"))
+    assert texts[0] == texts[1] and "a (1 values), b (1 values)" in texts[0] and "['a', 'b']" in texts[0], texts
+    assert sorted(os.listdir(tmp_path)) == ["x.pt"]

@@ -82,9 +82,13 @@ def test_a_transposed_view_is_one_clear_refusal_with_its_fix(tmp_path):
     assert report.unexpected == ["b"] and torch.equal(only_a.a.detach(), base)
 
 
+_BASE = torch.arange(4.0)
+
+
 @pytest.mark.parametrize("saved", [{"a.b": torch.full((2,), 1.0), "a": {"b": torch.full((2,), 2.0)}},
-                                   {"_orig_mod.a.b": torch.full((2,), 1.0), "a.b": torch.full((2,), 2.0)}],
-                         ids=["dotted-beside-nested", "compiled-beside-plain"])
+                                   {"_orig_mod.a.b": torch.full((2,), 1.0), "a.b": torch.full((2,), 2.0)},
+                                   {"full": _BASE, "a.b": _BASE[:2], "a": {"b": _BASE[2:]}}],
+                         ids=["dotted-beside-nested", "compiled-beside-plain", "two-views-of-one-tensor"])
 def test_two_tensors_under_one_name_are_refused_not_picked(tmp_path, saved):
     """{"a.b": x, "a": {"b": y}} restored y into a.b silently (the last one found won)."""
     torch.save(saved, tmp_path / "two.pt")
@@ -97,4 +101,17 @@ def test_two_tensors_under_one_name_are_refused_not_picked(tmp_path, saved):
     assert "rename one in the source" in str(info.value) and torch.equal(model.a.b.detach(), torch.zeros(2))
     with fsdp_restore.open_checkpoint(tmp_path / "two.safetensors") as ckpt:
         found, problems = tensor_sources(ckpt, "", ["a.b"])
-    assert not found and set(problems) == {"a.b"}
+    assert "a.b" not in found and set(problems) == {"a.b"}
+
+
+def test_a_checkpoint_of_a_compiled_ddp_model_restores_into_the_plain_model(tmp_path):
+    """torch.compile(DDP(m)).state_dict() names are '_orig_mod.module.x': 'module.' was stripped only where it
+    stood first, before the compile prefix was dropped, so every name was missing."""
+    from models import build
+
+    state = {f"_orig_mod.module.{k}": v for k, v in build("mlp", seed=3).state_dict().items()}
+    assert normalize_names(list(state), ["inp.weight"])["_orig_mod.module.inp.weight"] == "inp.weight"
+    save(state, tmp_path / "c.safetensors")
+    model = build("mlp", seed=4)
+    fsdp_restore.restore_model(model, tmp_path / "c.safetensors")
+    assert all(torch.equal(v, state[f"_orig_mod.module.{k}"]) for k, v in model.state_dict().items())
