@@ -13,10 +13,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .execute import DEFAULT_READ_THREADS, execute_reads
+from .execute import DEFAULT_READ_THREADS, execute_reads, overflow_message
 from .plan import ReadItem, Source, tensor_sources
 from .read import Checkpoint
 from .shards import _fsdp1_units, _join, clean_name
+from .write import cast_overflow, narrowing
 
 
 def _full_tensor(ckpt: Checkpoint, src: Source) -> torch.Tensor:
@@ -42,13 +43,21 @@ def execute_by_apply(model: nn.Module, ckpt: Checkpoint, items: Sequence[ReadIte
             if name in sources:
                 per_module.setdefault(id(info.module), []).append((info.param_name, name))
 
+    overflowed: dict[str, int] = {}
+
     def copy_full(module: nn.Module) -> None:
         # Runs inside FSDP.apply: this module's unit is summoned, so the attributes are unsharded views.
         for attr, name in per_module.get(id(module), []):
-            getattr(module, attr).copy_(_full_tensor(ckpt, sources[name]))
+            dest, full = getattr(module, attr), _full_tensor(ckpt, sources[name])
+            dest.copy_(full)
+            if dest.dtype != full.dtype and narrowing(full.dtype, dest.dtype):
+                if n := cast_overflow(lambda: full, dest):
+                    overflowed[sources[name].key] = n
 
     with torch.no_grad():
         model.apply(copy_full)
+    if overflowed:
+        raise ValueError(overflow_message(overflowed))
     rest = [item for item in items if item.name not in fsdp1_names]
     execute_reads(ckpt, rest, threads)
     for item in items:

@@ -400,6 +400,16 @@ def grouped(chunks: Sequence[Chunk], ckpt: Checkpoint, chunk_bytes: int | None =
     return groups
 
 
+def overflow_message(overflowed: dict[str, int]) -> str:
+    """A restore's casts into the model's dtype that made finite values of these stored keys inf or NaN."""
+    keys = sorted(overflowed)
+    return ("the cast into the model's dtype made finite values infinite or NaN (beyond that dtype's range) in "
+            + ", ".join(f"'{k}' ({overflowed[k]} values)" for k in keys[:20])
+            + (f", ... ({len(keys) - 20} more)" if len(keys) > 20 else "")
+            + ": restore into a model whose dtype's range holds them (fp16 tops out at 65504; bf16 holds fp32's"
+              " range), or bring those values into range before casting")
+
+
 def execute_reads(ckpt: Checkpoint, items: Sequence[ReadItem], threads: int = DEFAULT_READ_THREADS, *,
                   before: Callable[[list[torch.Tensor]], None] | None = None,
                   after: Callable[[list[torch.Tensor]], None] | None = None, poison_staging: bool = False,
@@ -483,11 +493,6 @@ def execute_reads(ckpt: Checkpoint, items: Sequence[ReadItem], threads: int = DE
         for key, n in w.overflowed.items():
             overflowed[key] = overflowed.get(key, 0) + n
     if overflowed:  # every element was written, but not with a value of the checkpoint's
-        keys = sorted(overflowed)
-        raise ValueError("the cast into the model's dtype made finite values infinite or NaN (beyond that dtype's"
-                         " range) in " + ", ".join(f"'{k}' ({overflowed[k]} values)" for k in keys[:20])
-                         + (f", ... ({len(keys) - 20} more)" if len(keys) > 20 else "")
-                         + ": restore into a model whose dtype's range holds them (fp16 tops out at 65504; bf16"
-                           " holds fp32's range), or bring those values into range before casting")
+        raise ValueError(overflow_message(overflowed))
     for item in items:  # reached only when every chunk was read (a failed read raised above)
         item.done = True

@@ -305,6 +305,22 @@ def test_a_cast_into_the_model_beyond_its_range_fails_naming_every_tensor(tmp_pa
     assert torch.equal(model.blocks[0].bias.detach(), state["blocks.0.bias"].half())
 
 
+def _apply_route_overflow(rank, world_size, path):
+    model = wrap(build("mlp").half(), "fsdp1-FULL_SHARD-flat", world_size)
+    with pytest.raises(RestoreError) as info:
+        restore_model(model, path, method="apply")
+    return str(info.value)
+
+
+def test_the_apply_route_screens_its_casts_too(tmp_path):
+    state = build("mlp").state_dict()
+    state["inp.weight"][0, 0] = 7e4
+    torch.save({"model": state}, tmp_path / "m.pt")
+    fsdp_restore.convert(tmp_path / "m.pt", tmp_path / "m.safetensors")
+    texts = run_ranks(_apply_route_overflow, 2, tmp_path / "m.safetensors")
+    assert texts[0] == texts[1] and "'model.inp.weight' (1 values)" in texts[0], texts
+
+
 def test_a_prefix_with_no_tensors_is_one_problem_naming_the_top_level(tmp_path):
     error = _refused_restore(tmp_path, {"model": build("mlp").state_dict(), "step": 3}, model_prefix="modle")
     msg = str(error)
