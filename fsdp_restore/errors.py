@@ -33,7 +33,8 @@ class UnsupportedObjectError(FsdpRestoreError):
         msg += f": {hint}" if hint else (
             "; convert it to a supported type (tensor, ndarray, dict, list, tuple, str, number, None)")
         if skippable:  # (a dict key cannot be dropped alone)
-            msg += ("; or" if hint else " or") + " pass on_unsupported='skip' (CLI: on_unsupported=skip) to drop it with a warning"
+            msg += ("; or" if hint else " or") + (" pass on_unsupported='skip' (CLI: on_unsupported=skip) to drop it"
+                                                  " with a warning")
         super().__init__(msg)
 
 

@@ -431,8 +431,9 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
 
     Works for FSDP2 (any DTensor layout: Shard(0), TP column blocks, 2-D meshes, HSDP), FSDP1
     (``use_orig_params`` either way, hybrid sharding), DDP and plain modules; a byte held by several ranks is
-    written by one of them (a buffer by rank 0's replica: DDP ranks' BatchNorm statistics differ). The header is computed on every rank and agreed, and the ranks' writes are proven
-    to cover every element exactly once before a byte is written; the file is written under a temporary name
+    written by one of them (a buffer by rank 0's replica: DDP ranks' BatchNorm statistics differ). The header
+    is computed on every rank and agreed, and the ranks' writes are proven to cover every element exactly once
+    before a byte is written; the file is written under a temporary name
     in the destination's directory (which every rank must see: a shared filesystem), fsynced by every rank,
     and only then renamed over ``path``. Any failure on any rank raises the same `SaveError` on every rank,
     removes the temporary and leaves an existing checkpoint at ``path`` untouched. ``thread_count``: write
