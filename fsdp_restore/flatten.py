@@ -374,7 +374,8 @@ def _decode(node: Any, tensors: Mapping[str, torch.Tensor], cache: dict[Any, Any
             return None
     except FormatError:
         raise
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError, RuntimeError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError, RuntimeError,
+            struct.error) as e:
         raise FormatError("<structure>", f"at '{path}': malformed {kind} node ({type(e).__name__}: {e})") from None
     raise FormatError("<structure>", f"at '{path}': unknown node type {kind!r}")
 
