@@ -324,13 +324,7 @@ def _decode(node: Any, tensors: Mapping[str, torch.Tensor], cache: dict[Any, Any
             if node.get("conj"):
                 t = t.conj()
             if node.get("param"):
-                grad = bool(node.get("requires_grad"))
-                if t is not cache.get(node["key"]):  # a view made for this node alone
-                    return torch.nn.Parameter(t, requires_grad=grad)
-                param_key = ("param", node["key"], grad)  # one Parameter named twice is one object, as from torch.load
-                if param_key not in cache:
-                    cache[param_key] = torch.nn.Parameter(t, requires_grad=grad)
-                return cache[param_key]
+                return torch.nn.Parameter(t, requires_grad=bool(node.get("requires_grad")))
             if not node.get("requires_grad"):
                 return t
             if t is not cache.get(node["key"]):  # a view made for this node alone

@@ -87,20 +87,6 @@ def test_requires_grad_stays_with_its_own_alias(tmp_path, order):
         assert back["a"] is back["a2"] and back["a"] is not back["b"]  # as torch.load shares objects
 
 
-def test_one_parameter_named_twice_loads_as_one_object(tmp_path):
-    import fsdp_restore
-
-    p, frozen = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2), requires_grad=False)
-    # (objects are not recorded: a second Parameter over the same memory, torch.nn.Parameter(p.detach()), also
-    # comes back as p's object)
-    torch.save({"a": p, "b": p, "f": frozen, "g": frozen}, tmp_path / "s.pt")
-    fsdp_restore.convert(tmp_path / "s.pt", tmp_path / "s.safetensors")
-    back, expected = fsdp_restore.load(tmp_path / "s.safetensors"), torch.load(tmp_path / "s.pt")
-    for x, y in [("a", "b"), ("f", "g"), ("a", "f")]:
-        assert (back[x] is back[y]) == (expected[x] is expected[y]), (x, y)
-    assert type(back["a"]) is torch.nn.Parameter and back["a"].requires_grad and not back["f"].requires_grad
-
-
 def test_tied_weights_stored_once_and_restored_as_aliases():
     w = torch.randn(5, 4)
     obj = {"model": {"wte.weight": w, "lm_head.weight": w}}
