@@ -32,7 +32,7 @@ def execute_by_apply(model: nn.Module, ckpt: Checkpoint, items: Sequence[ReadIte
                      threads: int = DEFAULT_READ_THREADS) -> None:
     """Restore the planned FSDP1 parameters through ``model.apply`` (whole tensors into summoned
     units), the other items by positional reads."""
-    sources, _ = tensor_sources(ckpt, prefix)
+    sources, _ = tensor_sources(ckpt, prefix, [item.name for item in items])  # named as the plan names them
     per_module: dict[int, list[tuple[str, str]]] = {}
     fsdp1_names: set[str] = set()
     for unit_prefix, handle in _fsdp1_units(model):
@@ -52,7 +52,7 @@ def execute_by_apply(model: nn.Module, ckpt: Checkpoint, items: Sequence[ReadIte
             dest.copy_(full)
             if dest.dtype != full.dtype and narrowing(full.dtype, dest.dtype):
                 if n := cast_overflow(lambda: full, dest):
-                    overflowed[sources[name].key] = n
+                    overflowed[sources[name].key] = overflowed.get(sources[name].key, 0) + n
 
     with torch.no_grad():
         model.apply(copy_full)

@@ -342,10 +342,12 @@ def save(obj: Any, path: str | os.PathLike[str], *, max_shard_size: int | str | 
     name, still works with a `DeprecationWarning`; not an int >= 1: `ValueError`."""
     thread_count = thread_count_argument(thread_count, threads)
     tensors, structure = flatten(obj, on_unsupported=on_unsupported)  # type: ignore[arg-type]
+    size = parse_size(max_shard_size)
+    if size is not None and size <= 0:
+        raise ValueError(f"max_shard_size must be positive, not {max_shard_size!r}")
     jobs = plan_jobs(tensors, structure, dtype)
     return write_safetensors(path, jobs, structure_json=json.dumps(structure, separators=(",", ":")),
-                             max_shard_size=parse_size(max_shard_size), threads=thread_count, force=force,
-                             progress=progress).paths
+                             max_shard_size=size, threads=thread_count, force=force, progress=progress).paths
 
 
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: torch.dtype | str | None = None,
@@ -384,6 +386,9 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
     ``process_group`` of several ranks, a bad argument on any rank is the same `ConvertError` on every rank).
     """
     one = Share.of(process_group) if process_group is not None else Share(0, 1)
+    # patterns read once (a generator would be used up by the checks below); a bare string is refused there
+    cast_include = cast_include if cast_include is None or isinstance(cast_include, str) else list(cast_include)
+    cast_exclude = cast_exclude if isinstance(cast_exclude, str) else list(cast_exclude)
 
     def check_arguments() -> tuple[int | None, torch.dtype | None]:
         if tag is not None and Path(src).is_file():

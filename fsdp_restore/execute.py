@@ -406,8 +406,8 @@ def overflow_message(overflowed: dict[str, int]) -> str:
     return ("the cast into the model's dtype made finite values infinite or NaN (beyond that dtype's range) in "
             + ", ".join(f"'{k}' ({overflowed[k]} values)" for k in keys[:20])
             + (f", ... ({len(keys) - 20} more)" if len(keys) > 20 else "")
-            + ": restore into a model whose dtype's range holds them (fp16 tops out at 65504; bf16 holds fp32's"
-              " range), or bring those values into range before casting")
+            + ": restore into a model whose dtype's range holds them (fp16 tops out at 65504), or bring those"
+              " values into range before casting")
 
 
 def execute_reads(ckpt: Checkpoint, items: Sequence[ReadItem], threads: int = DEFAULT_READ_THREADS, *,

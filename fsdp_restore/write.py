@@ -413,13 +413,14 @@ def overflow_error(overflowed: dict[str, int], jobs: Sequence[TensorJob]) -> Con
     target = by_key[keys[0]].dtype
     listed = ", ".join(f"{k} ({overflowed[k]} values)" for k in keys[:20]) + (
         f", ... ({len(keys) - 20} more)" if len(keys) > 20 else "")
-    wider = (" or cast to bf16, which holds fp32's range;" if target == torch.float16 and all(
+    wider = (f" or cast to bf16 (up to +-{torch.finfo(torch.bfloat16).max:.3g});" if target == torch.float16 and all(
         by_key[k].source.dtype in (torch.float32, torch.bfloat16) for k in keys) else "")
-    shown = [k for k in keys[:3]] + (["..."] if len(keys) > 3 else [])
+    shown = [glob.escape(k) for k in keys[:3]] + (["..."] if len(keys) > 3 else [])  # patterns matching the keys
     return ConvertError(f"the cast to {str(target).removeprefix('torch.')} would make finite values infinite or NaN"
                         f" (beyond its range, +-{torch.finfo(target).max:g}) in {len(keys)} tensor(s): {listed};"
-                        f" nothing was written. Keep them in their dtype (convert: cast_exclude={shown!r});{wider}"
-                        " or bring those values into range first")
+                        f" nothing was written. Keep them in their dtype (convert: cast_exclude={shown!r}; save: cast"
+                        f" the other tensors yourself and pass no dtype);{wider} or bring those values into range"
+                        " first")
 
 
 def _write_block(block: _Block, progress: ProgressFn | None) -> None:

@@ -537,3 +537,23 @@ def test_a_sibling_converted_from_another_file_says_so(tmp_path):
         warnings.simplefilter("error")
         assert fsdp_restore.find_safetensors_for(tmp_path / "b.pt") == tmp_path / "b.safetensors"
         assert torch.equal(fsdp_restore.load(tmp_path / "b.pt")["w"], torch.ones(4))
+
+
+def test_the_overflow_advice_works_as_given_and_patterns_may_be_any_iterable(tmp_path):
+    """The advised cast_exclude pattern did not match a key holding fnmatch's brackets (the convert failed again);
+    a generator of patterns was used up by the argument check and then ignored; save() took a size of 0 as one
+    shard per tensor where convert refuses it."""
+    import ast
+    import re
+
+    torch.save({"model": {"w[1]": torch.tensor([1e6, 1.0]), "ok": torch.ones(2)}}, tmp_path / "s.pt")
+    with pytest.raises(fsdp_restore.ConvertError) as info:
+        convert(tmp_path / "s.pt", tmp_path / "o.safetensors", dtype="fp16")
+    advised = ast.literal_eval(re.search(r"cast_exclude=(\[.*?\]);", str(info.value)).group(1))
+    assert convert(tmp_path / "s.pt", tmp_path / "o.safetensors", dtype="fp16", cast_exclude=advised).cast_tensors == 1
+    report = convert(tmp_path / "s.pt", tmp_path / "g.safetensors", dtype="fp16",
+                     cast_exclude=(p for p in ["model.w*"]))
+    assert report.cast_tensors == 1 and fsdp_restore.load(tmp_path / "g.safetensors")["model"]["ok"].dtype == torch.float16
+    for size in (0, -5, "0.1B"):
+        with pytest.raises(ValueError, match="max_shard_size must be positive"):
+            fsdp_restore.save({"a": torch.ones(2)}, tmp_path / "x", max_shard_size=size)

@@ -321,6 +321,44 @@ def test_the_apply_route_screens_its_casts_too(tmp_path):
     assert texts[0] == texts[1] and "'model.inp.weight' (1 values)" in texts[0], texts
 
 
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+
+class _HoldsModule(torch.nn.Module):
+    """Its only child is a real submodule named ``module``: every name starts with DDP's prefix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = torch.nn.Sequential(_Block(), _Block())
+
+
+def _apply_route_module_child(rank, world_size, path, expected):
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    torch.manual_seed(rank + 7)
+    model = FSDP(_HoldsModule(), auto_wrap_policy=ModuleWrapPolicy({_Block}), device_id=torch.device("cpu"))
+    restore_model(model, path, method="apply", check=False)
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False)):
+        got = model.state_dict()
+    return sorted(k for k, v in expected.items() if not torch.equal(got[k], v))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["plain", "compiled-checkpoint"])
+def test_the_apply_route_restores_a_model_whose_child_is_called_module(tmp_path, compiled):
+    """The apply route matched the checkpoint's names without the model's: 'module.' was taken for DDP's prefix
+    and stripped, no name matched, and with check=False it reported success with every weight left as it was."""
+    torch.manual_seed(0)
+    state = _HoldsModule().state_dict()
+    saved = {f"_orig_mod.{k}": v for k, v in state.items()} if compiled else state
+    fsdp_restore.save(saved, tmp_path / "m.safetensors")
+    assert run_ranks(_apply_route_module_child, 2, tmp_path / "m.safetensors", state) == [[], []]
+
+
 def test_a_prefix_with_no_tensors_is_one_problem_naming_the_top_level(tmp_path):
     error = _refused_restore(tmp_path, {"model": build("mlp").state_dict(), "step": 3}, model_prefix="modle")
     msg = str(error)
