@@ -29,7 +29,7 @@ from . import torch_zip
 from .errors import ConvertError, FormatError, UnsafePickleError, thread_count_argument
 from .flatten import flatten
 from .format import META_SOURCE, PT_SUFFIXES, SNIFF_BYTES, is_legacy_torch_save
-from .jobs import ConvertReport, cast_groups, cast_target, parse_size, plan_jobs, write_converted
+from .jobs import ConvertReport, cast_groups, cast_target, plan_jobs, shard_size_argument, write_converted
 from .mapped import MappedFile
 from .measure import PeakAnonMemory, Stopwatch
 from .provenance import source_identity
@@ -342,9 +342,7 @@ def save(obj: Any, path: str | os.PathLike[str], *, max_shard_size: int | str | 
     name, still works with a `DeprecationWarning`; not an int >= 1: `ValueError`."""
     thread_count = thread_count_argument(thread_count, threads)
     tensors, structure = flatten(obj, on_unsupported=on_unsupported)  # type: ignore[arg-type]
-    size = parse_size(max_shard_size)
-    if size is not None and size <= 0:
-        raise ValueError(f"max_shard_size must be positive, not {max_shard_size!r}")
+    size = shard_size_argument(max_shard_size)
     jobs = plan_jobs(tensors, structure, dtype)
     return write_safetensors(path, jobs, structure_json=json.dumps(structure, separators=(",", ":")),
                              max_shard_size=size, threads=thread_count, force=force, progress=progress).paths
@@ -399,9 +397,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
                 raise TypeError(f"{name} must be a list of key patterns (strings), not {patterns!r}")
         if on_unsupported not in ("error", "skip"):
             raise ValueError(f"on_unsupported must be 'error' or 'skip', not {on_unsupported!r}")
-        size = parse_size(max_shard_size)  # a bad size: here, not after the source was read
-        if size is not None and size <= 0:
-            raise ValueError(f"max_shard_size must be positive, not {max_shard_size!r}")
+        shard_size_argument(max_shard_size)  # a bad size: here, not after the source was read
         return thread_count_argument(thread_count, threads, stacklevel=5), cast_target(dtype)
 
     # alone, a bad argument raises as it is; with several ranks, as the same ConvertError on every rank

@@ -57,6 +57,15 @@ def parse_size(text: str | int | None) -> int | None:
     return int(float(m.group(1)) * base ** " KMGT".index(m.group(2) or " "))
 
 
+def shard_size_argument(max_shard_size: str | int | None) -> int | None:
+    """The ``max_shard_size=`` of a public entry point, checked at the door: None (one file) or a size
+    `parse_size` reads that is at least one byte, else a `ValueError` naming it."""
+    size = parse_size(max_shard_size)
+    if size is not None and size <= 0:
+        raise ValueError(f"max_shard_size must be positive, not {max_shard_size!r}")
+    return size
+
+
 @dataclass
 class ConvertReport:
     """What `convert` did and what it cost."""

@@ -51,7 +51,7 @@ from .checksum import _multiply, _shift, shift_power
 from .errors import FsdpRestoreError, RestoreError, SaveError, thread_count_argument
 from .execute import parts
 from .format import DEFAULT_INDEX_NAME
-from .jobs import parse_size
+from .jobs import shard_size_argument
 from .restore import _no_cyclic_gc, _refuse_unsharded_fsdp1, _reshard_fsdp2
 from .save_plan import WriteItem, WritePlan
 from .verdict import _LABELS, _collective, _device, _rank, agree, new_problems, problem_line
@@ -409,9 +409,7 @@ def _check_arguments(model: Any, path: Any, optimizer: Any, extra: Any, process_
     thread_count_argument(thread_count)  # the check every entry point shares
     if isinstance(max_shard_size, bool):
         raise TypeError("max_shard_size must be a size (int bytes or a string such as '5GB') or None")
-    size = parse_size(max_shard_size)
-    if size is not None and size <= 0:
-        raise ValueError(f"max_shard_size must be positive, not {max_shard_size!r}")
+    size = shard_size_argument(max_shard_size)
     check_destination(path, force=True)  # an existing checkpoint is replaced, never a directory of other files
     return size
 

@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 import fsdp_restore
 from fsdp_restore import FormatError, UnsafePickleError, convert
-from fsdp_restore.convert import parse_size
+from fsdp_restore.jobs import parse_size
 
 convert_module = importlib.import_module("fsdp_restore.convert")  # the package's `convert` is the function
 
