@@ -8,6 +8,7 @@ by the default executor.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -17,7 +18,7 @@ from .execute import DEFAULT_READ_THREADS, execute_reads, overflow_message
 from .plan import ReadItem, Source, tensor_sources
 from .read import Checkpoint
 from .shards import _fsdp1_units, _join, clean_name
-from .write import cast_overflow, narrowing
+from .write import cast_overflow
 
 
 def _full_tensor(ckpt: Checkpoint, src: Source) -> torch.Tensor:
@@ -43,16 +44,15 @@ def execute_by_apply(model: nn.Module, ckpt: Checkpoint, items: Sequence[ReadIte
             if name in sources:
                 per_module.setdefault(id(info.module), []).append((info.param_name, name))
 
-    overflowed: dict[str, int] = {}
+    overflowed: Counter[str] = Counter()
 
     def copy_full(module: nn.Module) -> None:
         # Runs inside FSDP.apply: this module's unit is summoned, so the attributes are unsharded views.
         for attr, name in per_module.get(id(module), []):
             dest, full = getattr(module, attr), _full_tensor(ckpt, sources[name])
             dest.copy_(full)
-            if dest.dtype != full.dtype and narrowing(full.dtype, dest.dtype):
-                if n := cast_overflow(lambda: full, dest):
-                    overflowed[sources[name].key] = overflowed.get(sources[name].key, 0) + n
+            if n := cast_overflow(full.dtype, dest, lambda: full):
+                overflowed[sources[name].key] += n
 
     with torch.no_grad():
         model.apply(copy_full)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ import torch
 
 from .plan import ReadItem
 from .read import Checkpoint
-from .write import cast_overflow, narrowing
+from .write import cast_overflow, overflow_listing
 
 DEFAULT_READ_THREADS = 4  # past 4, more threads read no faster on the GPU path (BENCHMARKS.md, "GPU")
 READ_CHUNK_BYTES = 16 * 1024 * 1024  # items above this are split so that several threads share them
@@ -173,7 +174,7 @@ class _Worker:
     stream: torch.cuda.Stream | None = None
     ones: torch.Tensor | None = None  # 0xFF bytes on the device: the source that re-poisons a pinned buffer
     turn: int = 0
-    overflowed: dict[str, int] = field(default_factory=dict)  # per stored key: finite values a cast made inf/NaN
+    overflowed: Counter[str] = field(default_factory=Counter)  # per stored key: finite values a cast made inf/NaN
 
     def __post_init__(self) -> None:
         if self.device.type == "cuda":
@@ -288,8 +289,8 @@ class _Worker:
         if self.stream is None:
             for (key, *_), d, v in zip(reads, dests, staged):
                 d.copy_(v)
-                if d.dtype != v.dtype and narrowing(v.dtype, d.dtype) and (n := cast_overflow(lambda: v, d)):
-                    self.overflowed[key] = self.overflowed.get(key, 0) + n
+                if n := cast_overflow(v.dtype, d, lambda: v):
+                    self.overflowed[key] += n
             if self.poison:
                 raw_bytes.fill_(0xFF)
             return
@@ -402,11 +403,8 @@ def grouped(chunks: Sequence[Chunk], ckpt: Checkpoint, chunk_bytes: int | None =
 
 def overflow_message(overflowed: dict[str, int]) -> str:
     """A restore's casts into the model's dtype that made finite values of these stored keys inf or NaN."""
-    keys = sorted(overflowed)
     return ("the cast into the model's dtype made finite values infinite or NaN (beyond that dtype's range) in "
-            + ", ".join(f"'{k}' ({overflowed[k]} values)" for k in keys[:20])
-            + (f", ... ({len(keys) - 20} more)" if len(keys) > 20 else "")
-            + ": restore into a model whose dtype's range holds them (fp16 tops out at 65504), or bring those"
+            + overflow_listing(overflowed, quoted=True) + ": restore into a model whose dtype's range holds them (fp16 tops out at 65504), or bring those"
               " values into range before casting")
 
 
@@ -488,10 +486,7 @@ def execute_reads(ckpt: Checkpoint, items: Sequence[ReadItem], threads: int = DE
             w.finish()
     if failed:
         raise failed[0]
-    overflowed: dict[str, int] = {}
-    for w in workers:
-        for key, n in w.overflowed.items():
-            overflowed[key] = overflowed.get(key, 0) + n
+    overflowed = sum((w.overflowed for w in workers), Counter())
     if overflowed:  # every element was written, but not with a value of the checkpoint's
         raise ValueError(overflow_message(overflowed))
     for item in items:  # reached only when every chunk was read (a failed read raised above)

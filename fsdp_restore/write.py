@@ -28,7 +28,8 @@ import shutil
 import threading
 import uuid
 import zlib
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from math import prod
@@ -264,7 +265,7 @@ class _FileWriter:
         self._retired: list[int] = []  # descriptors left by `_stop_direct`
         self._head_tail = b""  # direct only: the data bytes in the page where the header ends
         self.checksums: dict[str, str] = {}
-        self.overflowed: dict[str, int] = {}  # per key: finite values a narrowing cast made inf or NaN
+        self.overflowed: Counter[str] = Counter()  # per key: finite values a narrowing cast made inf or NaN
         self._segment_crcs: dict[str, dict[int, tuple[int, int]]] = {j.key: {} for j in jobs}
 
     def blocks(self) -> list[_Block]:
@@ -291,11 +292,9 @@ class _FileWriter:
                 if job.location is not None and job.dtype == job.source.dtype:
                     pread_exactly(job.location[0], memoryview(memory)[piece.at:piece.at + piece.nbytes],
                                   job.location[1] + piece.first)
-                else:
-                    overflowed = _copy_piece(piece, buffer)
-                    if overflowed:
-                        with self._lock:
-                            self.overflowed[job.key] = self.overflowed.get(job.key, 0) + overflowed
+                elif overflowed := _copy_piece(piece, buffer):
+                    with self._lock:
+                        self.overflowed[job.key] += overflowed
                 crc = zlib.crc32(data[piece.at:piece.at + piece.nbytes])
                 with self._lock:
                     self._segment_crcs[job.key][piece.first] = (crc, piece.nbytes)
@@ -378,17 +377,15 @@ def _copy_piece(piece: _Piece, buffer: torch.Tensor) -> int:
         _copy_elements(out, parts)
         skip = piece.first - first * size
         buffer[piece.at:piece.at + piece.nbytes].copy_(out.view(torch.uint8)[skip:skip + piece.nbytes])
-    if not narrowing(job.source.dtype, job.dtype):
-        return 0
-    return cast_overflow(lambda: torch.cat([p.reshape(-1) for p in parts]), out)
+    return cast_overflow(job.source.dtype, out, lambda: torch.cat([p.reshape(-1) for p in parts]))
 
 
-def cast_overflow(source: Callable[[], torch.Tensor], out: torch.Tensor) -> int:
-    """How many finite values of ``source()`` (called only when needed) the cast into ``out`` made inf or NaN.
-    The smallest and largest values are finite only where every value is: one cheap pass (isfinite() is several
-    times the cast itself; a sum accumulated in fp32 as slow, one in fp16 passes 65504); the exact count only
-    where they are not."""
-    if out.numel() == 0:
+def cast_overflow(source_dtype: torch.dtype, out: torch.Tensor, source: Callable[[], torch.Tensor]) -> int:
+    """How many finite values of ``source()`` (of ``source_dtype``; called only when needed) the copy into
+    ``out`` made inf or NaN: 0 unless the copy was a `narrowing` cast. The smallest and largest values are finite
+    only where every value is: one cheap pass (isfinite() is several times the cast itself; a sum accumulated in
+    fp32 as slow, one in fp16 passes 65504); the exact count only where they are not."""
+    if not narrowing(source_dtype, out.dtype) or out.numel() == 0:
         return 0
     if out.dtype.itemsize == 1:  # float8: torch asks neither aminmax nor isfinite of these
         out = out.float()
@@ -406,13 +403,21 @@ def narrowing(source: torch.dtype, target: torch.dtype) -> bool:
             and torch.finfo(target).max < torch.finfo(source).max)
 
 
+def overflow_listing(overflowed: Mapping[str, int], *, quoted: bool = False) -> str:
+    """``key (N values), ...`` of the tensors a cast made infinite or NaN, the first 20 of them (``quoted``:
+    ``'key'``)."""
+    keys = sorted(overflowed)
+    return ", ".join(f"'{k}' ({overflowed[k]} values)" if quoted else f"{k} ({overflowed[k]} values)"
+                     for k in keys[:20]) + (
+        f", ... ({len(keys) - 20} more)" if len(keys) > 20 else "")
+
+
 def overflow_error(overflowed: dict[str, int], jobs: Sequence[TensorJob]) -> ConvertError:
     """The error for casts that made finite values of these keys inf or NaN, listing every one and the fix."""
     keys = sorted(overflowed)
     by_key = {j.key: j for j in jobs}
     target = by_key[keys[0]].dtype
-    listed = ", ".join(f"{k} ({overflowed[k]} values)" for k in keys[:20]) + (
-        f", ... ({len(keys) - 20} more)" if len(keys) > 20 else "")
+    listed = overflow_listing(overflowed)
     wider = (f" or cast to bf16 (up to +-{torch.finfo(torch.bfloat16).max:.3g});" if target == torch.float16 and all(
         by_key[k].source.dtype in (torch.float32, torch.bfloat16) for k in keys) else "")
     shown = [glob.escape(k) for k in keys[:3]] + (["..."] if len(keys) > 3 else [])  # patterns matching the keys
@@ -549,10 +554,7 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
 
         one.step("write", write_blocks)
         # casts that overflowed: every offender at once, from every rank's blocks, before the output is in place
-        overflowed: dict[str, int] = {}
-        for found in one.gather({k: n for w in writers for k, n in w.overflowed.items()}, "the casts' check"):
-            for key, n in found.items():
-                overflowed[key] = overflowed.get(key, 0) + n
+        overflowed = sum(one.gather(sum((w.overflowed for w in writers), Counter()), "the casts' check"), Counter())
         if overflowed:
             raise overflow_error(overflowed, jobs)
         # the other ranks' crc32 pieces (and header pages), for rank 0's `finish`
