@@ -98,7 +98,7 @@ class _Flattener:
         if t is complex:
             node = {"type": "complex", "real": repr(obj.real), "imag": repr(obj.imag)}
             odd = _odd_nan(obj.real) or _odd_nan(obj.imag)
-            return {**node, "hex": (_F64.pack(obj.real) + _F64.pack(obj.imag)).hex()} if odd else node
+            return {**node, "hex": _C128.pack(obj.real, obj.imag).hex()} if odd else node
         if t is dict or t is OrderedDict:
             items = [[self.encode_key(k, _join(path, k), down), self.encode(v, _join(path, k), down)]
                      for k, v in obj.items()]
@@ -217,13 +217,14 @@ class _Flattener:
 
 
 # a NaN's sign and payload (x86 makes 0/0 a negative NaN) are lost by repr(): such a NaN also carries its bits
-_F64 = struct.Struct("<d")
+_F64, _C128 = struct.Struct("<d"), struct.Struct("<dd")
 _NAN_BITS = _F64.pack(float("nan"))
 
 
 def _odd_nan(x: float) -> bool:
     """A NaN whose bits are not ``float('nan')``'s."""
     return x != x and _F64.pack(x) != _NAN_BITS
+
 
 _NOT_UTF8 = ("not valid Unicode (a lone surrogate, as a file name decoded with surrogateescape gives), which a"
              " safetensors header cannot hold: rename the entry (e.g. name.encode('utf-8', 'surrogateescape')"
@@ -315,7 +316,7 @@ def _decode(node: Any, tensors: Mapping[str, torch.Tensor], cache: dict[Any, Any
             return float(node["value"]) if "hex" not in node else _F64.unpack(bytes.fromhex(node["hex"]))[0]
         if kind == "complex":
             if "hex" in node:
-                return complex(*struct.unpack("<dd", bytes.fromhex(node["hex"])))
+                return complex(*_C128.unpack(bytes.fromhex(node["hex"])))
             return complex(float(node["real"]), float(node["imag"]))
         if kind == "tensor":
             t = _lookup(node, tensors, cache, path)
