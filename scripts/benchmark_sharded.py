@@ -6,8 +6,10 @@ DeepSpeed's own zero_to_fp32.py) and DCP (ours against torch's dcp_to_torch_save
 
 Makes the checkpoints with real DeepSpeed (2 ranks on CPU, gloo; a stack of Linear layers, no tied weights,
 so that DeepSpeed's safetensors output works), then for each stage and method, in a fresh process with
-the page cache dropped (root), measures wall time and the process's peak anonymous memory (RssAnon,
-sampled every 10 ms). Methods (and ``cp -r`` + ``sync`` of the checkpoint directory, the floor of a
+the page cache dropped (root; ``--evict checkpoint``: only the checkpoint's files, ``fsync`` +
+``POSIX_FADV_DONTNEED``, so that Python's and torch's libraries stay cached as in `benchmark_convert.py`),
+measures wall time and the process's peak anonymous memory (RssAnon, sampled every 10 ms). The methods take
+turns, one run of each per round. Methods (and ``cp -r`` + ``sync`` of the checkpoint directory, the floor of a
 conversion that reads and writes everything once): DeepSpeed's ``zero_to_fp32.py CKPT OUT --safe_serialization`` (model
 weights only, single core) and ``fsdp-restore convert CKPT OUT.safetensors`` (weights and optimizer state,
 every core) and ``--select model`` (the same output as DeepSpeed's). DCP: a directory written by
@@ -87,8 +89,21 @@ def _peak_anon(pid: int, stop: threading.Event, peak: list[int]) -> None:
             return
 
 
-def run(cmd: list[str]) -> dict[str, Any]:
-    cold = drop_caches()
+def evict(ckpt: Path, how: str) -> bool:
+    """Drop the page cache before a run: every clean page (``all``, root), or the checkpoint's files only."""
+    if how == "all":
+        return drop_caches()
+    os.sync()
+    for f in ckpt.rglob("*"):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+    return True
+
+
+def run(cmd: list[str], ckpt: Path, how: str) -> dict[str, Any]:
+    cold = evict(ckpt, how)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     stop, peak = threading.Event(), [0]
@@ -109,6 +124,8 @@ def main() -> None:
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 3])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--no-dcp", action="store_true", help="skip the DCP comparison")
+    parser.add_argument("--evict", choices=["all", "checkpoint"], default="all",
+                        help="before each run, drop every cached page (all) or only the checkpoint's (checkpoint)")
     parser.add_argument("--workdir", default="/tmp/fsdp_restore_sharded_bench")
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -133,12 +150,13 @@ def main() -> None:
                                                    str(work / "ours-model.safetensors"), "--force", "--select", "model"],
             "cp -r + sync (the floor of a full conversion)": ["sh", "-c", f"cp -r '{ckpt}' '{work / 'copy'}' && sync"],
         }
-        for label, cmd in methods.items():
-            runs = []
-            for _ in range(args.repeat):
+        runs_of: dict[str, list[dict[str, Any]]] = {label: [] for label in methods}
+        for _ in range(args.repeat):  # the methods take turns: drift over the run hits each alike
+            for label, cmd in methods.items():
                 shutil.rmtree(work / "ds_out", ignore_errors=True)
                 shutil.rmtree(work / "copy", ignore_errors=True)
-                runs.append(run(cmd))
+                runs_of[label].append(run(cmd, ckpt, args.evict))
+        for label, runs in runs_of.items():
             best = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
             row = {"stage": stage, "method": label, "checkpoint_bytes": size, **best,
                    "runs_seconds": sorted(round(r["seconds"], 2) for r in runs)}
@@ -155,7 +173,7 @@ def main() -> None:
         for label, cmd in {"dcp_to_torch_save": [sys.executable, "-c", script, str(ckpt), str(work / "dcp.pt")],
                            "ours": [sys.executable, "-m", "fsdp_restore", "convert", str(ckpt),
                                     str(work / "dcp.safetensors"), "--force"]}.items():
-            runs = [run(cmd) for _ in range(args.repeat)]
+            runs = [run(cmd, ckpt, args.evict) for _ in range(args.repeat)]
             best = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
             rows.append({"stage": "dcp", "method": label, "checkpoint_bytes": size, **best,
                          "runs_seconds": sorted(round(r["seconds"], 2) for r in runs)})
@@ -167,7 +185,7 @@ def main() -> None:
                      f" {r['peak_anon'] / 1e6:,.0f} MB |")
     console.print("\n".join(lines))
     if args.out:
-        Path(args.out).write_text(json.dumps({"rows": rows, "markdown": "\n".join(lines)}, indent=2))
+        Path(args.out).write_text(json.dumps({"evict": args.evict, "rows": rows, "markdown": "\n".join(lines)}, indent=2))
 
 
 if __name__ == "__main__":
