@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -83,6 +84,8 @@ STAND_INS = [LossScaler, fragment_address, ZeroStageEnum]
 _INTERNAL = {"module", "optimizer", "param_shapes", "frozen_param_shapes", "frozen_param_fragments", "shared_params",
              "buffer_names"}
 
+
+_MP_RANK_0 = re.compile(r"mp_rank_0+_")  # model-parallel rank 0's files (the only ones a data-parallel run writes)
 
 AHEAD_BYTES = 4 * 1024 * 1024  # what a thread asks the kernel to read beyond its read, inside the same part
 
@@ -263,6 +266,12 @@ def read_zero(path: str | os.PathLike[str], *, tag: str | None = None
     where ``readers`` maps a placeholder's ``data_ptr()`` to ``(meta tensor of the real shape and dtype,
     reader)``."""
     tag_dir = resolve_tag(path, tag)
+    model_parallel = sorted(p.name for p in tag_dir.glob("*mp_rank_*") if not _MP_RANK_0.search(p.name))
+    if model_parallel:
+        raise FormatError(tag_dir, f"holds files of model-parallel ranks other than 0 ({', '.join(model_parallel[:3])}"
+                          f"{', ...' if len(model_parallel) > 3 else ''}): a tensor- or pipeline-parallel ZeRO"
+                          " checkpoint, whose model-parallel slices this reader does not join; consolidate it with"
+                          " DeepSpeed's universal checkpoint (ds_to_universal.py) first")
     files = optim_files(tag_dir)
     optims = [_load(f).get("optimizer_state_dict") for f in files]
     for f, o in zip(files, optims):
@@ -270,11 +279,15 @@ def read_zero(path: str | os.PathLike[str], *, tag: str | None = None
             raise FormatError(f, "no 'optimizer_state_dict' with a 'zero_stage': not a ZeRO optimizer file")
     stage = int(optims[0]["zero_stage"])
     world = len(optims)
-    counts = optims[0].get("partition_count")
-    declared = max(counts) if isinstance(counts, list) else counts
-    if declared is not None and int(declared) != world:
-        raise FormatError(tag_dir, f"the optimizer files say {declared} ranks but {world} files are here (a rank's"
-                          " file missing, or left over from another run)")
+    for f, o in zip(files, optims):  # every file: one left over from a run of another size reads as wrong values
+        counts = o.get("partition_count")
+        declared = max(counts) if isinstance(counts, list) and counts else counts
+        if declared is not None and int(declared) != world:
+            raise FormatError(f, f"this optimizer file says {declared} ranks but {world} files are here (a rank's"
+                              " file missing, or left over from a run on another number of ranks)")
+        if int(o["zero_stage"]) != stage:
+            raise FormatError(f, f"this optimizer file is of ZeRO stage {int(o['zero_stage'])}, {files[0].name} of"
+                              f" stage {stage}: files of two runs in one tag directory")
     if stage <= 2:
         model_files = [tag_dir / "mp_rank_00_model_states.pt"]
     else:
@@ -422,12 +435,29 @@ def _stage_3(head: dict[str, Any], optims: list[dict[str, Any]], files: list[_Fi
         offset, n = spans[name]
         return _striped_reader(per_rank, offset, n)
 
-    # stage 3 keeps one optimizer state entry per flat sub-group, not per param group: the fields (and the
-    # step counter) of the first sub-group serve every parameter; the tensors come from all sub-groups
-    fields = {k: v for s in bases[0]["state"].values() for k, v in s.items()}
-    merged = {"state": {g: fields for g in range(len(names))}, "param_groups": bases[0]["param_groups"]}
-    optim = _optim_tree(names, shapes, merged, state_reader, readers)
+    group_names, merged = _param_groups_of_sub_groups(names, bases[0])
+    optim = _optim_tree(group_names, shapes, merged, state_reader, readers)
     return optim, readers, trainable
+
+
+def _param_groups_of_sub_groups(sub_groups: list[list[str]], base: dict[str, Any]
+                                ) -> tuple[list[list[str]], dict[str, Any]]:
+    """Stage 3 splits each param group into flat sub-groups of at most ``sub_group_size`` elements (1e9 by
+    default: one per group below that) and keeps one state entry per sub-group: the base optimizer's param
+    group ``i`` lists its sub-groups (``params``), whose parameters (``param_shapes``, one dict per sub-group)
+    follow one another. Returns each param group's parameter names and the state per param group (the fields,
+    and the step counter, of its first sub-group; the tensors themselves are read per parameter)."""
+    saved = base["param_groups"]
+    state = base["state"]
+    listed = [[int(i) for i in group.get("params", [])] for group in saved]
+    if sorted(i for ids in listed for i in ids) != list(range(len(sub_groups))):
+        raise FormatError("<optimizer files>", f"the optimizer's param groups list the sub-groups {listed}, but the"
+                          f" model states hold {len(sub_groups)} (one per 'param_shapes' entry): not a ZeRO-3"
+                          " checkpoint this reader understands")
+    names = [[n for i in ids for n in sub_groups[i]] for ids in listed]
+    fields = {g: {k: v for i in reversed(ids) for k, v in state.get(i, state.get(str(i), {})).items()}
+              for g, ids in enumerate(listed)}
+    return names, {"state": fields, "param_groups": saved}
 
 
 def _model_dict(head: dict[str, Any], models: list[dict[str, Any]], files: list[_File],

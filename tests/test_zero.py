@@ -167,6 +167,74 @@ def test_verify_against_the_tag_that_was_converted(zero_root, tmp_path):
     assert not report.ok and "global_step9" in str(report.problems)
 
 
+def test_stage_3_sub_groups_keep_their_param_groups(zero_root, tmp_path):
+    """ZeRO-3 splits each param group into flat sub-groups (``sub_group_size``, 1e9 by default: every run of a
+    model over ~1B parameters) with one state entry each: two decay groups split into several sub-groups come
+    back as the two groups, each parameter with its own group's hyperparameters and DeepSpeed's own moments (the
+    state of the later sub-groups was dropped, and the groups' hyperparameters taken by sub-group index)."""
+    from zero_checkpoints import Net, decay_groups, generate, make_optimizer
+
+    generate(zero_root, 2, [(3, "fp32")], sub_group_size=40)
+    src = zero_root / "z3-fp32-ws2-sub40"
+    optim_file = next((src / "global_step2").glob("*rank_0_*optim_states.pt"))
+    saved = torch.load(optim_file, weights_only=False)["optimizer_state_dict"]["optimizer_state_dict"]
+    assert len(saved["state"]) > len(saved["param_groups"]) == 2  # the case: more sub-groups than groups
+    fsdp_restore.convert(src, tmp_path / "c.safetensors")
+    oracle = _oracles(src, 2)[0]
+    optim = fsdp_restore.load(tmp_path / "c.safetensors")["optim"]
+    decay = {n for n, p in Net().named_parameters() if p.requires_grad and p.dim() >= 2}
+    assert [g["weight_decay"] for g in optim["param_groups"]] == [0.1, 0.0]
+    for g, group in enumerate(optim["param_groups"]):
+        assert set(group["param_names"]) == (decay if g == 0 else set(oracle["weights"]) - decay)
+    names = [n for g in optim["param_groups"] for n in g["param_names"]]
+    for pid, name in enumerate(names):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(optim["state"][pid][key], oracle["optim"][name][key]), (name, key)
+    model = Net()  # and it resumes into the run's own two groups
+    opt = make_optimizer(decay_groups(model))
+    fsdp_restore.restore(model, tmp_path / "c.safetensors", optimizer=opt)
+    by_name = dict(model.named_parameters())
+    for name in names:
+        assert torch.equal(opt.state[by_name[name]]["exp_avg"], oracle["optim"][name]["exp_avg"]), name
+
+
+def _mixed_tag(zero_root, tmp_path, world_size, other_world_size, stage, dtype):
+    """A copy of the world-size-``world_size`` tag with rank 1's optimizer file taken from another run."""
+    import shutil
+
+    src = _checkpoint(zero_root, world_size, stage, dtype)
+    other = _checkpoint(zero_root, other_world_size, stage, dtype)
+    mixed = tmp_path / "mixed"
+    shutil.copytree(src, mixed)
+    name = next((mixed / "global_step2").glob("*zero_pp_rank_1_*optim_states.pt")).name
+    shutil.copy(other / "global_step2" / name, mixed / "global_step2" / name)
+    return mixed
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_optimizer_files_of_another_world_size_are_refused(zero_root, tmp_path, stage):
+    """Rank 1's file from a 2-rank run among a 3-rank run's files: converted to wrong weights without a word,
+    as every file's partition count was not read (DeepSpeed's own zero_to_fp32 misses it for stage 3)."""
+    mixed = _mixed_tag(zero_root, tmp_path, 3, 2, stage, "fp32")
+    with pytest.raises(FormatError, match=r"zero_pp_rank_1_.*2 ranks.*3"):
+        fsdp_restore.convert(mixed, tmp_path / "x.safetensors")
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_model_parallel_ranks_are_refused(zero_root, tmp_path):
+    """A tensor- or pipeline-parallel ZeRO checkpoint (mp_rank_01 files beside mp_rank_00's) held only model-parallel
+    rank 0's slices in the conversion; it is refused, naming the files."""
+    import shutil
+
+    src = _checkpoint(zero_root, 2, 2, "fp32")
+    mp = tmp_path / "mp"
+    shutil.copytree(src, mp)
+    for f in list((mp / "global_step2").glob("*mp_rank_00*")):
+        shutil.copy(f, f.with_name(f.name.replace("mp_rank_00", "mp_rank_01")))
+    with pytest.raises(FormatError, match="mp_rank_01.*model-parallel"):
+        fsdp_restore.convert(mp, tmp_path / "x.safetensors")
+
+
 # ---- what a weights-only conversion reads from disk -----------------------------------------------------
 
 PAGE = mmap.PAGESIZE

@@ -50,22 +50,33 @@ def make_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, betas=(0.8, 0.9), weight_decay=0.05)
 
 
-def _generate(rank: int, world_size: int, root: str, combos: list[tuple[int, str]]) -> str:
+def decay_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """nanoGPT's two groups: weight decay for matrices, none for vectors (trainable parameters only)."""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [{"params": [p for _, p in trainable if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for _, p in trainable if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def _generate(rank: int, world_size: int, root: str, combos: list[tuple[int, str]],
+              sub_group_size: int | None = None) -> str:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     deepspeed.init_distributed(dist_backend="gloo")
     for stage, dtype in combos:
-        out = Path(root) / f"z{stage}-{dtype}-ws{world_size}"
+        out = Path(root) / f"z{stage}-{dtype}-ws{world_size}{f'-sub{sub_group_size}' if sub_group_size else ''}"
         torch.manual_seed(0)
         model = Net()
-        cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+        zero: dict[str, Any] = {"stage": stage}
+        if sub_group_size:  # stage 3 splits each param group into flat sub-groups of at most this many elements
+            zero["sub_group_size"] = sub_group_size
+        cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero,
                                "zero_allow_untested_optimizer": True, "steps_per_print": 10**6}
         if dtype == "bf16":
             cfg["bf16"] = {"enabled": True}
-        engine, *_ = deepspeed.initialize(model=model, config=cfg,
-                                          optimizer=make_optimizer([p for p in model.parameters() if p.requires_grad]))
+        params = decay_groups(model) if sub_group_size else [p for p in model.parameters() if p.requires_grad]
+        engine, *_ = deepspeed.initialize(model=model, config=cfg, optimizer=make_optimizer(params))
         for step in range(STEPS_BEFORE):
             engine.backward(loss_of(engine, batch(rank, step)))
             engine.step()
@@ -91,10 +102,12 @@ def _generate(rank: int, world_size: int, root: str, combos: list[tuple[int, str
     return "ok"
 
 
-def generate(root: Path, world_size: int, combos: list[tuple[int, str]]) -> None:
+def generate(root: Path, world_size: int, combos: list[tuple[int, str]], sub_group_size: int | None = None) -> None:
+    """Checkpoints ``z{stage}-{dtype}-ws{world_size}`` under ``root``; with ``sub_group_size``, ``...-sub{N}``
+    made with `decay_groups` (two param groups, split by stage 3 into sub-groups of at most N elements)."""
     from dist import run_ranks
 
-    run_ranks(_generate, world_size, str(root), combos, timeout=600)
+    run_ranks(_generate, world_size, str(root), combos, sub_group_size, timeout=600)
 
 
 WIDE = (512, 4)  # features, layers: ~1M parameters, each rank's fp32 partition and moments ~2 MB (many pages)
