@@ -208,6 +208,22 @@ def _as_the_optimizer_holds(value: torch.Tensor, param: torch.Tensor, key: str, 
     return value.to(device=param.device)
 
 
+_ONE_FLAT_STATE = ("an FSDP1 flat parameter (use_orig_params=False) keeps one optimizer state for all of them; wrap"
+                   " the model with use_orig_params=True (per-parameter state) or with FSDP2 to restore it")
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """The same scalar state: equal tensors of one dtype and shape, or equal values of one type."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and bool(torch.equal(a, b)))
+    return type(a) is type(b) and a == b
+
+
+def _shown(value: Any) -> str:
+    return repr(value.item()) if isinstance(value, torch.Tensor) and value.numel() == 1 else repr(value)[:40]
+
+
 def _plan_param_state(plan: ReadPlan, slot: ParamSlot, g: int, keys: dict[str, str], saved: StoredOptimizer,
                       ckpt: Checkpoint, lazy: Any, existing: dict[str, Any], group: Mapping[str, Any],
                       misfits: list[str]) -> dict[str, Any]:
@@ -236,6 +252,11 @@ def _plan_param_state(plan: ReadPlan, slot: ParamSlot, g: int, keys: dict[str, s
     if wrong:
         misfits.append(next(iter(wrong)))  # one line per parameter: its first misfit field
         return {}
+    fields = {n: sorted(st) for n, st in present.items()}
+    if len({tuple(f) for f in fields.values()}) > 1:
+        plan.add_problem("optimizer", f"the saved optimizer state of {sorted(present)}, which share one flat parameter,"
+                                      f" has different fields ({fields}): {_ONE_FLAT_STATE}")
+        return {}
     state: dict[str, Any] = {}
     for fld in present[first_name]:
         field_nodes = {n: s.get(fld) for n, s in present.items()}
@@ -246,6 +267,14 @@ def _plan_param_state(plan: ReadPlan, slot: ParamSlot, g: int, keys: dict[str, s
         if not shaped:
             # scalar state (step) or anything not laid out like the parameter: small, copied whole
             value = unflatten(lazy, {"version": 1, "root": node})
+            if len(field_nodes) > 1:  # one flat parameter holds one value for all its parameters, as torch requires
+                values = {n: value if n == first_name else unflatten(lazy, {"version": 1, "root": fn})
+                          for n, fn in field_nodes.items()}
+                if not all(_same_value(v, value) for v in values.values()):
+                    shown = ", ".join(f"{n}: {_shown(v)}" for n, v in values.items())
+                    plan.add_problem("optimizer", f"saved '{fld}' differs between parameters that share one flat"
+                                                  f" parameter ({shown}): {_ONE_FLAT_STATE}")
+                    return {}
             if isinstance(value, torch.Tensor):
                 if value.dim() > 0 and _is_dtensor(slot.param):
                     plan.add_problem("optimizer",

@@ -209,6 +209,42 @@ def test_optimizer_not_matching_checkpoint_fails_clearly_on_every_rank(tmp_path)
     assert all("out.weight" in m for m in messages) and len(set(messages)) == 1
 
 
+def _differing_steps_worker(rank, world_size, path, how):
+    model = wrap(build("mlp", seed=77), how, world_size)
+    opt = _make_optimizer("adamw", model.parameters())
+    try:
+        fsdp_restore.restore(model, path, optimizer=opt)
+    except RestoreError as e:
+        return str(e)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    return {name: float(state["step"]) for name, state in full["state"].items()}
+
+
+def test_step_counters_that_differ_within_an_fsdp1_flat_parameter(tmp_path):
+    """Adam keeps a step counter per parameter, which differ where a parameter got no gradient on some step. An
+    FSDP1 flat parameter (use_orig_params=False) holds one state for all of its parameters: such a checkpoint
+    restored every rank's flat parameter with the counter of whichever of its names came first (a resumed run's
+    bias correction silently wrong), where torch's own loader refuses. Refused on every rank, naming the values;
+    with use_orig_params=True each parameter keeps its own (compared with torch.load through torch's gather)."""
+    model = build("mlp", seed=0)
+    opt = _make_optimizer("adamw", model.parameters())
+    _train(model, opt, "mlp", 2, 0)
+    saved = opt.state_dict()
+    for pid, state in saved["state"].items():
+        state["step"] = torch.tensor(float(2 + pid))
+    torch.save({"model": model.state_dict(), "optim": saved}, tmp_path / "ck.pt")
+    fsdp_restore.convert(tmp_path / "ck.pt", tmp_path / "ck.safetensors")
+    messages = run_ranks(_differing_steps_worker, 2, tmp_path / "ck.safetensors", "fsdp1-FULL_SHARD-flat")
+    assert len(set(messages)) == 1 and "saved 'step' differs between parameters that share one flat" in messages[0]
+    assert "use_orig_params=True" in messages[0]
+    steps = run_ranks(_differing_steps_worker, 2, tmp_path / "ck.safetensors", "fsdp1-FULL_SHARD-orig")
+    source = torch.load(tmp_path / "ck.pt")["optim"]["state"]
+    names = [n for n, _ in model.named_parameters()]
+    assert steps[0] == {names[pid]: float(state["step"]) for pid, state in source.items()}
+
+
 def test_fqn_keyed_optimizer_state(tmp_path):
     """The get_optimizer_state_dict(full_state_dict=True) / FSDP1 full optim state dict layout."""
     model = build("mlp", seed=0)
