@@ -245,13 +245,14 @@ def _same_on_every_rank(ckpt: Checkpoint, *, prefix: str | None, optim_prefix: s
     and each option that decides what is read where, as the call uses it (a rank with another one would read
     other bytes, or check other memory, with no error of its own; an option the call ignores is not compared):
     a key map by the names it gave (``stored_as``: a model name's checkpoint name; without a map, its own), not by
-    the object passed."""
+    the object passed; and the model's names themselves."""
     pairs = [(ckpt.content_sample(), "the ranks opened different versions of the checkpoint (it was replaced while"
               " they opened it, or the copies they read differ): give every rank the same file and restore again")]
     ignored = "(not used)"  # every rank has every slot, in the same order: the messages are the same everywhere
     options: dict[str, object] = {
         "check": bool(check), "optimizer": optimizer is not None,
-        "key_map": zlib.crc32(json.dumps(sorted(stored_as.items())).encode()),
+        # the names the map changed (the same model's names differing between ranks are compared apart)
+        "key_map": zlib.crc32(json.dumps(sorted((k, v) for k, v in stored_as.items() if k != v)).encode()),
         "dtype_policy": dtype_policy,
         "model_prefix": (default_prefix(ckpt) if prefix is None else prefix) if weights else ignored,
         "strict": bool(strict) if weights else ignored, "method": method if weights else ignored,
@@ -260,6 +261,10 @@ def _same_on_every_rank(ckpt: Checkpoint, *, prefix: str | None, optim_prefix: s
     for name in sorted(options):
         pairs.append((repr(options[name]), f"the ranks called the restore with different values of {name}= (one"
                                            " value on every rank)"))
+    pairs.append((repr(zlib.crc32(json.dumps(sorted(stored_as)).encode())),
+                  "the ranks hold different models (other parameter or buffer names): every rank of the process group"
+                  " restores the same model; ranks that hold different parts of it (pipeline stages) each restore"
+                  " with process_group= the group of the ranks that hold the same part"))
     return pairs
 
 
