@@ -138,6 +138,9 @@ def load_pt(path: str | os.PathLike[str], *, trust_pickle: bool = False, allow_g
         is_zip = False
     if magic == b"PK\x03\x04" and not is_zip:
         raise FormatError(path, "zip archive is truncated or corrupt (no central directory); re-copy the file")
+    if not is_zip and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < path.stat().st_size:
+        raise FormatError(path, "is a safetensors file already (a JSON header after its 8-byte length): no conversion"
+                                " is needed; restore it as it is (a safetensors file of another writer's too)")
     if not is_zip and not is_legacy_torch_save(head) and not trust_pickle:
         # neither torch.save's zip nor its legacy pickle (torch's magic number first): not a "legacy file"
         raise FormatError(path, f"not a torch.save file (it starts with {magic!r}: neither a zip archive nor a"
@@ -287,7 +290,8 @@ def _same_source(share: Share, identity: Any) -> None:
 def _convert_directory(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: torch.dtype | None,
                        cast_include: Sequence[str] | None, cast_exclude: Sequence[str], max_shard_size: int | str | None,
                        select: str | None, threads: int | None, force: bool, on_unsupported: str,
-                       progress: Callable[[int, int], None] | None, tag: str | None, share: Share) -> ConvertReport:
+                       progress: Callable[[int, int], None] | None, tag: str | None, share: Share,
+                       trust_pickle: bool = False, allow_globals: Sequence[str] = ()) -> ConvertReport:
     """A sharded checkpoint directory in (DeepSpeed ZeRO: `zero.read_zero`; DCP: `dcp_in.read_dcp`), streamed
     out: each tensor held in pieces is assembled range by range as it is written."""
     from .dcp_in import is_dcp_checkpoint, read_dcp
@@ -304,11 +308,13 @@ def _convert_directory(src: str | os.PathLike[str], dst: str | os.PathLike[str],
                               " global_step* tag with *_optim_states.pt files) nor a DCP checkpoint (.metadata +"
                               f" *.distcp){each}")
         check_destination(dst, force=force, sources=[src])
+        # the classes a .pt's pickle may build may be built from the directory's pickles too
+        safe = {"safe_globals": _allowlist() + [_import_global(n) for n in allow_globals], "trust_pickle": trust_pickle}
         if is_dcp_checkpoint(src):
-            obj, pieces = read_dcp(src)
+            obj, pieces = read_dcp(src, **safe)
             label = str(src)
         else:
-            obj, pieces, layout = read_zero(src, tag=tag)
+            obj, pieces, layout = read_zero(src, tag=tag, **safe)
             label = str(layout.tag_dir)
         tensors, structure = flatten(select_subtree(obj, select, source=label),
                                      on_unsupported=on_unsupported)  # type: ignore[arg-type]
@@ -405,7 +411,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
     if Path(src).is_dir():
         return _convert_directory(src, dst, dtype=dtype, cast_include=cast_include, cast_exclude=cast_exclude,
                                   max_shard_size=max_shard_size, select=select, threads=thread_count, force=force,
-                                  on_unsupported=on_unsupported, progress=progress, tag=tag, share=one)
+                                  on_unsupported=on_unsupported, progress=progress, tag=tag, share=one,
+                                  trust_pickle=trust_pickle, allow_globals=allow_globals)
     threads = thread_count or default_io_threads()
 
     def read_source() -> tuple[dict[str, Any], Any, dict[str, torch.Tensor], dict[str, Any], int, dict]:

@@ -18,13 +18,15 @@ import io
 import math
 import os
 import pickle
+import re
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .errors import FormatError
+from .errors import FormatError, UnsafePickleError
 from .write import HeldInPieces, scratch, stand_in
 
 _ALLOWED = {
@@ -151,9 +153,11 @@ def _product(ranges: list[range]):
     return product(*ranges) if ranges else [()]
 
 
-def read_dcp(path: str | os.PathLike[str]) -> tuple[Any, HeldInPieces]:
+def read_dcp(path: str | os.PathLike[str], *, safe_globals: Sequence[Any] = (), trust_pickle: bool = False
+             ) -> tuple[Any, HeldInPieces]:
     """The object ``dcp.save`` was given, with placeholders for its tensors (see the module's doc), and
-    ``{placeholder.data_ptr(): (meta tensor, reader)}``."""
+    ``{placeholder.data_ptr(): (meta tensor, reader)}``. ``safe_globals``: classes the values' pickles may build
+    beyond torch's own (numpy arrays and RNG states, argparse Namespaces); ``trust_pickle``: run them instead."""
     root = Path(path)
     md = _metadata(root)
     paths = md.planner_data if isinstance(md.planner_data, dict) else {}
@@ -169,14 +173,35 @@ def read_dcp(path: str | os.PathLike[str]) -> tuple[Any, HeldInPieces]:
             info = next((v for (name, _), v in storage.items() if name == fqn), None)
             if info is None:
                 raise FormatError(root / ".metadata", f"value '{fqn}' has no stored bytes")
-            with open(root / info.relative_path, "rb") as f:
-                f.seek(info.offset)
-                blob = f.read(info.length)
             try:
-                values.append((where, torch.load(io.BytesIO(blob), weights_only=True)))
-            except Exception as e:  # noqa: BLE001
-                raise FormatError(root / info.relative_path, f"value '{fqn}' cannot be read safely ({e})") from None
+                with open(root / info.relative_path, "rb") as f:
+                    f.seek(info.offset)
+                    blob = f.read(info.length)
+            except OSError as e:
+                raise FormatError(root / info.relative_path, f"cannot be read ({e.strerror or e}), and the checkpoint's"
+                                  f" .metadata says it holds the value '{fqn}': copy the whole checkpoint directory"
+                                  ) from None
+            values.append((where, _value(root / info.relative_path, fqn, blob, safe_globals, trust_pickle)))
     return _unflatten(values), readers
+
+
+def _value(path: Path, fqn: str, blob: bytes, safe_globals: Sequence[Any], trust_pickle: bool) -> Any:
+    """A value DCP pickled (not a tensor), loaded without running code unless ``trust_pickle``."""
+    try:
+        if trust_pickle:
+            return torch.load(io.BytesIO(blob), weights_only=False)
+        with torch.serialization.safe_globals(list(safe_globals)):
+            return torch.load(io.BytesIO(blob), weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+        if refused:
+            raise UnsafePickleError(
+                f"{path}: the value '{fqn}' names {refused.group(1)}, which loading would import and may call"
+                f" (arbitrary code execution). If it is a data-only class, allow it with --allow-global"
+                f" {refused.group(1)} (allow_globals=[...]); if you trust the file, pass --trust-pickle"
+                " (trust_pickle=True)") from None
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise FormatError(path, f"value '{fqn}' cannot be read safely ({text})") from None
 
 
 def _unflatten(values: list[tuple[tuple[Any, ...], Any]]) -> Any:

@@ -242,14 +242,19 @@ class _Piecewise:
         return self._reader(0, max(1, int(torch.Size(self.shape).numel()))).to(dtype).reshape(self.shape)
 
 
-def _sharded_source(against: Any, select: str | None, tag: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+def _sharded_source(against: Any, select: str | None, tag: str | None = None,
+                    trusted: tuple[bool, Sequence[Any]] = (False, ())) -> tuple[dict[str, Any], dict[str, Any]]:
     """The flat tensors and structure of a ZeRO / DCP directory, whose sharded tensors are compared piece by
-    piece, never assembled whole."""
+    piece, never assembled whole. ``trusted``: ``(trust_pickle, extra allowed classes)``."""
     from .convert import select_subtree
     from .dcp_in import is_dcp_checkpoint, read_dcp
     from .zero import read_zero
 
-    obj, pieces = read_dcp(against) if is_dcp_checkpoint(against) else read_zero(against, tag=tag)[:2]
+    from .convert import _allowlist  # which globals may be *imported*: decides what loads, never what it holds
+
+    trust_pickle, allowed = trusted
+    safe = {"safe_globals": _allowlist() + list(allowed), "trust_pickle": trust_pickle}
+    obj, pieces = read_dcp(against, **safe) if is_dcp_checkpoint(against) else read_zero(against, tag=tag, **safe)[:2]
     tensors, structure = flatten(select_subtree(obj, select))
     for key, t in list(tensors.items()):
         held = pieces.get(t.data_ptr())
@@ -671,7 +676,7 @@ def _verify_open(ckpt: Checkpoint, report: VerifyReport, against: Any, select: s
     if against is not None:
         try:
             if _is_sharded_source(against):
-                src_tensors, src_structure = _sharded_source(against, select, tag)
+                src_tensors, src_structure = _sharded_source(against, select, tag, (trust_pickle, allowed))
             else:
                 src_obj = _select(_load_pt_as_torch_does(against, trust_pickle, allowed), select)
         except FsdpRestoreError as e:

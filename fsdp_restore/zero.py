@@ -39,14 +39,15 @@ import math
 import os
 import re
 import threading
-from collections.abc import Callable
+import zipfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .errors import FormatError
+from .errors import FormatError, UnsafePickleError
 from .mapped import MappedFile, pread_exactly
 from .write import HeldInPieces, Reader, scratch, stand_in
 from .zero_files import STAGE_1_2_MASTERS, STAGE_3_MASTERS, is_zero_checkpoint, optim_files, resolve_tag
@@ -139,12 +140,25 @@ class _File:
             os.close(fd)
 
 
-def _load(path: Path) -> dict[str, Any]:
-    """A DeepSpeed file, memory-mapped, with the safe unpickler and the stand-ins."""
+def _load(path: Path, safe_globals: Sequence[Any] = (), trust_pickle: bool = False) -> dict[str, Any]:
+    """A DeepSpeed file, memory-mapped, with the safe unpickler and the stand-ins (and ``safe_globals``: the
+    classes a ``.pt`` conversion may build too), or, with ``trust_pickle``, running its pickle."""
     try:
-        with torch.serialization.safe_globals(STAND_INS):
-            obj = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+        if trust_pickle:
+            obj = torch.load(path, weights_only=False, mmap=True, map_location="cpu")
+        else:
+            with torch.serialization.safe_globals(STAND_INS + list(safe_globals)):
+                obj = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
     except Exception as e:  # noqa: BLE001 - a corrupt or foreign file, whatever torch raises for it
+        refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+        if refused:  # a run's own state (client_state) naming a class of its own
+            raise UnsafePickleError(
+                f"{path}: its pickle names {refused.group(1)}, which loading would import and may call (arbitrary"
+                f" code execution). If it is a data-only class, allow it with --allow-global {refused.group(1)}"
+                " (allow_globals=[...]); if you trust the file, pass --trust-pickle (trust_pickle=True)") from None
+        if not zipfile.is_zipfile(path):
+            raise FormatError(path, "not a whole torch.save archive (truncated or corrupt: no zip directory at its"
+                              " end); copy it again from where the run saved it") from None
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise FormatError(path, f"cannot read as a DeepSpeed checkpoint file without executing its pickle ({text})"
                           ) from None
@@ -260,11 +274,12 @@ class ZeroLayout:
     frozen: int
 
 
-def read_zero(path: str | os.PathLike[str], *, tag: str | None = None
-              ) -> tuple[dict[str, Any], HeldInPieces, ZeroLayout]:
+def read_zero(path: str | os.PathLike[str], *, tag: str | None = None, safe_globals: Sequence[Any] = (),
+              trust_pickle: bool = False) -> tuple[dict[str, Any], HeldInPieces, ZeroLayout]:
     """The consolidated checkpoint of a ZeRO directory (see the module's doc): ``(object, readers, layout)``,
     where ``readers`` maps a placeholder's ``data_ptr()`` to ``(meta tensor of the real shape and dtype,
-    reader)``."""
+    reader)``. ``safe_globals``: classes the files' pickles may build beyond DeepSpeed's (a run's own state
+    holds numpy RNG states, argparse Namespaces); ``trust_pickle``: run the pickles instead."""
     tag_dir = resolve_tag(path, tag)
     model_parallel = sorted(p.name for p in tag_dir.glob("*mp_rank_*") if not _MP_RANK_0.search(p.name))
     if model_parallel:
@@ -273,7 +288,7 @@ def read_zero(path: str | os.PathLike[str], *, tag: str | None = None
                           " checkpoint, whose model-parallel slices this reader does not join; consolidate it with"
                           " DeepSpeed's universal checkpoint (ds_to_universal.py) first")
     files = optim_files(tag_dir)
-    optims = [_load(f).get("optimizer_state_dict") for f in files]
+    optims = [_load(f, safe_globals, trust_pickle).get("optimizer_state_dict") for f in files]
     for f, o in zip(files, optims):
         if not isinstance(o, dict) or "zero_stage" not in o:
             raise FormatError(f, "no 'optimizer_state_dict' with a 'zero_stage': not a ZeRO optimizer file")
@@ -295,7 +310,7 @@ def read_zero(path: str | os.PathLike[str], *, tag: str | None = None
     for f in model_files:
         if not f.is_file():
             raise FormatError(f, "missing: every ZeRO checkpoint has its model states")
-    models = [_load(f) for f in model_files]
+    models = [_load(f, safe_globals, trust_pickle) for f in model_files]
     optim_sources, model_sources = [_File(f) for f in files], [_File(f) for f in model_files]
     head = models[0]
     for key in ("module", "param_shapes", "buffer_names"):

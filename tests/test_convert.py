@@ -516,6 +516,16 @@ def test_a_file_that_is_not_a_torch_save_file_is_named_as_such(tmp_path):
     assert not (tmp_path / "out.safetensors").exists()
 
 
+def test_a_safetensors_file_is_named_as_one(tmp_path):
+    """model.safetensors of a Hugging Face run given to convert: it was 'not a torch.save file; is it the file you
+    meant?', not that it needs no conversion."""
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(3)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(FormatError, match=r"model\.safetensors: is a safetensors file already.*no conversion"):
+        convert(tmp_path / "model.safetensors", tmp_path / "out.safetensors")
+
+
 def test_a_select_that_finds_nothing_names_the_file_and_the_keys_there(tmp_path):
     torch.save({"model": {"w": torch.ones(2)}, "step": 1}, tmp_path / "ck.pt")
     with pytest.raises(KeyError, match=r"ck\.pt: select='modle': no key 'modle' at '<root>' \(keys there: model, step"):

@@ -125,6 +125,31 @@ def test_metadata_naming_other_code_is_refused(tmp_path):
         fsdp_restore.convert(tmp_path / "bad", tmp_path / "x.safetensors")
 
 
+def test_values_a_pt_may_hold_convert_from_dcp_too(tmp_path):
+    """numpy arrays and RNG states, an argparse Namespace: what a .pt conversion builds without running code was
+    refused in a DCP directory (with torch's own advice to call add_safe_globals); a class of one's own is named
+    with the fixes, which work for directories too (compared with torch.load of the saved values)."""
+    import argparse
+    import subprocess
+
+    import numpy as np
+    import torch.distributed.checkpoint as dcp
+
+    values = {"rng": np.random.default_rng(0).bit_generator.state, "np_state": np.random.RandomState(1).get_state(),
+              "args": argparse.Namespace(lr=0.1, name="run"), "w": torch.arange(6.0)}
+    dcp.save(values, checkpoint_id=tmp_path / "ok", no_dist=True)
+    fsdp_restore.convert(tmp_path / "ok", tmp_path / "ok.safetensors")
+    back = fsdp_restore.load(tmp_path / "ok.safetensors")
+    assert back["args"] == values["args"] and back["rng"] == values["rng"] and torch.equal(back["w"], values["w"])
+    assert all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b
+               for a, b in zip(back["np_state"], values["np_state"]))
+    assert fsdp_restore.verify(tmp_path / "ok.safetensors", against=tmp_path / "ok").verdict == "identical"
+    dcp.save({"w": torch.arange(3.0), "hook": subprocess.Popen}, checkpoint_id=tmp_path / "code", no_dist=True)
+    with pytest.raises(fsdp_restore.UnsafePickleError, match=r"Popen, .*--allow-global.*--trust-pickle"):
+        fsdp_restore.convert(tmp_path / "code", tmp_path / "code.safetensors")
+    assert not (tmp_path / "code.safetensors").exists()
+
+
 def test_verify_against_the_dcp_directory(saved, tmp_path):
     root, _, _ = saved
     fsdp_restore.convert(root / "ckpt", tmp_path / "c.safetensors")

@@ -142,8 +142,36 @@ def test_a_pickle_naming_other_code_is_refused(tmp_path):
     (tmp_path / "ck" / "latest").write_text("global_step1")
     torch.save({"optimizer_state_dict": {"zero_stage": 2, "hook": subprocess.Popen}},  # any callable import
                tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
-    with pytest.raises(FormatError, match="without executing its pickle"):
+    with pytest.raises(fsdp_restore.UnsafePickleError, match=r"names \S*Popen, .*--trust-pickle"):
         fsdp_restore.convert(tmp_path / "ck", tmp_path / "x.safetensors")
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_a_runs_own_state_converts_as_from_a_pt(zero_root, tmp_path):
+    """A run's client_state with numpy RNG states and an argparse Namespace (Megatron-DeepSpeed saves its args
+    there): built as a .pt conversion builds them (they were refused, and --allow-global / --trust-pickle were
+    ignored for directories); compared with torch.load of the file. A truncated file is named as such."""
+    import argparse
+    import shutil
+
+    import numpy as np
+
+    src = _checkpoint(zero_root, 2, 2, "fp32")
+    ck = tmp_path / "ck"
+    shutil.copytree(src, ck)
+    states = ck / "global_step2" / "mp_rank_00_model_states.pt"
+    head = torch.load(states, weights_only=False)
+    head["args"], head["np_rng"] = argparse.Namespace(lr=0.1, seq=128), np.random.RandomState(3).get_state()
+    torch.save(head, states)
+    fsdp_restore.convert(ck, tmp_path / "c.safetensors")
+    back = fsdp_restore.load(tmp_path / "c.safetensors")
+    assert back["args"] == head["args"]
+    assert all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b
+               for a, b in zip(back["np_rng"], head["np_rng"]))
+    optim_file = next((ck / "global_step2").glob("*rank_1_*optim_states.pt"))
+    os.truncate(optim_file, optim_file.stat().st_size // 2)
+    with pytest.raises(FormatError, match=r"zero_pp_rank_1_.*truncated or corrupt"):
+        fsdp_restore.convert(ck, tmp_path / "t.safetensors")
 
 
 @pytest.mark.parametrize("stage", [1, 3])
