@@ -100,12 +100,14 @@ def live_groups(model: nn.Module, optimizer: torch.optim.Optimizer, targets: Seq
     return groups, ordered
 
 
-def match_saved(saved: StoredOptimizer, live: list[list[str]], problems: list[str], unheld: Sequence[str] = ()
-                ) -> dict[str, str]:
+def match_saved(saved: StoredOptimizer, live: list[list[str]], problems: list[str], unheld: Sequence[str] = (),
+                *, strict: bool = True, unrestored: list[str] | None = None) -> dict[str, str]:
     """``{live model name: saved state key}``, matched as ``Optimizer.load_state_dict`` matches
     (by position within each group) or, where the saver recorded names, by name. Mismatches go to
     ``problems`` (``unheld``: the model's parameters no group holds, named when sizes differ); a group with
-    a problem maps nothing."""
+    a problem maps nothing. ``strict=False``: a named group may hold a part of the saved group's parameters (a
+    pipeline stage of the saved run's model), as torch's ``set_optimizer_state_dict(strict=False)`` allows; the
+    saved names it does not hold go to ``unrestored``."""
     if len(saved.groups) != len(live):
         problems.append(f"the checkpoint's optimizer has {len(saved.groups)} param groups, the optimizer"
                         f" {len(live)}: build the optimizer's groups as the saved run did")
@@ -125,10 +127,17 @@ def match_saved(saved: StoredOptimizer, live: list[list[str]], problems: list[st
         if sorted(stored.names) != sorted(names):
             extra = sorted(set(stored.names) - set(names))
             lacking = sorted(set(names) - set(stored.names))
+            if not strict and not lacking and len(set(names)) == len(names):
+                if unrestored is not None:
+                    unrestored.extend(extra)
+                mapping.update(zip(stored.names, stored.ids))
+                continue
             detail = "; ".join(x for x in (f"only in the checkpoint: {_few(extra)}" if extra else "",
                                            f"only in the optimizer: {_few(lacking)}" if lacking else "") if x)
+            part = ("; an optimizer over a part of the saved run's model (a pipeline stage) restores with"
+                    " strict=False" if extra and not lacking else "")
             problems.append(f"param group {g}: the optimizer's parameters differ from the checkpoint's"
-                            f" ({detail or 'same names, different count'})")
+                            f" ({detail or 'same names, different count'}){part}")
             continue
         mapping.update(zip(stored.names, stored.ids))
     return mapping
@@ -139,7 +148,7 @@ def _few(names: Sequence[str], limit: int = 8) -> str:
 
 
 def plan_optimizer(plan: ReadPlan, model: nn.Module, targets: Sequence[Target], aliases: dict[str, str],
-                   ckpt: Checkpoint, prefix: str, stored_as: dict[str, str]) -> None:
+                   ckpt: Checkpoint, prefix: str, stored_as: dict[str, str], *, strict: bool = True) -> None:
     """Plan the optimizer's state into ``plan``: per-parameter tensors read slice by slice into tensors laid
     out like each parameter's local shard (DTensors for FSDP2); scalar state (``step``) and param-group
     hyperparameters copied whole. Every problem goes to ``plan.problems``."""
@@ -157,7 +166,9 @@ def plan_optimizer(plan: ReadPlan, model: nn.Module, targets: Sequence[Target], 
     problems: list[str] = []
     held = {n for names in live_names for n in names}
     unheld = [t.name for t in targets if t.kind == "param" and t.name not in held]
-    mapping = match_saved(saved, live_names, problems, unheld)
+    unrestored: list[str] = []
+    mapping = match_saved(saved, live_names, problems, unheld, strict=strict, unrestored=unrestored)
+    plan.optim_report.unexpected.extend(unrestored)
     for text in problems:
         plan.add_problem("optimizer", text)
     if problems:

@@ -64,7 +64,7 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, prefix: str | None, strict
     if optimizer is not None:
         plan.optim_report = RestoreReport(prefix=optim_prefix, method="optimizer")
         plan.optim = OptimizerPlan(optimizer)
-        plan_optimizer(plan, model, targets, aliases, ckpt, optim_prefix, stored_as)
+        plan_optimizer(plan, model, targets, aliases, ckpt, optim_prefix, stored_as, strict=strict)
     return plan
 
 

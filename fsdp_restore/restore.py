@@ -255,7 +255,8 @@ def _same_on_every_rank(ckpt: Checkpoint, *, prefix: str | None, optim_prefix: s
         "key_map": zlib.crc32(json.dumps(sorted((k, v) for k, v in stored_as.items() if k != v)).encode()),
         "dtype_policy": dtype_policy,
         "model_prefix": (default_prefix(ckpt) if prefix is None else prefix) if weights else ignored,
-        "strict": bool(strict) if weights else ignored, "method": method if weights else ignored,
+        "strict": bool(strict) if weights or optimizer is not None else ignored,
+        "method": method if weights else ignored,
         "optim_prefix": optim_prefix if optimizer is not None else ignored,
         "check_buffers": bool(check_buffers) if check else ignored}
     for name in sorted(options):
@@ -337,7 +338,7 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
                       checkpoint: str | os.PathLike[str] | Checkpoint, *, optim_prefix: str | None = None,
                       model_prefix: str | None = None, check: bool = True, thread_count: int | None = None,
                       key_map: KeyMap | None = None, process_group: dist.ProcessGroup | None = None,
-                      threads: int | None = None, prefix: str | None = None) -> RestoreReport:
+                      threads: int | None = None, prefix: str | None = None, strict: bool = True) -> RestoreReport:
     """Restore ``optimizer`` (built over the sharded ``model``) from the checkpoint subtree ``optim_prefix``
     (default ``"optim"``; ``prefix=``, its old name, still works with a `DeprecationWarning`).
 
@@ -351,7 +352,9 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
     Face Trainer's ``optimizer.pt``, converted) needs ``optim_prefix=""``. ``model_prefix`` is no longer needed
     for that and is accepted for compatibility. Every rank
     raises the same `RestoreError` when the optimizer does not match the checkpoint (nothing is
-    modified then) or when a read or its check fails (the state is then not installed). ``thread_count``:
+    modified then) or when a read or its check fails (the state is then not installed). ``strict=False``:
+    where ``param_names`` were saved, a group may hold a part of the saved group's parameters (a pipeline
+    stage of the saved run's model); the others are listed in ``report.unexpected``. ``thread_count``:
     as `restore_model`."""
     try:
         thread_count = thread_count_argument(thread_count, threads)
@@ -360,7 +363,7 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
         _refuse_on_every_rank(e, "optimizer restore", process_group)
     optim_prefix = "optim" if optim_prefix is None else optim_prefix
     plan, _ = _run(model, checkpoint, weights=False, optimizer=optimizer, prefix=model_prefix,
-                   optim_prefix=optim_prefix, strict=True, check=check, check_buffers=False, method="read",
+                   optim_prefix=optim_prefix, strict=strict, check=check, check_buffers=False, method="read",
                    threads=thread_count,
                    dtype_policy="cast", group=process_group, key_map=key_map)
     assert plan.optim_report is not None

@@ -134,6 +134,40 @@ def test_resume_with_param_names(tmp_path):
     _check_same(run_ranks(_resume, 2, tmp_path / "ck.safetensors", "mlp", "fsdp2", "adamw"), ref_losses, ref_params)
 
 
+def _stage_worker(rank, world_size, path):
+    import torch.distributed as dist
+
+    groups = [dist.new_group([r]) for r in range(world_size)]  # each stage restores within its own ranks
+    stage = build("mlp", seed=77)
+    names = [n for n, _ in stage.named_parameters()]
+    keep = names[:2] if rank == 0 else names[2:]  # pipeline stages: a part of the parameters each
+    opt = _make_optimizer("adamw", [(n, p) for n, p in stage.named_parameters() if n in keep])
+    with pytest.raises(RestoreError) as info:  # strict: the groups must hold what was saved
+        fsdp_restore.restore_optimizer(opt, stage, path, process_group=groups[rank])
+    report = fsdp_restore.restore_optimizer(opt, stage, path, process_group=groups[rank], strict=False)
+    by_param = dict(stage.named_parameters())
+    return str(info.value), sorted(report.unexpected), {n: {k: v.clone() for k, v in opt.state[by_param[n]].items()}
+                                                        for n in keep}
+
+
+def test_an_optimizer_over_a_part_of_the_saved_model_restores_with_strict_false(tmp_path):
+    """A pipeline stage's optimizer from a full checkpoint saved with param_names: refused with strict (naming
+    strict=False), restored by name with strict=False as torch's set_optimizer_state_dict(strict=False) does;
+    state compared with torch.load of the source."""
+    reference_run("mlp", "adamw", tmp_path / "ck.pt", named=True)
+    fsdp_restore.convert(tmp_path / "ck.pt", tmp_path / "ck.safetensors")
+    source = torch.load(tmp_path / "ck.pt")["optim"]
+    by_name = {n: source["state"][i] for g in source["param_groups"] for n, i in zip(g["param_names"], g["params"])}
+    results = run_ranks(_stage_worker, 2, tmp_path / "ck.safetensors")
+    every = sorted(by_name)
+    for message, unexpected, state in results:
+        assert "strict=False" in message and "only in the checkpoint" in message
+        assert unexpected == sorted(set(every) - set(state))
+        for name, values in state.items():
+            assert values.keys() == by_name[name].keys()
+            assert all(torch.equal(values[k], by_name[name][k]) for k in values), name
+
+
 def _bytes_worker(rank, world_size, path):
     from fsdp_restore import restore_optimizer
 

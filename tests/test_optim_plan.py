@@ -229,3 +229,23 @@ def test_hf_trainer_directory_resumes_under_fsdp2(tmp_path):
     want = {name_of[id(p)]: dict(s) for p, s in opt.state.items()}
     for got in run_ranks(_trainer_resume, 2, tmp_path):
         _assert_same_state(got, want)
+
+
+def test_a_named_group_may_hold_a_part_of_the_saved_one_only_without_strict():
+    """The matching alone (one process): a live group holding some of a named saved group's parameters (a pipeline
+    stage) maps them by name with strict=False, listing the rest; strict refuses, naming the way; a live name the
+    checkpoint lacks, or a group saved with torch's integer ids only, is refused either way."""
+    from fsdp_restore.optim_plan import match_saved
+    from fsdp_restore.stored import StoredGroup, StoredOptimizer
+
+    named = StoredOptimizer((StoredGroup(("0", "1", "2"), ("a", "b", "c"), {}),), {})
+    problems: list[str] = []
+    assert match_saved(named, [["c", "a"]], problems) == {} and "strict=False" in problems[0]
+    problems, unrestored = [], []
+    mapping = match_saved(named, [["c", "a"]], problems, strict=False, unrestored=unrestored)
+    assert not problems and (mapping["a"], mapping["c"]) == ("0", "2") and unrestored == ["b"]
+    problems = []
+    assert match_saved(named, [["a", "z"]], problems, strict=False) == {} and "only in the optimizer: z" in problems[0]
+    numbered = StoredOptimizer((StoredGroup(("0", "1", "2"), None, {}),), {})
+    problems = []
+    assert match_saved(numbered, [["c", "a"]], problems, strict=False) == {} and "has 3 parameters" in problems[0]
