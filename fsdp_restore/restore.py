@@ -170,7 +170,7 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
                 same = _same_on_every_rank(ckpt, prefix=prefix, optim_prefix=optim_prefix, weights=weights,
                                            optimizer=optimizer, strict=strict, check=check,
                                            check_buffers=check_buffers, method=method, dtype_policy=dtype_policy,
-                                           stored_as=plan.stored_as)
+                                           stored_as=plan.stored_as, key_map=key_map)
         agree(problems, what, group, coverage=coverage, buffer_prints=prints, same=same)
         assert ckpt is not None
         timings = {"plan": time.perf_counter() - t0}
@@ -239,20 +239,21 @@ _PARTLY_WRITTEN = {  # by whether the model's weights were restored too
 
 def _same_on_every_rank(ckpt: Checkpoint, *, prefix: str | None, optim_prefix: str, weights: bool,
                         optimizer: torch.optim.Optimizer | None, strict: bool, check: bool, check_buffers: bool,
-                        method: str, dtype_policy: str, stored_as: dict[str, str]) -> list[tuple[str, str]]:
+                        method: str, dtype_policy: str, stored_as: dict[str, str],
+                        key_map: KeyMap | None = None) -> list[tuple[str, str]]:
     """What every rank of a restore must hold alike, for `agree`: the checkpoint's content (ranks that open it
     while it is replaced may each see a whole version but not the same one; copies on two nodes may differ)
     and each option that decides what is read where, as the call uses it (a rank with another one would read
     other bytes, or check other memory, with no error of its own; an option the call ignores is not compared):
-    a key map by the names it gave (``stored_as``: a model name's checkpoint name; without a map, its own), not by
-    the object passed; and the model's names themselves."""
+    a key map given as data (a dict, regex pairs) by its content, one given as a function by the names it gave
+    (``stored_as``: a model name's checkpoint name), so that ranks holding different models with the same map are
+    told only that; and the model's names themselves."""
     pairs = [(ckpt.content_sample(), "the ranks opened different versions of the checkpoint (it was replaced while"
               " they opened it, or the copies they read differ): give every rank the same file and restore again")]
     ignored = "(not used)"  # every rank has every slot, in the same order: the messages are the same everywhere
     options: dict[str, object] = {
         "check": bool(check), "optimizer": optimizer is not None,
-        # the names the map changed (the same model's names differing between ranks are compared apart)
-        "key_map": zlib.crc32(json.dumps(sorted((k, v) for k, v in stored_as.items() if k != v)).encode()),
+        "key_map": _key_map_digest(key_map, stored_as),
         "dtype_policy": dtype_policy,
         "model_prefix": (default_prefix(ckpt) if prefix is None else prefix) if weights else ignored,
         "strict": bool(strict) if weights or optimizer is not None else ignored,
@@ -267,6 +268,18 @@ def _same_on_every_rank(ckpt: Checkpoint, *, prefix: str | None, optim_prefix: s
                   " restores the same model; ranks that hold different parts of it (pipeline stages) each restore"
                   " with process_group= the group of the ranks that hold the same part"))
     return pairs
+
+
+def _key_map_digest(key_map: KeyMap | None, stored_as: dict[str, str]) -> int:
+    """What a key map is, the same on ranks that passed the same one: its content when it is data (whatever
+    names each rank's model holds), else the names it gave."""
+    if key_map is None:
+        return 0
+    if isinstance(key_map, Mapping):
+        return zlib.crc32(json.dumps(sorted((str(k), str(v)) for k, v in key_map.items())).encode())
+    if isinstance(key_map, (list, tuple)):
+        return zlib.crc32(repr([tuple(pair) for pair in key_map]).encode())
+    return zlib.crc32(json.dumps(sorted((k, v) for k, v in stored_as.items() if k != v)).encode())
 
 
 def _fill_reports(plan: ReadPlan, ckpt: Checkpoint, result: checks.CheckResult, *, bytes_read: int, method: str,

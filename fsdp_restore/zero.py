@@ -37,8 +37,10 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import re
 import threading
+import types
 import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -48,6 +50,7 @@ from typing import Any
 import torch
 
 from .errors import FormatError, UnsafePickleError
+from .format import SNIFF_BYTES, is_legacy_torch_save
 from .mapped import MappedFile, pread_exactly
 from .write import HeldInPieces, Reader, scratch, stand_in
 from .zero_files import STAGE_1_2_MASTERS, STAGE_3_MASTERS, is_zero_checkpoint, optim_files, resolve_tag
@@ -86,7 +89,7 @@ _INTERNAL = {"module", "optimizer", "param_shapes", "frozen_param_shapes", "froz
              "buffer_names"}
 
 
-_MP_RANK_0 = re.compile(r"mp_rank_0+_")  # model-parallel rank 0's files (the only ones a data-parallel run writes)
+_MP_RANK = re.compile(r"(?:^|_)mp_rank_(\d+)_.*\.pt$")  # a file of model-parallel rank N (data-parallel runs: 0)
 
 AHEAD_BYTES = 4 * 1024 * 1024  # what a thread asks the kernel to read beyond its read, inside the same part
 
@@ -140,12 +143,26 @@ class _File:
             os.close(fd)
 
 
+class _TrustedUnpickler(pickle.Unpickler):
+    """Python's unpickler (``trust_pickle``: the file's pickle runs), with the stand-ins for DeepSpeed's classes,
+    so that DeepSpeed need not be installed then either."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        for cls in STAND_INS:
+            if cls.__module__ == module and cls.__name__ == name:
+                return cls
+        return super().find_class(module, name)
+
+
+_TRUSTED_PICKLE = types.SimpleNamespace(__name__="pickle", Unpickler=_TrustedUnpickler, load=pickle.load)
+
+
 def _load(path: Path, safe_globals: Sequence[Any] = (), trust_pickle: bool = False) -> dict[str, Any]:
     """A DeepSpeed file, memory-mapped, with the safe unpickler and the stand-ins (and ``safe_globals``: the
     classes a ``.pt`` conversion may build too), or, with ``trust_pickle``, running its pickle."""
     try:
         if trust_pickle:
-            obj = torch.load(path, weights_only=False, mmap=True, map_location="cpu")
+            obj = torch.load(path, weights_only=False, mmap=True, map_location="cpu", pickle_module=_TRUSTED_PICKLE)
         else:
             with torch.serialization.safe_globals(STAND_INS + list(safe_globals)):
                 obj = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
@@ -157,8 +174,12 @@ def _load(path: Path, safe_globals: Sequence[Any] = (), trust_pickle: bool = Fal
                 f" code execution). If it is a data-only class, allow it with --allow-global {refused.group(1)}"
                 " (allow_globals=[...]); if you trust the file, pass --trust-pickle (trust_pickle=True)") from None
         if not zipfile.is_zipfile(path):
-            raise FormatError(path, "not a whole torch.save archive (truncated or corrupt: no zip directory at its"
-                              " end); copy it again from where the run saved it") from None
+            with open(path, "rb") as f:
+                legacy = is_legacy_torch_save(f.read(SNIFF_BYTES))
+            raise FormatError(path, "a legacy (non-zip) torch.save file, which cannot be memory-mapped: load it with"
+                              " torch.load and save it again with a current torch's torch.save" if legacy else
+                              "not a whole torch.save archive (truncated or corrupt: no zip directory at its end);"
+                              " copy it again from where the run saved it") from None
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise FormatError(path, f"cannot read as a DeepSpeed checkpoint file without executing its pickle ({text})"
                           ) from None
@@ -281,7 +302,8 @@ def read_zero(path: str | os.PathLike[str], *, tag: str | None = None, safe_glob
     reader)``. ``safe_globals``: classes the files' pickles may build beyond DeepSpeed's (a run's own state
     holds numpy RNG states, argparse Namespaces); ``trust_pickle``: run the pickles instead."""
     tag_dir = resolve_tag(path, tag)
-    model_parallel = sorted(p.name for p in tag_dir.glob("*mp_rank_*") if not _MP_RANK_0.search(p.name))
+    model_parallel = sorted(p.name for p in tag_dir.iterdir()
+                            if (m := _MP_RANK.search(p.name)) is not None and int(m.group(1)) != 0)
     if model_parallel:
         raise FormatError(tag_dir, f"holds files of model-parallel ranks other than 0 ({', '.join(model_parallel[:3])}"
                           f"{', ...' if len(model_parallel) > 3 else ''}): a tensor- or pipeline-parallel ZeRO"
@@ -296,8 +318,11 @@ def read_zero(path: str | os.PathLike[str], *, tag: str | None = None, safe_glob
     world = len(optims)
     for f, o in zip(files, optims):  # every file: one left over from a run of another size reads as wrong values
         counts = o.get("partition_count")
-        declared = max(counts) if isinstance(counts, list) and counts else counts
-        if declared is not None and int(declared) != world:
+        declared = max(counts) if isinstance(counts, (list, tuple)) and counts else counts
+        if not (declared is None or isinstance(declared, int) and not isinstance(declared, bool)):
+            raise FormatError(f, f"partition_count {str(counts)[:40]} is not a number of ranks: not a ZeRO optimizer"
+                              " file")
+        if declared is not None and declared != world:
             raise FormatError(f, f"this optimizer file says {declared} ranks but {world} files are here (a rank's"
                               " file missing, or left over from a run on another number of ranks)")
         if int(o["zero_stage"]) != stage:

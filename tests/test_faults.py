@@ -395,24 +395,28 @@ def test_ranks_called_with_different_options_fail_together_naming_it(tmp_path, o
     assert len(set(messages)) == 1 and f"different values of {name}=" in messages[0], messages[0]
 
 
-def _restore_a_stage(rank: int, world_size: int, path) -> str:
+def _restore_a_stage(rank: int, world_size: int, path, key_map) -> str:
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3))
     if rank == 1:  # a later pipeline stage: another part of the model
         model[0] = torch.nn.Identity()
     with pytest.raises(RestoreError) as info:
-        fsdp_restore.restore_model(model, path, strict=False)
+        fsdp_restore.restore_model(model, path, strict=False, key_map=key_map)
     return str(info.value)
 
 
-def test_ranks_holding_different_models_are_told_so(tmp_path):
+@pytest.mark.parametrize("key_map", [None, [(r"^", "net.")], {"0.weight": "net.0.weight", "0.bias": "net.0.bias",
+                                                               "1.weight": "net.1.weight", "1.bias": "net.1.bias"}],
+                         ids=["no-map", "pairs", "dict"])
+def test_ranks_holding_different_models_are_told_so(tmp_path, key_map):
     """Pipeline stages restoring on the default group: refused (each would check its own names only), and said to
-    hold different models with the fix (process_group=), not to have passed different key maps when none was
-    passed."""
+    hold different models with the fix (process_group=), not to have passed different key maps (none, or the same
+    one, was passed: a map is compared by its content, not by what it did to each rank's names)."""
     torch.manual_seed(0)
     path = tmp_path / "ck.safetensors"
-    fsdp_restore.save(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3)).state_dict(), path)
-    messages = run_ranks(_restore_a_stage, 2, path)
+    state = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3)).state_dict()
+    fsdp_restore.save({("net." + k if key_map else k): v for k, v in state.items()}, path)
+    messages = run_ranks(_restore_a_stage, 2, path, key_map)
     assert len(set(messages)) == 1 and "hold different models" in messages[0] and "process_group=" in messages[0]
     assert "key_map" not in messages[0], messages[0]
 

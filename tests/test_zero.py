@@ -117,7 +117,8 @@ def test_select_model_is_a_plain_weights_file(zero_root, tmp_path):
 def test_reads_without_deepspeed_and_a_tag_can_be_picked(zero_root, tmp_path):
     src = _checkpoint(zero_root, 2, 3, "bf16")
     script = (f"import sys; sys.modules['deepspeed'] = None; import fsdp_restore;"
-              f"fsdp_restore.convert({str(src)!r}, {str(tmp_path / 'a.safetensors')!r}, tag='global_step2')")
+              f"fsdp_restore.convert({str(src)!r}, {str(tmp_path / 'a.safetensors')!r}, tag='global_step2');"
+              f"fsdp_restore.convert({str(src)!r}, {str(tmp_path / 't.safetensors')!r}, trust_pickle=True)")
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-2000:]
     with pytest.raises(FormatError, match="not a DeepSpeed ZeRO checkpoint tag"):
@@ -150,7 +151,8 @@ def test_a_pickle_naming_other_code_is_refused(tmp_path):
 def test_a_runs_own_state_converts_as_from_a_pt(zero_root, tmp_path):
     """A run's client_state with numpy RNG states and an argparse Namespace (Megatron-DeepSpeed saves its args
     there): built as a .pt conversion builds them (they were refused, and --allow-global / --trust-pickle were
-    ignored for directories); compared with torch.load of the file. A truncated file is named as such."""
+    ignored for directories); compared with torch.load of the file. A legacy (non-zip) file and a truncated one
+    are named as what they are."""
     import argparse
     import shutil
 
@@ -169,6 +171,10 @@ def test_a_runs_own_state_converts_as_from_a_pt(zero_root, tmp_path):
     assert all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b
                for a, b in zip(back["np_rng"], head["np_rng"]))
     optim_file = next((ck / "global_step2").glob("*rank_1_*optim_states.pt"))
+    torch.save(torch.load(optim_file, weights_only=False), optim_file, _use_new_zipfile_serialization=False)
+    with pytest.raises(FormatError, match=r"zero_pp_rank_1_.*a legacy \(non-zip\) torch.save file"):
+        fsdp_restore.convert(ck, tmp_path / "t.safetensors")
+    torch.save(torch.load(src / "global_step2" / optim_file.name, weights_only=False), optim_file)
     os.truncate(optim_file, optim_file.stat().st_size // 2)
     with pytest.raises(FormatError, match=r"zero_pp_rank_1_.*truncated or corrupt"):
         fsdp_restore.convert(ck, tmp_path / "t.safetensors")
@@ -261,6 +267,11 @@ def test_model_parallel_ranks_are_refused(zero_root, tmp_path):
         shutil.copy(f, f.with_name(f.name.replace("mp_rank_00", "mp_rank_01")))
     with pytest.raises(FormatError, match="mp_rank_01.*model-parallel"):
         fsdp_restore.convert(mp, tmp_path / "x.safetensors")
+    stray = tmp_path / "stray"  # files that only look alike: a log, a backup, model-parallel rank 0's
+    shutil.copytree(src, stray)
+    for name in ("tmp_rank_1.log", "mp_rank_01_model_states.pt.bak", "layer_01-model_00-model_states.pt"):
+        (stray / "global_step2" / name).write_bytes(b"")
+    fsdp_restore.convert(stray, tmp_path / "y.safetensors")
 
 
 # ---- what a weights-only conversion reads from disk -----------------------------------------------------
