@@ -273,12 +273,11 @@ def _same_on_every_rank(ckpt: Checkpoint, *, prefix: str | None, optim_prefix: s
 def _key_map_digest(key_map: KeyMap | None, stored_as: dict[str, str]) -> int:
     """What a key map is, the same on ranks that passed the same one: its content when it is data (whatever
     names each rank's model holds), else the names it gave."""
-    if key_map is None:
-        return 0
-    if isinstance(key_map, Mapping):
-        return zlib.crc32(json.dumps(sorted((str(k), str(v)) for k, v in key_map.items())).encode())
-    if isinstance(key_map, (list, tuple)):
-        return zlib.crc32(repr([tuple(pair) for pair in key_map]).encode())
+    if isinstance(key_map, Mapping):  # entries that rename nothing mean nothing: {} is no map
+        renames = sorted((str(k), str(v)) for k, v in key_map.items() if k != v)
+        return zlib.crc32(json.dumps(renames).encode()) if renames else 0
+    if isinstance(key_map, (list, tuple)) or key_map is None:
+        return zlib.crc32(repr([tuple(pair) for pair in key_map]).encode()) if key_map else 0
     return zlib.crc32(json.dumps(sorted((k, v) for k, v in stored_as.items() if k != v)).encode())
 
 
