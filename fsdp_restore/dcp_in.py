@@ -18,7 +18,6 @@ import io
 import math
 import os
 import pickle
-import re
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .errors import FormatError, UnsafePickleError
+from .errors import FormatError, refused_global
 from .write import HeldInPieces, scratch, stand_in
 
 _ALLOWED = {
@@ -193,13 +192,9 @@ def _value(path: Path, fqn: str, blob: bytes, safe_globals: Sequence[Any], trust
         with torch.serialization.safe_globals(list(safe_globals)):
             return torch.load(io.BytesIO(blob), weights_only=True)
     except Exception as e:  # noqa: BLE001
-        refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
-        if refused:
-            raise UnsafePickleError(
-                f"{path}: the value '{fqn}' names {refused.group(1)}, which loading would import and may call"
-                f" (arbitrary code execution). If it is a data-only class, allow it with --allow-global"
-                f" {refused.group(1)} (allow_globals=[...]); if you trust the file, pass --trust-pickle"
-                " (trust_pickle=True)") from None
+        refused = refused_global(f"{path}: the value '{fqn}'", e)
+        if refused is not None:
+            raise refused from None
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise FormatError(path, f"value '{fqn}' cannot be read safely ({text})") from None
 

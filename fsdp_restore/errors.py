@@ -5,6 +5,7 @@ Also the one check of an option that every public entry point shares (`thread_co
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Any
 
@@ -40,6 +41,18 @@ class UnsupportedObjectError(FsdpRestoreError):
 
 class UnsafePickleError(FsdpRestoreError):
     """A .pt file needs pickle globals outside the allowlist; loading it could execute code."""
+
+
+def refused_global(where: str, e: BaseException) -> UnsafePickleError | None:
+    """The error for torch's weights-only unpickler refusing a global (``e``), naming it and both ways on, or None
+    when ``e`` is another failure. ``where``: what held the pickle (a file, a value in one)."""
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+    if found is None:
+        return None
+    name = found.group(1)
+    return UnsafePickleError(f"{where} names {name}, which loading would import and may call (arbitrary code"
+                             f" execution). If it is a data-only class, allow it with --allow-global {name}"
+                             " (allow_globals=[...]); if you trust the file, pass --trust-pickle (trust_pickle=True)")
 
 
 class _AgreedError(FsdpRestoreError):

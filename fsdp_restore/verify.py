@@ -246,11 +246,9 @@ def _sharded_source(against: Any, select: str | None, tag: str | None = None,
                     trusted: tuple[bool, Sequence[Any]] = (False, ())) -> tuple[dict[str, Any], dict[str, Any]]:
     """The flat tensors and structure of a ZeRO / DCP directory, whose sharded tensors are compared piece by
     piece, never assembled whole. ``trusted``: ``(trust_pickle, extra allowed classes)``."""
-    from .convert import select_subtree
+    from .convert import _allowlist, select_subtree  # the allowlist decides what loads, never what it holds
     from .dcp_in import is_dcp_checkpoint, read_dcp
     from .zero import read_zero
-
-    from .convert import _allowlist  # which globals may be *imported*: decides what loads, never what it holds
 
     trust_pickle, allowed = trusted
     safe = {"safe_globals": _allowlist() + list(allowed), "trust_pickle": trust_pickle}

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from .errors import FormatError, UnsafePickleError
+from .errors import FormatError, refused_global
 from .format import SNIFF_BYTES, is_legacy_torch_save
 from .mapped import MappedFile, pread_exactly
 from .write import HeldInPieces, Reader, scratch, stand_in
@@ -167,12 +167,9 @@ def _load(path: Path, safe_globals: Sequence[Any] = (), trust_pickle: bool = Fal
             with torch.serialization.safe_globals(STAND_INS + list(safe_globals)):
                 obj = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
     except Exception as e:  # noqa: BLE001 - a corrupt or foreign file, whatever torch raises for it
-        refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
-        if refused:  # a run's own state (client_state) naming a class of its own
-            raise UnsafePickleError(
-                f"{path}: its pickle names {refused.group(1)}, which loading would import and may call (arbitrary"
-                f" code execution). If it is a data-only class, allow it with --allow-global {refused.group(1)}"
-                " (allow_globals=[...]); if you trust the file, pass --trust-pickle (trust_pickle=True)") from None
+        refused = refused_global(f"{path}: its pickle", e)  # a run's own state (client_state) naming its classes
+        if refused is not None:
+            raise refused from None
         if not zipfile.is_zipfile(path):
             with open(path, "rb") as f:
                 legacy = is_legacy_torch_save(f.read(SNIFF_BYTES))
