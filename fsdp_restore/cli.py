@@ -43,8 +43,24 @@ CONVERT_DEFAULTS: dict[str, Any] = {
     "tag": None,  # a DeepSpeed checkpoint directory's tag (default: the one 'latest' names)
 }
 
-err = Console(stderr=True)
-out = Console()
+def _drop_output(stream: Any) -> None:
+    """Send what is still written to ``stream`` nowhere: its reader closed the pipe (``| head``) and has all it
+    wanted; the command goes on and exits as it would have (rich's default, and Python's own, exit with 1)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, stream.fileno())
+    finally:
+        os.close(devnull)
+
+
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        _drop_output(self.file)
+
+
+err = _Console(stderr=True)
+out = _Console()
 
 
 def human_bytes(n: float) -> str:
@@ -324,7 +340,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         import json
 
-        print(json.dumps(info, indent=2))
+        try:
+            print(json.dumps(info, indent=2), flush=True)
+        except BrokenPipeError:
+            _drop_output(sys.stdout)
     else:
         render_inspect(info, out, max_depth=args.depth)
     return 0

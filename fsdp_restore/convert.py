@@ -35,6 +35,7 @@ from .measure import PeakAnonMemory, Stopwatch
 from .provenance import source_identity
 from .share import Share
 from .write import ProgressFn, check_destination, default_io_threads, write_safetensors
+from .zero_files import is_zero_checkpoint
 
 def _allowlist() -> list[Any]:
     """Globals a weights_only unpickler may resolve in a checkpoint: data types, never callables
@@ -295,7 +296,7 @@ def _convert_directory(src: str | os.PathLike[str], dst: str | os.PathLike[str],
     """A sharded checkpoint directory in (DeepSpeed ZeRO: `zero.read_zero`; DCP: `dcp_in.read_dcp`), streamed
     out: each tensor held in pieces is assembled range by range as it is written."""
     from .dcp_in import is_dcp_checkpoint, read_dcp
-    from .zero import is_zero_checkpoint, read_zero
+    from .zero import read_zero
 
     threads = threads or default_io_threads()
 
@@ -395,8 +396,9 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
     cast_exclude = cast_exclude if isinstance(cast_exclude, str) else list(cast_exclude)
 
     def check_arguments() -> tuple[int | None, torch.dtype | None]:
-        if tag is not None and Path(src).is_file():
-            raise ValueError(f"tag='{tag}' (--tag) picks a tag of a DeepSpeed checkpoint directory; {src} is a file:"
+        if tag is not None and not (Path(src).is_dir() and is_zero_checkpoint(src)):
+            kind = "a file" if Path(src).is_file() else "not one"
+            raise ValueError(f"tag='{tag}' (--tag) picks a tag of a DeepSpeed checkpoint directory; {src} is {kind}:"
                              " drop --tag")
         for name, patterns in (("cast_include", cast_include), ("cast_exclude", cast_exclude)):
             if patterns is not None and (isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns)):

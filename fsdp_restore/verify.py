@@ -32,6 +32,7 @@ from .measure import Stopwatch
 from .read import Checkpoint, find_safetensors_for
 from .checksum import combine_segments, plan_segments
 from .write import default_threads, tensor_bytes
+from .zero_files import is_zero_checkpoint
 
 CHUNK_BYTES = 16 * 1024 * 1024
 COMPARE_BYTES = 4 * 1024 * 1024  # a piece compared with the source: up to two copies of it per thread
@@ -196,6 +197,12 @@ def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | No
     """
     thread_count = thread_count_argument(thread_count, threads)
     allowed = _allowed_classes(allow_globals)
+    if select is not None and against is None:
+        raise ValueError(f"select='{select}' (--select) picks the subtree of the source to compare with; it needs"
+                         " against= (--against): pass the source, or drop select")
+    if tag is not None and not (against is not None and is_zero_checkpoint(against)):
+        raise ValueError(f"tag='{tag}' (--tag) picks a tag of the DeepSpeed checkpoint directory given as against="
+                         f" (--against); {against if against is not None else 'no source'} is not one: drop tag")
     report = VerifyReport(path=str(path), against=str(against) if against else None)
     # what is checked: x.pt names its sibling x.safetensors (None: it has none, and opening it below says so)
     checked = find_safetensors_for(path)
@@ -263,7 +270,6 @@ def _sharded_source(against: Any, select: str | None, tag: str | None = None,
 
 def _is_sharded_source(against: Any) -> bool:
     from .dcp_in import is_dcp_checkpoint
-    from .zero import is_zero_checkpoint
 
     return Path(against).is_dir() and (is_zero_checkpoint(against) or is_dcp_checkpoint(against))
 
@@ -345,11 +351,12 @@ def _load_failure(e: Exception, path: Any, trust_pickle: bool) -> str:
 
     text = str(e)
     first = next((line.strip() for line in text.splitlines() if line.strip()), type(e).__name__)
-    if trust_pickle or "Weights only load failed" not in text:
-        return f"torch.load cannot read it ({type(e).__name__}: {first[:200]})"
+    hint = weights_only_refusal_hint(path) if "Weights only load failed" in text and not trust_pickle else ""
+    if not hint and "Unsupported global" not in text:  # not a refusal of what the file holds: no pickle, or damaged
+        return f"torch.load cannot read it ({type(e).__name__}: {first[:200]}): not a torch.save file, or a damaged one"
     why = re.search(r"WeightsUnpickler error:\s*([^\n]+)", text)
     return (f"torch.load's weights-only unpickler refuses it ({(why.group(1) if why else first)[:200]})"
-            f"{weights_only_refusal_hint(path)}; pass the classes convert was allowed with --allow-global"
+            f"{hint}; pass the classes convert was allowed with --allow-global"
             " (allow_globals=), or, if you trust the file, --trust-pickle (trust_pickle=True)")
 
 
@@ -676,7 +683,11 @@ def _verify_open(ckpt: Checkpoint, report: VerifyReport, against: Any, select: s
             if _is_sharded_source(against):
                 src_tensors, src_structure = _sharded_source(against, select, tag, (trust_pickle, allowed))
             else:
-                src_obj = _select(_load_pt_as_torch_does(against, trust_pickle, allowed), select)
+                try:
+                    src_whole = _load_pt_as_torch_does(against, trust_pickle, allowed)
+                except KeyError as e:  # torch's unpickler on bytes that are no pickle: a KeyError of an opcode
+                    raise RuntimeError(f"unknown pickle opcode {e}") from None
+                src_obj = _select(src_whole, select)
         except FsdpRestoreError as e:
             report.problems.append((str(against), str(e)))
             return

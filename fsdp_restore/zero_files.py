@@ -36,6 +36,9 @@ def resolve_tag(path: str | os.PathLike[str], tag: str | None = None) -> Path:
     path = Path(path)
     if tag:
         chosen = path / tag
+        if not chosen.is_dir():
+            tags = sorted(p.name for p in path.iterdir() if p.is_dir() and optim_files(p))
+            raise FormatError(path, f"has no tag '{tag}' (its tags: {', '.join(tags) or 'none'})")
     elif optim_files(path):
         return path
     elif (path / "latest").is_file():

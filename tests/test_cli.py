@@ -57,6 +57,27 @@ def test_convert_verify_inspect(src, tmp_path):
     assert res.returncode == 0 and '"tensors": 2' in res.stdout
 
 
+@pytest.mark.parametrize("command", [["convert", "{src}", "{dir}/piped.safetensors"], ["inspect", "{dst}"],
+                                     ["inspect", "{dst}", "--json"], ["verify", "{dst}", "--against", "{src}"]],
+                         ids=["convert", "inspect", "inspect-json", "verify"])
+def test_a_reader_that_stops_early_does_not_fail_the_command(src, tmp_path, command):
+    """`fsdp-restore ... | head -1`: the reader closes the pipe before the command is done writing. The command
+    still did its work and exits 0 without a word (it exited 1, under `set -o pipefail` a failed conversion or
+    verification; --json printed 'error: [Errno 32] Broken pipe')."""
+    dst = tmp_path / "ck.safetensors"
+    assert run("convert", src, dst).returncode == 0
+    args = [a.format(src=src, dst=dst, dir=tmp_path) for a in command]
+    proc = subprocess.Popen([sys.executable, "-m", "fsdp_restore", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # before the command writes its first line
+    errors = proc.stderr.read()
+    assert proc.wait() == 0 and errors == "", errors
+    if command[0] == "convert":
+        import fsdp_restore
+
+        assert torch.equal(fsdp_restore.load(tmp_path / "piped.safetensors")["model"]["w"], torch.load(src)["model"]["w"])
+
+
 def test_errors_are_one_line_and_nonzero(tmp_path, src):
     res = run("convert", tmp_path / "missing.pt", tmp_path / "x.safetensors")
     assert res.returncode == 1 and "missing.pt" in res.stderr and "Traceback" not in res.stderr

@@ -516,6 +516,36 @@ def test_a_file_that_is_not_a_torch_save_file_is_named_as_such(tmp_path):
     assert not (tmp_path / "out.safetensors").exists()
 
 
+def test_cast_patterns_that_name_nothing_are_refused(tmp_path):
+    """A typo in a cast pattern ('optimizer.*' for 'optim.*'), or one written with the prefix --select drops, cast
+    nothing or everything it should have kept, and the conversion succeeded; patterns without a dtype did nothing.
+    Each is refused before anything is written, naming the pattern and how the keys look."""
+    torch.save({"model": {"w": torch.ones(2), "bn.running_var": torch.ones(2)}, "optim": {"m": torch.ones(2)}},
+               tmp_path / "ck.pt")
+    out = tmp_path / "out.safetensors"
+    with pytest.raises(ValueError, match=r"cast_include 'optimizer\.\*' matches no tensor; the keys look like: model"):
+        convert(tmp_path / "ck.pt", out, dtype="bf16", cast_include=["optimizer.*"])
+    with pytest.raises(ValueError, match=r"cast_exclude 'model\.bn\.\*' matches no tensor; the keys look like: w, bn"):
+        convert(tmp_path / "ck.pt", out, dtype="bf16", select="model", cast_exclude=["model.bn.*"])
+    with pytest.raises(ValueError, match="without a dtype they do nothing"):
+        convert(tmp_path / "ck.pt", out, cast_exclude=["model.bn.*"])
+    assert not out.exists()
+    convert(tmp_path / "ck.pt", out, dtype="bf16", select="model", cast_exclude=["bn.*"])  # as the keys are
+    from safetensors import safe_open
+
+    with safe_open(str(out), "pt") as f:
+        assert f.get_tensor("w").dtype == torch.bfloat16 and f.get_tensor("bn.running_var").dtype == torch.float32
+
+
+def test_tag_is_refused_where_it_picks_nothing(tmp_path):
+    """--tag picks a DeepSpeed tag: on a DCP directory it was ignored without a word."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    with pytest.raises(ValueError, match="picks a tag of a DeepSpeed checkpoint directory.*is not one: drop --tag"):
+        convert(tmp_path / "dcp", tmp_path / "out.safetensors", tag="global_step1")
+
+
 def test_a_safetensors_file_is_named_as_one(tmp_path):
     """model.safetensors of a Hugging Face run given to convert: it was 'not a torch.save file; is it the file you
     meant?', not that it needs no conversion."""

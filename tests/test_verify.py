@@ -374,3 +374,23 @@ def test_a_checkpoint_verified_against_itself_proves_nothing(tmp_path):
     res = subprocess.run([sys.executable, "-m", "fsdp_restore", "verify", str(tmp_path / "empty")],
                          capture_output=True, text=True)
     assert res.returncode != 0 and "FAIL" in res.stdout and "checksums verified" not in res.stdout, res.stdout
+
+
+def test_options_that_need_a_source_are_refused_without_one(tmp_path):
+    """select= and tag= choose what of the source is compared: without one (or with a source that has no tags) they
+    were ignored, and the verdict read as if they had been applied."""
+    torch.save({"model": {"w": torch.ones(2)}}, tmp_path / "ck.pt")
+    fsdp_restore.convert(tmp_path / "ck.pt", tmp_path / "ck.safetensors")
+    with pytest.raises(ValueError, match="select='model'.*needs against="):
+        fsdp_restore.verify(tmp_path / "ck.safetensors", select="model")
+    with pytest.raises(ValueError, match="tag='global_step2'.*ck.pt is not one: drop tag"):
+        fsdp_restore.verify(tmp_path / "ck.safetensors", against=tmp_path / "ck.pt", tag="global_step2")
+
+
+def test_a_source_that_is_no_pickle_is_named_as_such(tmp_path):
+    """A text file given as the source: torch's unpickler raises KeyError(101) ('e'), which was shown as '101'."""
+    torch.save({"w": torch.ones(2)}, tmp_path / "ck.pt")
+    fsdp_restore.convert(tmp_path / "ck.pt", tmp_path / "ck.safetensors")
+    (tmp_path / "text.pt").write_text("hello\n")
+    report = fsdp_restore.verify(tmp_path / "ck.safetensors", against=tmp_path / "text.pt")
+    assert not report.ok and "not a torch.save file, or a damaged one" in report.problems[0][1], report.problems
