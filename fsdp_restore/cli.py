@@ -523,8 +523,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     # key=value overrides may sit anywhere among the flags (argparse cannot interleave them).
     args.overrides = [a for a in extra if "=" in a and not a.startswith("-")]
     unknown = [a for a in extra if a not in args.overrides]
+    if args.command == "convert":  # an override typed before SRC or DST was taken for one of them
+        misplaced = [a for a in (args.src, args.dst) if a.partition("=")[0] in CONVERT_DEFAULTS and "=" in a]
+        if misplaced:
+            parser.exit(2, f"{parser.prog}: error: {misplaced[0]} was taken for a path: key=value overrides go after"
+                           f" SRC and DST (fsdp-restore convert SRC DST {misplaced[0]})\n")
     if unknown or (args.overrides and args.command != "convert"):
-        parser.error(f"unrecognized arguments: {' '.join(unknown or args.overrides)}")
+        parser.exit(2, f"{parser.prog}: error: unrecognized arguments: {' '.join(unknown or args.overrides)} (see"
+                       f" {parser.prog} {args.command} --help)\n")
     try:
         return args.func(args)
     except (FsdpRestoreError, FileExistsError, FileNotFoundError, KeyError, ValueError, OSError) as e:

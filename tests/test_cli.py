@@ -268,6 +268,19 @@ def test_usage_errors_are_one_line(capsys, argv):
     _one_line_error(info.value.code, capsys.readouterr().err)
 
 
+@pytest.mark.parametrize("argv,expected", [
+    (["convert", "dtype=bf16", "a.pt", "b.safetensors"], "dtype=bf16 was taken for a path: key=value overrides go after"),
+    (["convert", "a.pt", "dtype=bf16", "b.safetensors"], "dtype=bf16 was taken for a path"),
+    (["convert", "a.pt", "b.safetensors", "--on-unsupported", "skip"], "(see fsdp-restore convert --help)"),
+    (["inspect", "x", "dtype=bf16"], "unrecognized arguments: dtype=bf16 (see fsdp-restore inspect --help)")])
+def test_a_misplaced_override_or_flag_is_named_with_the_commands_help(capsys, argv, expected):
+    """An override before SRC or DST was reported as 'unrecognized arguments: b.safetensors', pointing at the
+    top-level help; an unknown flag pointed at the top-level help too."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert expected in _one_line_error(info.value.code, capsys.readouterr().err)
+
+
 def test_defaults_pass_the_checks():
     from fsdp_restore.cli import check_convert_options
 
