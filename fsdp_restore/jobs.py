@@ -11,6 +11,7 @@ import fnmatch
 import json
 import os
 import re
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,15 +97,17 @@ def plan_jobs(tensors: dict[str, torch.Tensor], structure: dict[str, Any], dtype
     exclude pattern, and a 0-dim tensor (a step counter, a scalar) only when a pattern names it exactly.
     """
     dtype = cast_target(dtype)
+    # Said, not refused: one config serves checkpoints that hold an optimizer's state and weights files that do not
     if dtype is None and (cast_include is not None or cast_exclude):
-        raise ValueError("cast_include / cast_exclude choose what a dtype cast (--dtype) applies to; without a dtype"
-                         " they do nothing: pass --dtype, or drop them")
-    # a pattern that names nothing is a typo, or a key named another way (--select drops the subtree's prefix)
-    given = [("cast_include", p) for p in cast_include or ()] + [("cast_exclude", p) for p in cast_exclude]
-    unmatched = [f"{name} '{p}'" for name, p in given if not any(fnmatch.fnmatchcase(k, p) for k in tensors)]
-    if unmatched:
-        shown = ", ".join(list(tensors)[:5]) + (", ..." if len(tensors) > 5 else "")
-        raise ValueError(f"{', '.join(unmatched)} matches no tensor; the keys look like: {shown or '(none)'}")
+        warnings.warn("cast_include / cast_exclude choose what a dtype cast (--dtype) applies to; without a dtype they"
+                      " change nothing", stacklevel=3)
+    elif dtype is not None:  # a typo, or a key named another way (--select drops the subtree's prefix; a tied alias)
+        given = [("cast_include", p) for p in cast_include or ()] + [("cast_exclude", p) for p in cast_exclude]
+        unmatched = [f"{name} '{p}'" for name, p in given if not any(fnmatch.fnmatchcase(k, p) for k in tensors)]
+        if unmatched:
+            shown = ", ".join(list(tensors)[:5]) + (", ..." if len(tensors) > 5 else "")
+            warnings.warn(f"{', '.join(unmatched)} matches no stored tensor, so it changes nothing; the stored keys look"
+                          f" like: {shown or '(none)'}", stacklevel=3)
     tensor_keys = {node["key"] for _, node in iter_nodes_with_keys(structure["root"]) if node["type"] == "tensor"}
     include = list(cast_include) if cast_include is not None else default_cast_scope(structure)
 

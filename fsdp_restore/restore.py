@@ -170,7 +170,7 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
                 same = _same_on_every_rank(ckpt, prefix=prefix, optim_prefix=optim_prefix, weights=weights,
                                            optimizer=optimizer, strict=strict, check=check,
                                            check_buffers=check_buffers, method=method, dtype_policy=dtype_policy,
-                                           stored_as=plan.stored_as, key_map=key_map)
+                                           stored_as=plan.stored_as)
         agree(problems, what, group, coverage=coverage, buffer_prints=prints, same=same)
         assert ckpt is not None
         timings = {"plan": time.perf_counter() - t0}
@@ -239,21 +239,19 @@ _PARTLY_WRITTEN = {  # by whether the model's weights were restored too
 
 def _same_on_every_rank(ckpt: Checkpoint, *, prefix: str | None, optim_prefix: str, weights: bool,
                         optimizer: torch.optim.Optimizer | None, strict: bool, check: bool, check_buffers: bool,
-                        method: str, dtype_policy: str, stored_as: dict[str, str],
-                        key_map: KeyMap | None = None) -> list[tuple[str, str]]:
+                        method: str, dtype_policy: str, stored_as: dict[str, str]) -> list[tuple[str, str]]:
     """What every rank of a restore must hold alike, for `agree`: the checkpoint's content (ranks that open it
     while it is replaced may each see a whole version but not the same one; copies on two nodes may differ)
     and each option that decides what is read where, as the call uses it (a rank with another one would read
     other bytes, or check other memory, with no error of its own; an option the call ignores is not compared):
-    a key map given as data (a dict, regex pairs) by its content, one given as a function by the names it gave
-    (``stored_as``: a model name's checkpoint name), so that ranks holding different models with the same map are
-    told only that; and the model's names themselves."""
+    the model's names with the checkpoint's name for each (``stored_as``: what a key map gave; without one, the
+    names themselves), so that maps passed in different forms with the same effect agree, and ranks that hold
+    different models are told so."""
     pairs = [(ckpt.content_sample(), "the ranks opened different versions of the checkpoint (it was replaced while"
               " they opened it, or the copies they read differ): give every rank the same file and restore again")]
     ignored = "(not used)"  # every rank has every slot, in the same order: the messages are the same everywhere
     options: dict[str, object] = {
         "check": bool(check), "optimizer": optimizer is not None,
-        "key_map": _key_map_digest(key_map, stored_as),
         "dtype_policy": dtype_policy,
         "model_prefix": (default_prefix(ckpt) if prefix is None else prefix) if weights else ignored,
         "strict": bool(strict) if weights or optimizer is not None else ignored,
@@ -263,22 +261,12 @@ def _same_on_every_rank(ckpt: Checkpoint, *, prefix: str | None, optim_prefix: s
     for name in sorted(options):
         pairs.append((repr(options[name]), f"the ranks called the restore with different values of {name}= (one"
                                            " value on every rank)"))
-    pairs.append((repr(zlib.crc32(json.dumps(sorted(stored_as)).encode())),
-                  "the ranks hold different models (other parameter or buffer names): every rank of the process group"
-                  " restores the same model; ranks that hold different parts of it (pipeline stages) each restore"
+    pairs.append((repr(zlib.crc32(json.dumps(sorted(stored_as.items())).encode())),
+                  "the ranks hold different models (other parameter or buffer names), or called the restore with"
+                  " key_map= values that name them differently: every rank of the process group restores the same"
+                  " model with the same key map; ranks that hold different parts of it (pipeline stages) each restore"
                   " with process_group= the group of the ranks that hold the same part"))
     return pairs
-
-
-def _key_map_digest(key_map: KeyMap | None, stored_as: dict[str, str]) -> int:
-    """What a key map is, the same on ranks that passed the same one: its content when it is data (whatever
-    names each rank's model holds), else the names it gave."""
-    if isinstance(key_map, Mapping):  # entries that rename nothing mean nothing: {} is no map
-        renames = sorted((str(k), str(v)) for k, v in key_map.items() if k != v)
-        return zlib.crc32(json.dumps(renames).encode()) if renames else 0
-    if isinstance(key_map, (list, tuple)) or key_map is None:
-        return zlib.crc32(repr([tuple(pair) for pair in key_map]).encode()) if key_map else 0
-    return zlib.crc32(json.dumps(sorted((k, v) for k, v in stored_as.items() if k != v)).encode())
 
 
 def _fill_reports(plan: ReadPlan, ckpt: Checkpoint, result: checks.CheckResult, *, bytes_read: int, method: str,

@@ -7,6 +7,7 @@ import argparse
 import importlib
 import math
 import os
+import pickle
 import re
 import struct
 import zipfile
@@ -345,6 +346,10 @@ def _load_pt_as_torch_does(path: str | os.PathLike[str], trust_pickle: bool, all
         return torch.load(path, **kwargs)
 
 
+class _NoPickle(Exception):
+    """torch's weights-only unpickler met a byte that is no pickle opcode (it raises KeyError for it)."""
+
+
 def _load_failure(e: Exception, path: Any, trust_pickle: bool) -> str:
     """One line for torch.load's refusal of the source, and what to do."""
     from .convert import weights_only_refusal_hint
@@ -352,8 +357,10 @@ def _load_failure(e: Exception, path: Any, trust_pickle: bool) -> str:
     text = str(e)
     first = next((line.strip() for line in text.splitlines() if line.strip()), type(e).__name__)
     hint = weights_only_refusal_hint(path) if "Weights only load failed" in text and not trust_pickle else ""
-    if not hint and "Unsupported global" not in text:  # not a refusal of what the file holds: no pickle, or damaged
-        return f"torch.load cannot read it ({type(e).__name__}: {first[:200]}): not a torch.save file, or a damaged one"
+    if not hint and "Unsupported global" not in text:  # not a refusal of what the file holds
+        damaged = isinstance(e, (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, _NoPickle))
+        return (f"torch.load cannot read it ({type(e).__name__}: {first[:200]})"
+                + (": not a torch.save file, or a damaged one" if damaged else ""))
     why = re.search(r"WeightsUnpickler error:\s*([^\n]+)", text)
     return (f"torch.load's weights-only unpickler refuses it ({(why.group(1) if why else first)[:200]})"
             f"{hint}; pass the classes convert was allowed with --allow-global"
@@ -685,8 +692,10 @@ def _verify_open(ckpt: Checkpoint, report: VerifyReport, against: Any, select: s
             else:
                 try:
                     src_whole = _load_pt_as_torch_does(against, trust_pickle, allowed)
-                except KeyError as e:  # torch's unpickler on bytes that are no pickle: a KeyError of an opcode
-                    raise RuntimeError(f"unknown pickle opcode {e}") from None
+                except KeyError as e:
+                    if trust_pickle:  # the file's own code raised it
+                        raise RuntimeError(f"KeyError: {e}") from None
+                    raise _NoPickle(f"unknown pickle opcode {e}") from None  # weights-only: bytes that are no pickle
                 src_obj = _select(src_whole, select)
         except FsdpRestoreError as e:
             report.problems.append((str(against), str(e)))

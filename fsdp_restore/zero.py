@@ -72,6 +72,10 @@ class LossScaler(_State):
     pass
 
 
+class DynamicLossScaler(_State):  # an fp16 run's (DeepSpeed's fp16 default: loss_scale 0)
+    pass
+
+
 class fragment_address(_State):  # noqa: N801 - the name the pickles use
     pass
 
@@ -80,10 +84,10 @@ class ZeroStageEnum(int):
     pass
 
 
-LossScaler.__module__ = "deepspeed.runtime.fp16.loss_scaler"
+LossScaler.__module__ = DynamicLossScaler.__module__ = "deepspeed.runtime.fp16.loss_scaler"
 fragment_address.__module__ = "deepspeed.utils.tensor_fragment"
 ZeroStageEnum.__module__ = "deepspeed.runtime.zero.config"
-STAND_INS = [LossScaler, fragment_address, ZeroStageEnum]
+STAND_INS = [LossScaler, DynamicLossScaler, fragment_address, ZeroStageEnum]
 
 _INTERNAL = {"module", "optimizer", "param_shapes", "frozen_param_shapes", "frozen_param_fragments", "shared_params",
              "buffer_names"}

@@ -21,34 +21,40 @@ def optim_files(tag_dir: Path) -> list[Path]:
     return sorted(files, key=lambda p: int(rank.search(p.name).group(1)))  # type: ignore[union-attr]
 
 
+def tags(path: Path) -> list[str]:
+    """The tag directories in ``path``: those holding optimizer files, whatever their name (``global_stepN`` by
+    default; ``save_checkpoint(dir, tag="best")`` names its own)."""
+    return sorted(p.name for p in path.iterdir() if p.is_dir() and optim_files(p))
+
+
 def is_zero_checkpoint(path: str | os.PathLike[str]) -> bool:
-    """A DeepSpeed checkpoint directory (holding ``latest`` or ``global_step*`` tags) or one tag directory."""
+    """A DeepSpeed checkpoint directory (holding ``latest`` or tag directories) or one tag directory."""
     path = Path(path)
     if not path.is_dir():
         return False
-    return bool((path / "latest").is_file() or optim_files(path) or any(
-        p.is_dir() and optim_files(p) for p in path.glob("global_step*")))
+    return bool((path / "latest").is_file() or optim_files(path) or tags(path))
 
 
 def resolve_tag(path: str | os.PathLike[str], tag: str | None = None) -> Path:
     """The tag directory to read: ``path`` itself when it holds the files, else ``path/tag``, else the tag
-    that ``path/latest`` names, else the only ``global_step*`` directory."""
+    that ``path/latest`` names, else the only tag directory (`tags`)."""
     path = Path(path)
     if tag:
         chosen = path / tag
+        if not chosen.is_dir() and path.name == tag and optim_files(path):
+            return path  # the tag directory itself, named by its own tag
         if not chosen.is_dir():
-            tags = sorted(p.name for p in path.iterdir() if p.is_dir() and optim_files(p))
-            raise FormatError(path, f"has no tag '{tag}' (its tags: {', '.join(tags) or 'none'})")
+            raise FormatError(path, f"has no tag '{tag}' (its tags: {', '.join(tags(path)) or 'none'})")
     elif optim_files(path):
         return path
     elif (path / "latest").is_file():
         chosen = path / (path / "latest").read_text().strip()
     else:
-        tags = sorted(p.name for p in path.glob("global_step*") if p.is_dir())
-        if len(tags) != 1:
-            raise FormatError(path, f"{'no' if not tags else 'several'} checkpoint tags ({', '.join(tags)}) and no"
+        found = tags(path)
+        if len(found) != 1:
+            raise FormatError(path, f"{'no' if not found else 'several'} checkpoint tags ({', '.join(found)}) and no"
                               " 'latest' file: pass --tag")
-        chosen = path / tags[0]
+        chosen = path / found[0]
     if not optim_files(chosen):
         raise FormatError(chosen, "no *_optim_states.pt files: not a DeepSpeed ZeRO checkpoint tag")
     return chosen

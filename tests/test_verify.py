@@ -394,3 +394,23 @@ def test_a_source_that_is_no_pickle_is_named_as_such(tmp_path):
     (tmp_path / "text.pt").write_text("hello\n")
     report = fsdp_restore.verify(tmp_path / "ck.safetensors", against=tmp_path / "text.pt")
     assert not report.ok and "not a torch.save file, or a damaged one" in report.problems[0][1], report.problems
+
+
+def test_a_source_whose_own_code_fails_is_not_called_damaged(tmp_path, monkeypatch):
+    """--trust-pickle runs the file's pickle: a class whose module is not importable here fails in the user's own
+    code, and the file is not 'damaged' (the message said so); a weights-only load of the same file still names
+    the class and the flags."""
+    import sys
+
+    (tmp_path / "mycfg_for_verify.py").write_text("class Config:\n    def __init__(self):\n        self.lr = 0.1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import mycfg_for_verify
+
+    torch.save({"w": torch.ones(2), "cfg": mycfg_for_verify.Config()}, tmp_path / "ck.pt")
+    fsdp_restore.save({"w": torch.ones(2)}, tmp_path / "ck.safetensors")
+    monkeypatch.delitem(sys.modules, "mycfg_for_verify")
+    (tmp_path / "mycfg_for_verify.py").unlink()
+    trusted = fsdp_restore.verify(tmp_path / "ck.safetensors", against=tmp_path / "ck.pt", trust_pickle=True)
+    assert "ModuleNotFoundError" in trusted.problems[0][1] and "damaged" not in trusted.problems[0][1], trusted.problems
+    safe = fsdp_restore.verify(tmp_path / "ck.safetensors", against=tmp_path / "ck.pt")
+    assert "mycfg_for_verify.Config" in safe.problems[0][1] and "--allow-global" in safe.problems[0][1], safe.problems

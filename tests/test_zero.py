@@ -125,6 +125,36 @@ def test_reads_without_deepspeed_and_a_tag_can_be_picked(zero_root, tmp_path):
         fsdp_restore.convert(src, tmp_path / "b.safetensors", tag="global_step9")
 
 
+def test_an_fp16_runs_loss_scaler_and_any_tag_name_convert_without_deepspeed(zero_root, tmp_path):
+    """An fp16 run with dynamic loss scaling (DeepSpeed's fp16 default) saves a DynamicLossScaler object, which
+    needed DeepSpeed installed (with --trust-pickle too); a tag of any name (save_checkpoint(tag="best") without
+    'latest') converts with --tag, and a tag directory may be named by its own tag."""
+    import shutil
+
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    src = _checkpoint(zero_root, 2, 2, "bf16")
+    ck = tmp_path / "ck"
+    shutil.copytree(src / "global_step2", ck / "best")
+    for f in (ck / "best").glob("*optim_states.pt"):  # CPU DeepSpeed cannot train in fp16: its object, put in
+        state = torch.load(f, weights_only=False)
+        state["optimizer_state_dict"]["loss_scaler"] = DynamicLossScaler(init_scale=2**16, scale_window=1000,
+                                                                         min_scale=1, delayed_shift=2, consecutive_hysteresis=False)
+        torch.save(state, f)
+    out = tmp_path / "out.safetensors"
+    for options in ("tag='best'", "tag='best', trust_pickle=True"):
+        script = (f"import sys; sys.modules['deepspeed'] = None; import fsdp_restore;"
+                  f"fsdp_restore.convert({str(ck)!r}, {str(out)!r}, {options}, force=True)")
+        res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+        assert res.returncode == 0, (options, res.stderr[-2000:])
+    oracle = _oracles(src, 2)[0]
+    back = fsdp_restore.load(out)["model"]
+    assert all(torch.equal(back[name], w) for name, w in oracle["weights"].items())
+    fsdp_restore.convert(ck / "best", tmp_path / "own.safetensors", tag="best")  # the tag directory itself
+    with pytest.raises(FormatError, match=r"has no tag 'worst' \(its tags: best\)"):
+        fsdp_restore.convert(ck, tmp_path / "x.safetensors", tag="worst")
+
+
 def test_a_missing_rank_file_is_named(zero_root, tmp_path):
     import shutil
 
