@@ -374,8 +374,11 @@ def cmd_check_restore(args: argparse.Namespace) -> int:
     from .check_restore import run_check_restore
 
     with err.status(f"restoring on {args.nproc} ranks..."):
-        report = run_check_restore(args.path, args.model, nproc=args.nproc, fsdp=args.fsdp,
-                                   model_prefix=args.model_prefix, key_map=args.key_map)
+        try:
+            report = run_check_restore(args.path, args.model, nproc=args.nproc, fsdp=args.fsdp,
+                                       model_prefix=args.model_prefix, key_map=args.key_map)
+        except ValueError as e:  # checked before any rank starts: --model, --key-map, --nproc (a usage error)
+            raise OptionError(str(e)) from None
     out.print(report.summary())
     return 0 if report.ok else 1
 

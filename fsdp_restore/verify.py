@@ -918,7 +918,10 @@ def render_inspect(info: dict[str, Any], console: Console, max_depth: int = 3) -
                 branch.add("[dim]...[/]")
 
     root = Tree(label(info["tree"]) + f"  [dim]{info['path']}[/]")
-    add(root, info["tree"], 1)
+    if max_depth >= 1:
+        add(root, info["tree"], 1)
+    elif info["tree"].get("children"):  # depth 0: the root's line and the totals only
+        root.add("[dim]...[/]")
     console.print(root)
     console.print(f"{info['tensors']} tensors, {info['bytes'] / 1e6:.2f} MB in {len(info['files'])} file(s);"
                   f" {info['checksums']} checksums; structure: {'yes' if info['has_structure'] else 'none (plain file)'}")

@@ -227,6 +227,18 @@ def test_check_restore_refuses_nproc_0(src, tmp_path, capsys):
     assert "--nproc" in err and "passed" not in err
 
 
+@pytest.mark.parametrize("flags", [["--model", "no_such_module_here:build"], ["--model", "tests.models:no_such"],
+                                   ["--model", "tests.models:build", "--key-map", "no_such_map.yaml"]],
+                         ids=["module", "function", "key-map"])
+def test_check_restore_bad_option_values_are_usage_errors(src, tmp_path, capsys, flags):
+    """A --model or --key-map that cannot be loaded is a bad option value: exit 2, as the README says (it was 1)."""
+    dst = tmp_path / "ck.safetensors"
+    assert main(["convert", str(src), str(dst)]) == 0
+    capsys.readouterr()
+    code = _main(["check-restore", str(dst), *flags])
+    assert code == 2 and flags[-1].split(":")[0] in _one_line_error(code, capsys.readouterr().err)
+
+
 def test_run_check_restore_refuses_nproc_0(tmp_path):
     from fsdp_restore.check_restore import run_check_restore
 

@@ -12,7 +12,7 @@ import torch
 
 import fsdp_restore
 from fsdp_restore.format import read_header
-from fsdp_restore.verify import inspect_checkpoint, verify
+from fsdp_restore.verify import inspect_checkpoint, render_inspect, verify
 
 
 @pytest.fixture
@@ -143,6 +143,22 @@ def test_inspect_shows_numpy_scalars_complex_numbers_and_a_nans_bits(tmp_path):
     values = {c["name"]: c.get("value") for c in inspect_checkpoint(tmp_path / "s.safetensors")["tree"]["children"]}
     assert values == {"lr": "np.float32(0.5)", "n": "np.int64(7)", "z": "(1.0, 2.0)",
                       "loss": "nan (bits 000000000000f8ff)"}, values
+
+
+def test_inspect_depth_0_shows_the_root_alone(tmp_path):
+    """--depth 0 was accepted and showed what --depth 1 shows."""
+    from rich.console import Console
+
+    fsdp_restore.save({"model": {"a": {"w": torch.ones(2)}}, "step": 3}, tmp_path / "s.safetensors")
+    info = inspect_checkpoint(tmp_path / "s.safetensors")
+    shown = {}
+    for depth in (0, 1, 2):
+        console = Console(record=True, width=200)
+        render_inspect(info, console, max_depth=depth)
+        shown[depth] = console.export_text()
+    assert "model" not in shown[0] and "step" not in shown[0] and "1 tensors" in shown[0]
+    assert "model" in shown[1] and "step" in shown[1] and " a " not in shown[1]
+    assert " a " in shown[2]
 
 
 def test_inspect_counts_each_stored_tensor_once_where_it_first_appears(tmp_path):
