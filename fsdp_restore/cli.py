@@ -379,7 +379,7 @@ def cmd_check_restore(args: argparse.Namespace) -> int:
                                        model_prefix=args.model_prefix, key_map=args.key_map)
         except ValueError as e:  # checked before any rank starts: --model, --key-map, --nproc (a usage error)
             raise OptionError(str(e)) from None
-    out.print(report.summary())
+    out.print(report.summary(), highlight=False, soft_wrap=True)  # its lines as they are: piped, not cut at 80
     return 0 if report.ok else 1
 
 

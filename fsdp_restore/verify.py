@@ -809,11 +809,12 @@ def render_verify(report: VerifyReport, console: Console) -> None:
                       highlight=False)
         for c in worst[:5]:
             console.print(f"  {c.key}: {c.before} -> {c.after}, max abs {c.max_abs:.3g}, max rel {c.max_rel:.3g}",
-                          highlight=False)
+                          highlight=False, soft_wrap=True)  # one tensor, one line, piped too
     if report.dropped:
         console.print(Text(f"{len(report.dropped)} values were dropped on conversion, as the file declares"
                            " (on_unsupported=skip; load() returns None there): " + ", ".join(
-                               f"{where} ({kind})" for where, kind in report.dropped[:10])), highlight=False)
+                               f"{where} ({kind})" for where, kind in report.dropped[:10])), highlight=False,
+                          soft_wrap=True)
     if report.verdict == HEADER_ONLY:
         console.print(f"[yellow]only the header was checked[/]: {report.tensors - report.checksummed} tensors carry no"
                       " checksum (a file written by another tool?); pass --against SOURCE.pt to compare every tensor",

@@ -60,7 +60,7 @@ def test_cli_exit_codes(setup):
     res = subprocess.run(cmd[:4] + ["bad.safetensors"] + cmd[5:], cwd=setup, capture_output=True, text=True)
     assert res.returncode == 1 and "layers.1.bias" in res.stdout
     res = subprocess.run(cmd[:6] + ["nomodule:build"] + cmd[7:], cwd=setup, capture_output=True, text=True)
-    assert res.returncode == 1 and "cannot import nomodule" in res.stderr and "Traceback" not in res.stderr
+    assert res.returncode == 2 and "cannot import nomodule" in res.stderr and "Traceback" not in res.stderr  # bad value
 
 
 LLAMA_FACTORY = '''
@@ -136,7 +136,7 @@ def test_cli_key_map_file(setup):
     assert res.returncode == 1 and "blocks.0.weight" in res.stdout, res.stdout + res.stderr
     (setup / "bad.yaml").write_text("- ['(', 'x']\n")
     res = subprocess.run(cmd + ["--key-map", "bad.yaml"], cwd=setup, capture_output=True, text=True)
-    assert res.returncode == 1 and "bad regex" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert res.returncode == 2 and "bad regex" in res.stderr and "Traceback" not in res.stderr, res.stderr
 
 
 def test_a_compiled_models_checkpoint_is_compared_tensor_by_tensor(setup):
