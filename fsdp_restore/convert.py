@@ -305,8 +305,8 @@ def _convert_directory(src: str | os.PathLike[str], dst: str | os.PathLike[str],
             files = sorted(p.name for p in Path(src).iterdir() if p.suffix in PT_SUFFIXES and p.is_file())
             each = (f"; convert its files one by one instead (a Hugging Face Trainer checkpoint: fsdp-restore convert"
                     f" {Path(src) / files[0]} ...; its model.safetensors needs no conversion)" if files else "")
-            raise FormatError(src, "a directory, but neither a DeepSpeed ZeRO checkpoint ('latest', or a"
-                              " global_step* tag with *_optim_states.pt files) nor a DCP checkpoint (.metadata +"
+            raise FormatError(src, "a directory, but neither a DeepSpeed ZeRO checkpoint ('latest', or tag"
+                              " directories with *_optim_states.pt files) nor a DCP checkpoint (.metadata +"
                               f" *.distcp){each}")
         check_destination(dst, force=force, sources=[src])
         # the classes a .pt's pickle may build may be built from the directory's pickles too

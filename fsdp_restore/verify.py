@@ -346,6 +346,19 @@ def _load_pt_as_torch_does(path: str | os.PathLike[str], trust_pickle: bool, all
         return torch.load(path, **kwargs)
 
 
+def _whole_torch_zip(path: Any) -> bool:
+    """A zip archive with its directory and a pickle record, as torch.save writes one (or a legacy file, which is
+    no zip: its failures are the pickle's, not the container's)."""
+    try:
+        if not zipfile.is_zipfile(path):
+            with open(path, "rb") as f:
+                return f.read(2) == b"\x80\x02"  # a legacy torch.save file starts with a protocol-2 pickle
+        with zipfile.ZipFile(path) as z:
+            return any(n == "data.pkl" or n.endswith("/data.pkl") for n in z.namelist())
+    except OSError:
+        return False
+
+
 class _NoPickle(Exception):
     """torch's weights-only unpickler met a byte that is no pickle opcode (it raises KeyError for it)."""
 
@@ -358,7 +371,9 @@ def _load_failure(e: Exception, path: Any, trust_pickle: bool) -> str:
     first = next((line.strip() for line in text.splitlines() if line.strip()), type(e).__name__)
     hint = weights_only_refusal_hint(path) if "Weights only load failed" in text and not trust_pickle else ""
     if not hint and "Unsupported global" not in text:  # not a refusal of what the file holds
-        damaged = isinstance(e, (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, _NoPickle))
+        # weights-only, nothing of the file's runs: any failure is the file's; trusted, its own code may fail too
+        damaged = (not trust_pickle or isinstance(e, (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, _NoPickle))
+                   or not _whole_torch_zip(path))
         return (f"torch.load cannot read it ({type(e).__name__}: {first[:200]})"
                 + (": not a torch.save file, or a damaged one" if damaged else ""))
     why = re.search(r"WeightsUnpickler error:\s*([^\n]+)", text)

@@ -412,6 +412,23 @@ def test_a_source_that_is_no_pickle_is_named_as_such(tmp_path):
     assert not report.ok and "not a torch.save file, or a damaged one" in report.problems[0][1], report.problems
 
 
+@pytest.mark.parametrize("trust_pickle", [False, True])
+def test_a_truncated_or_foreign_source_is_called_damaged(tmp_path, trust_pickle):
+    """torch's zip reader fails a .pt cut off half way with an OSError and a zip of other files with a RuntimeError:
+    both are the file's fault, with or without trust_pickle (a first version of the message lost that)."""
+    import zipfile
+
+    torch.save({"w": torch.randn(64, 64)}, tmp_path / "ck.pt")
+    fsdp_restore.convert(tmp_path / "ck.pt", tmp_path / "ck.safetensors")
+    whole = (tmp_path / "ck.pt").read_bytes()
+    (tmp_path / "trunc.pt").write_bytes(whole[:len(whole) // 2])
+    with zipfile.ZipFile(tmp_path / "other.pt", "w") as z:
+        z.writestr("readme.txt", "hi")
+    for name in ("trunc.pt", "other.pt"):
+        report = fsdp_restore.verify(tmp_path / "ck.safetensors", against=tmp_path / name, trust_pickle=trust_pickle)
+        assert "not a torch.save file, or a damaged one" in report.problems[0][1], (name, report.problems)
+
+
 def test_a_source_whose_own_code_fails_is_not_called_damaged(tmp_path, monkeypatch):
     """--trust-pickle runs the file's pickle: a class whose module is not importable here fails in the user's own
     code, and the file is not 'damaged' (the message said so); a weights-only load of the same file still names
