@@ -43,6 +43,7 @@ CONVERT_DEFAULTS: dict[str, Any] = {
     "tag": None,  # a DeepSpeed checkpoint directory's tag (default: the one 'latest' names)
 }
 
+
 def _drop_output(stream: Any) -> None:
     """Send what is still written to ``stream`` nowhere: its reader closed the pipe (``| head``) and has all it
     wanted; the command goes on and exits as it would have (rich's default, and Python's own, exit with 1)."""

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import torch_zip
-from .errors import ConvertError, FormatError, UnsafePickleError, thread_count_argument
+from .errors import ConvertError, FormatError, UnsafePickleError, first_line, thread_count_argument
 from .flatten import flatten
 from .format import META_SOURCE, PT_SUFFIXES, SNIFF_BYTES, is_legacy_torch_save
 from .jobs import ConvertReport, cast_groups, cast_target, plan_jobs, shard_size_argument, write_converted
@@ -200,7 +200,7 @@ def _load_stored_zip(path: Path, extra: list[Any]) -> Any:
         if isinstance(e, (UnsafePickleError, FormatError)):
             raise
         if isinstance(e, pickle.UnpicklingError):  # torch's weights-only unpickler refused an opcode or a call
-            raise UnsafePickleError(f"{path}: refused by the safe unpickler ({_first_line(e)}); pass --trust-pickle"
+            raise UnsafePickleError(f"{path}: refused by the safe unpickler ({first_line(e)}); pass --trust-pickle"
                                     " if you trust this file") from None
         raise _load_error(path, e) from None
 
@@ -225,14 +225,10 @@ def _refuse_unsafe_globals(path: Path, extra: list[Any]) -> None:
             " accepts the drop the file declares)")
 
 
-def _first_line(e: BaseException) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-
-
 def _load_error(path: Path, e: Exception) -> Exception:
     """What a failed torch.load (or `torch_zip.load`) is reported as: a refusal of the safe unpickler, or a
     file that cannot be read."""
-    text = _first_line(e)
+    text = first_line(e)
     if "Unsupported global" in str(e) or "weights_only" in str(e):
         return UnsafePickleError(f"{path}: refused by the safe unpickler ({text}); pass --trust-pickle if you"
                                  " trust this file")

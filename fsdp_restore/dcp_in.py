@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .errors import FormatError, refused_global
+from .errors import FormatError, first_line, refused_global
 from .write import HeldInPieces, scratch, stand_in
 
 _ALLOWED = {
@@ -195,8 +195,7 @@ def _value(path: Path, fqn: str, blob: bytes, safe_globals: Sequence[Any], trust
         refused = refused_global(f"{path}: the value '{fqn}'", e)
         if refused is not None:
             raise refused from None
-        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise FormatError(path, f"value '{fqn}' cannot be read safely ({text})") from None
+        raise FormatError(path, f"value '{fqn}' cannot be read safely ({first_line(e)})") from None
 
 
 def _unflatten(values: list[tuple[tuple[Any, ...], Any]]) -> Any:

@@ -43,6 +43,12 @@ class UnsafePickleError(FsdpRestoreError):
     """A .pt file needs pickle globals outside the allowlist; loading it could execute code."""
 
 
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (torch's run to paragraphs), or its type's name when it has none."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def refused_global(where: str, e: BaseException) -> UnsafePickleError | None:
     """The error for torch's weights-only unpickler refusing a global (``e``), naming it and both ways on, or None
     when ``e`` is another failure. ``where``: what held the pickle (a file, a value in one)."""

@@ -404,8 +404,8 @@ def grouped(chunks: Sequence[Chunk], ckpt: Checkpoint, chunk_bytes: int | None =
 def overflow_message(overflowed: dict[str, int]) -> str:
     """A restore's casts into the model's dtype that made finite values of these stored keys inf or NaN."""
     return ("the cast into the model's dtype made finite values infinite or NaN (beyond that dtype's range) in "
-            + overflow_listing(overflowed, quoted=True) + ": restore into a model whose dtype's range holds them (fp16 tops out at 65504), or bring those"
-              " values into range before casting")
+            + overflow_listing(overflowed, quoted=True) + ": restore into a model whose dtype's range holds them"
+              " (fp16 tops out at 65504), or bring those values into range before casting")
 
 
 def execute_reads(ckpt: Checkpoint, items: Sequence[ReadItem], threads: int = DEFAULT_READ_THREADS, *,

@@ -106,8 +106,8 @@ def plan_jobs(tensors: dict[str, torch.Tensor], structure: dict[str, Any], dtype
         unmatched = [f"{name} '{p}'" for name, p in given if not any(fnmatch.fnmatchcase(k, p) for k in tensors)]
         if unmatched:
             shown = ", ".join(list(tensors)[:5]) + (", ..." if len(tensors) > 5 else "")
-            warnings.warn(f"{', '.join(unmatched)} matches no stored tensor, so it changes nothing; the stored keys look"
-                          f" like: {shown or '(none)'}", stacklevel=3)
+            warnings.warn(f"{', '.join(unmatched)} matches no stored tensor, so it changes nothing; the stored keys"
+                          f" look like: {shown or '(none)'}", stacklevel=3)
     tensor_keys = {node["key"] for _, node in iter_nodes_with_keys(structure["root"]) if node["type"] == "tensor"}
     include = list(cast_include) if cast_include is not None else default_cast_scope(structure)
 

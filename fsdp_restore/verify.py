@@ -28,7 +28,7 @@ from rich.tree import Tree
 
 from .errors import FsdpRestoreError, thread_count_argument
 from .flatten import flatten, iter_nodes_with_keys
-from .format import torch_dtype_name
+from .format import SNIFF_BYTES, is_legacy_torch_save, torch_dtype_name
 from .measure import Stopwatch
 from .read import Checkpoint, find_safetensors_for
 from .checksum import combine_segments, plan_segments
@@ -352,7 +352,7 @@ def _whole_torch_zip(path: Any) -> bool:
     try:
         if not zipfile.is_zipfile(path):
             with open(path, "rb") as f:
-                return f.read(2) == b"\x80\x02"  # a legacy torch.save file starts with a protocol-2 pickle
+                return is_legacy_torch_save(f.read(SNIFF_BYTES))
         with zipfile.ZipFile(path) as z:
             return any(n == "data.pkl" or n.endswith("/data.pkl") for n in z.namelist())
     except OSError:

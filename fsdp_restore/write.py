@@ -553,12 +553,15 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
                     os.fsync(w.fd)
 
         one.step("write", write_blocks)
-        # casts that overflowed: every offender at once, from every rank's blocks, before the output is in place
-        overflowed = sum(one.gather(sum((w.overflowed for w in writers), Counter()), "the casts' check"), Counter())
-        if overflowed:
+        # in one exchange: every rank's casts that overflowed, and its crc32 pieces (and header pages) for rank 0's
+        # `finish` (a single process needs no pieces)
+        pieces = [w.segments() for w in writers] if one.world > 1 else []
+        counts = sum((w.overflowed for w in writers), Counter())
+        gathered = one.gather((counts, pieces), "checksums")
+        overflowed = sum((rank_counts for rank_counts, _ in gathered), Counter())
+        if overflowed:  # every offender at once, from every rank's blocks, before the output is in place
             raise overflow_error(overflowed, jobs)
-        # the other ranks' crc32 pieces (and header pages), for rank 0's `finish`
-        others = one.gather([w.segments() for w in writers], "checksums")[1:] if one.world > 1 else []
+        others = [segments for _, segments in gathered[1:]]
         result = WriteResult(paths=[], nbytes=sum(j.nbytes for j in jobs))
         renamed: list[bool] = []  # set by rank 0's commit once the output is in place
 

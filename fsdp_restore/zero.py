@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from .errors import FormatError, refused_global
+from .errors import FormatError, first_line, refused_global
 from .format import SNIFF_BYTES, is_legacy_torch_save
 from .mapped import MappedFile, pread_exactly
 from .write import HeldInPieces, Reader, scratch, stand_in
@@ -181,9 +181,8 @@ def _load(path: Path, safe_globals: Sequence[Any] = (), trust_pickle: bool = Fal
                               " torch.load and save it again with a current torch's torch.save" if legacy else
                               "not a whole torch.save archive (truncated or corrupt: no zip directory at its end);"
                               " copy it again from where the run saved it") from None
-        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise FormatError(path, f"cannot read as a DeepSpeed checkpoint file without executing its pickle ({text})"
-                          ) from None
+        raise FormatError(path, "cannot read as a DeepSpeed checkpoint file without executing its pickle"
+                          f" ({first_line(e)})") from None
     if not isinstance(obj, dict):
         raise FormatError(path, "not a DeepSpeed checkpoint file (no dict at the top)")
     return obj

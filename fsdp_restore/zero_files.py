@@ -41,9 +41,9 @@ def resolve_tag(path: str | os.PathLike[str], tag: str | None = None) -> Path:
     path = Path(path)
     if tag:
         chosen = path / tag
-        if not chosen.is_dir() and path.name == tag and optim_files(path):
-            return path  # the tag directory itself, named by its own tag
         if not chosen.is_dir():
+            if path.name == tag and optim_files(path):
+                return path  # the tag directory itself, named by its own tag
             raise FormatError(path, f"has no tag '{tag}' (its tags: {', '.join(tags(path)) or 'none'})")
     elif optim_files(path):
         return path
