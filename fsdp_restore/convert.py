@@ -375,7 +375,9 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
 
     ``dtype`` (bf16, fp16, fp32, fp64) casts the model's floating weights (`default_cast_scope`); optimizer
     state and 0-dim values keep their dtype unless ``cast_include`` patterns name them (a 0-dim tensor
-    only by its exact key). ``report.cast`` lists what was cast, by group.
+    only by its exact key). ``report.cast`` lists what was cast, by group. A cast that would make a finite value
+    infinite or NaN, or change a tensor of whole numbers (a counter, an index) or a 0-dim value, is a
+    `ConvertError` naming every such tensor before anything is put at ``dst`` (what `verify` fails a file for).
 
     ``process_group``: convert on every rank of that group together (``torchrun``; the CLI does it when launched
     so), each rank reading and writing only its share of the output's 32 MB blocks into the one file

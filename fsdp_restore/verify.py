@@ -125,7 +125,7 @@ class _CastStats:
         if diff.numel():
             self.max_abs = max(self.max_abs, float(diff.max()))
             self.max_rel = max(self.max_rel, float((diff / src64.abs()[finite].clamp_min(1e-30)).max()))
-        self.changed |= bool((back != src64).any()) and not bool((back.isnan() & src64.isnan()).all())
+        self.changed |= bool(((back != src64) & ~(back.isnan() & src64.isnan())).any())  # NaN stays NaN: no change
         whole = src64[torch.isfinite(src64)]
         self.integer_valued &= bool((whole == whole.round()).all())
 

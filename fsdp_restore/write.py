@@ -21,6 +21,7 @@ import ctypes
 import errno
 import glob
 import json
+import math
 import mmap
 import os
 import re
@@ -266,6 +267,7 @@ class _FileWriter:
         self._head_tail = b""  # direct only: the data bytes in the page where the header ends
         self.checksums: dict[str, str] = {}
         self.overflowed: Counter[str] = Counter()  # per key: finite values a narrowing cast made inf or NaN
+        self.rounded: set[str] = set()  # keys a cast may have changed as verify fails it (`changed_by_cast`)
         self._segment_crcs: dict[str, dict[int, tuple[int, int]]] = {j.key: {} for j in jobs}
 
     def blocks(self) -> list[_Block]:
@@ -292,9 +294,13 @@ class _FileWriter:
                 if job.location is not None and job.dtype == job.source.dtype:
                     pread_exactly(job.location[0], memoryview(memory)[piece.at:piece.at + piece.nbytes],
                                   job.location[1] + piece.first)
-                elif overflowed := _copy_piece(piece, buffer):
-                    with self._lock:
-                        self.overflowed[job.key] += overflowed
+                else:
+                    overflowed, rounded = _copy_piece(piece, buffer)
+                    if overflowed or rounded:
+                        with self._lock:
+                            self.overflowed[job.key] += overflowed
+                            if rounded:
+                                self.rounded.add(job.key)
                 crc = zlib.crc32(data[piece.at:piece.at + piece.nbytes])
                 with self._lock:
                     self._segment_crcs[job.key][piece.first] = (crc, piece.nbytes)
@@ -363,9 +369,10 @@ class _FileWriter:
             self.fd = -1
 
 
-def _copy_piece(piece: _Piece, buffer: torch.Tensor) -> int:
+def _copy_piece(piece: _Piece, buffer: torch.Tensor) -> tuple[int, bool]:
     """Copy (and cast) one piece of a tensor that is not read from a file at its offset into the block buffer;
-    returns how many finite source values a narrowing cast made infinite or NaN (`narrowing`)."""
+    returns how many finite source values a narrowing cast made infinite or NaN (`narrowing`), and whether the
+    cast may have changed the tensor as `changed_by_cast` says (decided over the whole tensor afterwards)."""
     job, size = piece.job, piece.job.dtype.itemsize
     first, stop = piece.first // size, -(-(piece.first + piece.nbytes) // size)
     parts = _source_elements(job, first, stop)
@@ -377,23 +384,75 @@ def _copy_piece(piece: _Piece, buffer: torch.Tensor) -> int:
         _copy_elements(out, parts)
         skip = piece.first - first * size
         buffer[piece.at:piece.at + piece.nbytes].copy_(out.view(torch.uint8)[skip:skip + piece.nbytes])
-    return cast_overflow(job.source.dtype, out, lambda: torch.cat([p.reshape(-1) for p in parts]))
+    source_dtype = job.source.dtype
+    overflowed, large = cast_screen(source_dtype, out, lambda: torch.cat([p.reshape(-1) for p in parts]))
+    rounded = job.dtype != source_dtype and (job.source.dim() == 0 or (large and rounds_whole_numbers(
+        source_dtype, job.dtype)))
+    return overflowed, rounded
 
 
 def cast_overflow(source_dtype: torch.dtype, out: torch.Tensor, source: Callable[[], torch.Tensor]) -> int:
     """How many finite values of ``source()`` (of ``source_dtype``; called only when needed) the copy into
-    ``out`` made inf or NaN: 0 unless the copy was a `narrowing` cast. The smallest and largest values are finite
-    only where every value is: one cheap pass (isfinite() is several times the cast itself; a sum accumulated in
-    fp32 as slow, one in fp16 passes 65504); the exact count only where they are not."""
-    if not narrowing(source_dtype, out.dtype) or out.numel() == 0:
-        return 0
-    if out.dtype.itemsize == 1:  # float8: torch asks neither aminmax nor isfinite of these
-        out = out.float()
-    low, high = torch.aminmax(out)  # NaN propagates; no sum that could itself pass fp16's 65504
-    if bool(torch.isfinite(low)) and bool(torch.isfinite(high)):
-        return 0
+    ``out`` made inf or NaN: 0 unless the copy was a `narrowing` cast (`cast_screen`)."""
+    return cast_screen(source_dtype, out, source)[0] if narrowing(source_dtype, out.dtype) else 0
+
+
+def cast_screen(source_dtype: torch.dtype, out: torch.Tensor, source: Callable[[], torch.Tensor]) -> tuple[int, bool]:
+    """What a cast of ``source()`` (of ``source_dtype``; called only when needed) into ``out`` may have done:
+    how many finite values it made inf or NaN (0 unless `narrowing`), and whether ``out`` holds a value at or
+    beyond the magnitude up to which ``out``'s dtype holds every whole number (`exact_whole_numbers`; or a NaN).
+    The smallest and largest values tell both in one cheap pass (isfinite() is several times the cast itself; a
+    sum accumulated in fp32 as slow, one in fp16 passes 65504); the exact count only where they are not finite."""
+    if source_dtype == out.dtype or out.numel() == 0 or not (
+            narrowing(source_dtype, out.dtype) or rounds_whole_numbers(source_dtype, out.dtype)):
+        return 0, False
+    low, high = (float(v) for v in torch.aminmax(out.float() if out.dtype.itemsize == 1 else out))  # float8: no
+    # aminmax of its own. NaN propagates (a NaN or inf bound fails the comparisons below); no sum that could pass 65504
+    limit = exact_whole_numbers(out.dtype)
+    large = not (-limit < low and high < limit)
+    if not narrowing(source_dtype, out.dtype) or (math.isfinite(low) and math.isfinite(high)):
+        return 0, large
     flat = source().reshape(-1)
-    return int((torch.isfinite(flat) & ~torch.isfinite(out.reshape(-1))).sum())
+    return int((torch.isfinite(flat) & ~torch.isfinite(out.reshape(-1))).sum()), large
+
+
+def exact_whole_numbers(dtype: torch.dtype) -> float:
+    """The magnitude below which floating ``dtype`` holds every whole number exactly: 2 ** (its mantissa's bits
+    + 1), 256 for bf16, 2048 for fp16. A whole number cast to ``dtype`` that stays under it in magnitude is
+    unchanged."""
+    return 2.0 / torch.finfo(dtype).eps
+
+
+def rounds_whole_numbers(source: torch.dtype, target: torch.dtype) -> bool:
+    """Whether casting floating ``source`` to floating ``target`` can round a whole number (``target`` has fewer
+    mantissa bits: fp32 -> bf16 or fp16, fp16 -> bf16, fp64 -> fp32)."""
+    return (source.is_floating_point and target.is_floating_point
+            and torch.finfo(target).eps > torch.finfo(source).eps)
+
+
+def changed_by_cast(job: TensorJob, chunk: int = 1 << 22) -> float | None:
+    """Whether casting ``job``'s source to ``job.dtype`` changes what `verify --against` fails a file for (its rule,
+    computed here on its own): a 0-dim value, or a tensor whose finite values are all whole numbers (a counter, an
+    index). None if not; else the largest change. Reads the source again, ``chunk`` elements at a time: it runs only
+    for the few tensors whose cast screen said a change was possible (`cast_screen`)."""
+    n = job.source.numel()
+    changed, largest = False, 0.0
+    first, stop = 0, min(n, 4096)  # a small first look: where a value is not whole it is usually among the first
+    while first < n:
+        parts = _source_elements(job, first, stop)
+        first, stop = stop, min(n, stop + chunk)
+        flat = parts[0].reshape(-1) if len(parts) == 1 else torch.cat([p.reshape(-1) for p in parts])
+        finite = flat[flat.isfinite()]
+        if job.source.dim() and not bool((finite == finite.trunc()).all()):
+            return None  # not a tensor of whole numbers: weights, whose cast is the point
+        back = flat.to(job.dtype).to(flat.dtype)
+        differs = (back != flat) & ~(back.isnan() & flat.isnan())
+        if bool(differs.any()):
+            changed = True
+            both = differs & flat.isfinite() & back.isfinite()  # values made inf: `cast_screen`'s count says so
+            if bool(both.any()):
+                largest = max(largest, float((back[both].double() - flat[both].double()).abs().max()))
+    return largest if changed else None
 
 
 def narrowing(source: torch.dtype, target: torch.dtype) -> bool:
@@ -412,20 +471,32 @@ def overflow_listing(overflowed: Mapping[str, int], *, quoted: bool = False) -> 
         f", ... ({len(keys) - 20} more)" if len(keys) > 20 else "")
 
 
-def overflow_error(overflowed: dict[str, int], jobs: Sequence[TensorJob]) -> ConvertError:
-    """The error for casts that made finite values of these keys inf or NaN, listing every one and the fix."""
-    keys = sorted(overflowed)
+def cast_error(overflowed: Mapping[str, int], changed: Mapping[str, float], jobs: Sequence[TensorJob]) -> ConvertError:
+    """The error for casts that made finite values of these keys inf or NaN (``overflowed``: how many), or changed
+    a tensor of whole numbers or a 0-dim value (``changed``: by up to how much; `changed_by_cast`), listing every
+    one and the fix."""
+    keys = sorted(set(overflowed) | set(changed))
     by_key = {j.key: j for j in jobs}
     target = by_key[keys[0]].dtype
-    listed = overflow_listing(overflowed)
-    wider = (f" or cast to bf16 (up to +-{torch.finfo(torch.bfloat16).max:.3g});" if target == torch.float16 and all(
-        by_key[k].source.dtype in (torch.float32, torch.bfloat16) for k in keys) else "")
+    name = str(target).removeprefix("torch.")
+    said = []
+    if overflowed:
+        said.append(f"would make finite values infinite or NaN (beyond its range, +-{torch.finfo(target).max:g}) in"
+                    f" {len(overflowed)} tensor(s): {overflow_listing(overflowed)}")
+    if changed:
+        listed = sorted(changed)
+        said.append(f"would change {len(listed)} tensor(s) of whole numbers (a counter or an index?) or 0-dim"
+                    " value(s), which `fsdp-restore verify --against` then fails: " + ", ".join(
+                        f"{k} ({'0-dim' if by_key[k].source.dim() == 0 else 'whole numbers'}, by up to {changed[k]:g})"
+                        for k in listed[:20]) + (
+                        f", ... ({len(listed) - 20} more)" if len(listed) > 20 else ""))
+    wider = (f" or cast to bf16 (up to +-{torch.finfo(torch.bfloat16).max:.3g});" if overflowed and not changed
+             and target == torch.float16 and all(by_key[k].source.dtype in (torch.float32, torch.bfloat16)
+                                                 for k in keys) else "")
     shown = [glob.escape(k) for k in keys[:3]] + (["..."] if len(keys) > 3 else [])  # patterns matching the keys
-    return ConvertError(f"the cast to {str(target).removeprefix('torch.')} would make finite values infinite or NaN"
-                        f" (beyond its range, +-{torch.finfo(target).max:g}) in {len(keys)} tensor(s): {listed};"
-                        f" nothing was written. Keep them in their dtype (convert: cast_exclude={shown!r}; save: cast"
-                        f" the other tensors yourself and pass no dtype);{wider} or bring those values into range"
-                        " first")
+    return ConvertError(f"the cast to {name} {'; and '.join(said)}; nothing was written. Keep them in their dtype"
+                        f" (convert: cast_exclude={shown!r}; save: cast the other tensors yourself and pass no dtype)"
+                        + (f";{wider} or bring those values into range first" if overflowed else ""))
 
 
 def _write_block(block: _Block, progress: ProgressFn | None) -> None:
@@ -551,17 +622,24 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
             if one.world > 1:  # on the device before rank 0 commits (a single process fsyncs in `finish`)
                 for w in writers:
                     os.fsync(w.fd)
+            for w in writers:  # the few tensors the cast screen could not clear, judged whole
+                for job in w.jobs:
+                    if job.key in w.rounded and (change := changed_by_cast(job)) is not None:
+                        rounded[job.key] = change
 
+        rounded: dict[str, float] = {}
         one.step("write", write_blocks)
-        # in one exchange: every rank's casts that overflowed, and its crc32 pieces (and header pages) for rank 0's
-        # `finish` (a single process needs no pieces)
+        # in one exchange: every rank's casts that overflowed or changed whole numbers, and its crc32 pieces (and
+        # header pages) for rank 0's `finish` (a single process needs no pieces)
         pieces = [w.segments() for w in writers] if one.world > 1 else []
         counts = sum((w.overflowed for w in writers), Counter())
-        gathered = one.gather((counts, pieces), "checksums")
-        overflowed = sum((rank_counts for rank_counts, _ in gathered), Counter())
-        if overflowed:  # every offender at once, from every rank's blocks, before the output is in place
-            raise overflow_error(overflowed, jobs)
-        others = [segments for _, segments in gathered[1:]]
+        gathered = one.gather((counts, rounded, pieces), "checksums")
+        overflowed = sum((rank_counts for rank_counts, _, _ in gathered), Counter())
+        changed = {key: change for _, rank_changed, _ in gathered for key, change in rank_changed.items()
+                   if key not in overflowed}  # values made infinite: said once, as such
+        if overflowed or changed:  # every offender at once, from every rank's blocks, before the output is in place
+            raise cast_error(overflowed, changed, jobs)
+        others = [segments for _, _, segments in gathered[1:]]
         result = WriteResult(paths=[], nbytes=sum(j.nbytes for j in jobs))
         renamed: list[bool] = []  # set by rank 0's commit once the output is in place
 

@@ -303,8 +303,8 @@ def test_a_cast_beyond_the_target_range_is_refused_naming_every_tensor(tmp_path)
     """fp16 tops out at 65504: a BatchNorm running_var or a large weight became inf, silently, and verify passed
     it as a declared cast. Values already inf or NaN in the source are not the cast's doing; bf16 keeps fp32's
     range; cast_exclude keeps the named tensors as they are."""
-    state = {"bn.running_var": torch.tensor([1.0, 7e4, 2.0]), "w": torch.tensor([0.5, -1e6 + 0.25, 3.0]),
-             "ok": torch.tensor([1.0, float("inf"), float("nan"), -65504.0])}
+    state = {"bn.running_var": torch.tensor([1.5, 7e4, 2.0]), "w": torch.tensor([0.5, -1e6 + 0.25, 3.0]),
+             "ok": torch.tensor([1.5, float("inf"), float("nan"), -65504.0])}  # not whole numbers: bf16 may round them
     torch.save(state, tmp_path / "w.pt")
     dst = tmp_path / "w.safetensors"
     with pytest.raises(fsdp_restore.ConvertError) as info:
@@ -321,6 +321,52 @@ def test_a_cast_beyond_the_target_range_is_refused_naming_every_tensor(tmp_path)
                           str(tmp_path / "cli.safetensors"), "--dtype", "fp16"], capture_output=True, text=True)
     assert res.returncode == 1 and "cast_exclude=['bn.running_var', 'w']" in res.stderr and "bf16" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_a_cast_that_changes_whole_numbers_or_a_named_scalar_is_refused_as_verify_fails_it(tmp_path, monkeypatch):
+    """`convert --dtype bf16` wrote, and `verify --against` then failed, a tensor of whole numbers the cast rounded
+    (position ids, a counter): the rule was verify's alone. Convert refuses exactly what verify fails (verify's own
+    rule is the oracle: its verdict on the file written with convert's check switched off), deciding over the whole
+    tensor where only a far block holds the large values, and casts what verify passes: whole numbers the cast
+    keeps, large values that are not whole, a NaN among whole numbers, a named 0-dim value it keeps."""
+    import ast
+    import re
+
+    from fsdp_restore import write
+
+    monkeypatch.setattr(write, "BLOCK_BYTES", 8192)  # two blocks per 8192-element tensor cast to bf16
+    n = 8192
+    far = torch.zeros(n)
+    far[n // 2:] = torch.arange(300.0, 300.0 + n // 2)  # whole; only its second block holds values bf16 rounds
+    mixed = far.clone()
+    mixed[0] = 0.5  # one value in the first block is not whole: weights, cast
+    source = {"model": {
+        "far": far, "mixed": mixed, "ids": torch.arange(258.0),  # 257 -> 256
+        "exact": torch.arange(0.0, 2.0 ** 20, 2.0 ** 12),  # whole and large, every one exact in bf16
+        "small": torch.arange(-255.0, 256.0), "nan": torch.tensor([1.0, float("nan"), 512.0, -float("inf")]),
+        "w": torch.randn(3000, generator=torch.Generator().manual_seed(0)) * 1000,
+        "scale": torch.tensor(0.1), "step": torch.tensor(3.0)}}  # 0-dim: cast only when named
+    src = tmp_path / "src.pt"
+    torch.save(source, src)
+    named_scalars = ["model.*", "model.scale", "model.step"]
+    with pytest.raises(fsdp_restore.ConvertError) as info:
+        convert(src, tmp_path / "o.safetensors", dtype="bf16", cast_include=named_scalars, thread_count=3)
+    text = str(info.value)
+    refused = set(re.findall(r"(model\.\w+) \((?:whole numbers|0-dim), by up to", text))
+    assert refused == {"model.far", "model.ids", "model.scale"}, text
+    assert "model.ids (whole numbers, by up to 1)" in text and sorted(os.listdir(tmp_path)) == ["src.pt"]
+
+    real = write.changed_by_cast
+    monkeypatch.setattr(write, "changed_by_cast", lambda job, chunk=0: None)  # the check off: the file verify judges
+    convert(src, tmp_path / "unchecked.safetensors", dtype="bf16", cast_include=named_scalars)
+    monkeypatch.setattr(write, "changed_by_cast", real)
+    failed = {key for key, _ in fsdp_restore.verify(tmp_path / "unchecked.safetensors", against=src).problems}
+    assert failed == refused
+
+    advised = ast.literal_eval(re.search(r"cast_exclude=(\[.*?\])", text).group(1))
+    report = convert(src, tmp_path / "o.safetensors", dtype="bf16", cast_include=named_scalars, cast_exclude=advised)
+    assert report.cast_tensors == 6
+    assert fsdp_restore.verify(tmp_path / "o.safetensors", against=src).verdict == "identical up to the declared cast"
 
 
 def test_cli_int8_is_one_clear_error(train_ckpt, tmp_path):

@@ -155,3 +155,18 @@ def test_verify_against_the_dcp_directory(saved, tmp_path):
     fsdp_restore.convert(root / "ckpt", tmp_path / "c.safetensors")
     report = fsdp_restore.verify(tmp_path / "c.safetensors", against=root / "ckpt")
     assert report.verdict == "identical", report.problems
+
+
+def test_a_cast_that_rounds_whole_numbers_is_refused_from_a_directory_too(tmp_path):
+    """Tensors of a DCP directory are read through their chunks' readers: the whole-number rule of a cast (convert
+    refuses what `verify --against` fails) judges them over those readers, block by block and whole."""
+    import torch.distributed.checkpoint as dcp
+
+    values = {"model": {"ids": torch.arange(300.0).reshape(3, 100), "w": torch.linspace(-400.0, 400.0, 77)}}
+    dcp.save(values, checkpoint_id=tmp_path / "d", no_dist=True)
+    with pytest.raises(fsdp_restore.ConvertError, match=r"model\.ids \(whole numbers, by up to 1\)") as info:
+        fsdp_restore.convert(tmp_path / "d", tmp_path / "o.safetensors", dtype="bf16")
+    assert "model.w" not in str(info.value) and not (tmp_path / "o.safetensors").exists()
+    fsdp_restore.convert(tmp_path / "d", tmp_path / "o.safetensors", dtype="bf16", cast_exclude=["model.ids"])
+    assert fsdp_restore.verify(tmp_path / "o.safetensors", against=tmp_path / "d").verdict == (
+        "identical up to the declared cast")

@@ -348,10 +348,15 @@ def _overflowing_casts(rank: int, world_size: int, src: str, dst: str) -> str:
 
 def test_casts_that_overflow_on_several_ranks_are_all_named_on_every_rank(tmp_path):
     """Each rank knows only the blocks it wrote: the error named the first failing rank's tensors only, and
-    following its cast_exclude advice failed again on the next."""
-    a, b = torch.zeros(4096), torch.zeros(4096)
+    following its cast_exclude advice failed again on the next. The same for whole numbers the cast rounds, where
+    a tensor is judged whole (c) or not (d: one value of it, in another rank's block, is not whole)."""
+    a, b, c = torch.zeros(4096), torch.zeros(4096), torch.zeros(8192)
     a[0], b[100] = 1e6, -1e6
-    torch.save({"a": a, "b": b}, tmp_path / "x.pt")
+    c[4096:] = torch.arange(3001.0, 3001.0 + 4096)  # fp16 rounds odd whole numbers past 2048
+    d = c.clone()
+    d[0] = 0.5
+    torch.save({"a": a, "b": b, "c": c, "d": d}, tmp_path / "x.pt")
     texts = run_ranks(_overflowing_casts, 2, str(tmp_path / "x.pt"), str(tmp_path / "out.safetensors"))
-    assert texts[0] == texts[1] and "a (1 values), b (1 values)" in texts[0] and "['a', 'b']" in texts[0], texts
+    assert texts[0] == texts[1] and "a (1 values), b (1 values)" in texts[0] and "['a', 'b', 'c']" in texts[0], texts
+    assert "c (whole numbers, by up to 2)" in texts[0] and "d (" not in texts[0], texts[0]
     assert sorted(os.listdir(tmp_path)) == ["x.pt"]

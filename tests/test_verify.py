@@ -206,12 +206,18 @@ def test_identical_up_to_the_declared_cast(tmp_path):
     assert res.returncode == 0 and "identical up to the declared cast" in res.stdout
 
 
-def test_cast_that_changes_a_counter_or_a_scalar_fails(tmp_path):
+def test_cast_that_changes_a_counter_or_a_scalar_fails(tmp_path, monkeypatch):
+    """(Convert refuses such a cast now; a file from before, written here with that check switched off.) A NaN among
+    whole numbers is not a change: verify failed [1, nan, 512] cast to bf16 'by up to 0'."""
+    import fsdp_restore.write as write_module
+
     src = tmp_path / "src.pt"
-    torch.save({"model": {"w": torch.ones(3)}, "optim": {"step": torch.tensor(301.0), "seen": torch.arange(250.0, 260.0)}},
-               src)
+    torch.save({"model": {"w": torch.ones(3), "nan": torch.tensor([1.0, float("nan"), 512.0])},
+                "optim": {"step": torch.tensor(301.0), "seen": torch.arange(250.0, 260.0)}}, src)
+    monkeypatch.setattr(write_module, "changed_by_cast", lambda job, chunk=0: None)
     fsdp_restore.convert(src, tmp_path / "all.safetensors", dtype="bf16",
                          cast_include=["model.*", "optim.seen", "optim.step"])
+    monkeypatch.undo()
     report = verify(tmp_path / "all.safetensors", against=src)
     problems = dict(report.problems)
     assert report.verdict == "failed" and set(problems) == {"optim.step", "optim.seen"}
