@@ -674,7 +674,10 @@ def _compare_values(comparer: _Comparer, ckpt: Checkpoint, report: VerifyReport,
             seen = found.setdefault(pair.path, _Piece(0, first=piece.first, error=piece.error))
             seen.differ += piece.differ
         elif piece.cast is not None:
-            casts.setdefault(pair.cast_key, (pair.src, _CastStats()))[1].merge(piece.cast)  # type: ignore[index]
+            src, stats = casts.get(pair.cast_key, (pair.src, _CastStats()))
+            stats.merge(piece.cast)  # type: ignore[arg-type]
+            # judged as the tensor stored, not as an alias that views part of it (a 0-dim w[3] beside w)
+            casts[pair.cast_key] = (pair.src if pair.src.numel() > src.numel() else src, stats)
     for path, p in found.items():
         report.problems.append((path or "<root>", f"cannot compare with the source: {p.error}" if p.error else
                                 f"bytes differ from the source ({p.differ} elements, first at index {p.first})"))

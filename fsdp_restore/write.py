@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fnmatch
+import functools
 import glob
 import json
 import math
@@ -32,7 +34,7 @@ import zlib
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from math import prod
 from pathlib import Path
 
@@ -375,7 +377,9 @@ def _copy_piece(piece: _Piece, buffer: torch.Tensor) -> tuple[int, bool]:
     cast may have changed the tensor as `changed_by_cast` says (decided over the whole tensor afterwards)."""
     job, size = piece.job, piece.job.dtype.itemsize
     first, stop = piece.first // size, -(-(piece.first + piece.nbytes) // size)
-    parts = _source_elements(job, first, stop)
+    parts = source = _source_elements(job, first, stop)
+    if job.source.dim() == 0 and job.dtype != job.source.dtype:  # cast as torch casts a 0-dim tensor (`Tensor.to`):
+        parts = [parts[0].reshape(()).to(job.dtype).reshape(1)]  # its NaN keeps its sign where copy_'s loses it
     if piece.first % size == 0 and piece.nbytes % size == 0 and piece.at % size == 0:
         out = buffer[piece.at:piece.at + piece.nbytes].view(job.dtype)
         _copy_elements(out, parts)
@@ -385,7 +389,7 @@ def _copy_piece(piece: _Piece, buffer: torch.Tensor) -> tuple[int, bool]:
         skip = piece.first - first * size
         buffer[piece.at:piece.at + piece.nbytes].copy_(out.view(torch.uint8)[skip:skip + piece.nbytes])
     source_dtype = job.source.dtype
-    overflowed, large = cast_screen(source_dtype, out, lambda: torch.cat([p.reshape(-1) for p in parts]))
+    overflowed, large = cast_screen(source_dtype, out, lambda: torch.cat([p.reshape(-1) for p in source]))
     rounded = job.dtype != source_dtype and (job.source.dim() == 0 or (large and rounds_whole_numbers(
         source_dtype, job.dtype)))
     return overflowed, rounded
@@ -406,14 +410,30 @@ def cast_screen(source_dtype: torch.dtype, out: torch.Tensor, source: Callable[[
     if source_dtype == out.dtype or out.numel() == 0 or not (
             narrowing(source_dtype, out.dtype) or rounds_whole_numbers(source_dtype, out.dtype)):
         return 0, False
-    low, high = (float(v) for v in torch.aminmax(out.float() if out.dtype.itemsize == 1 else out))  # float8: no
-    # aminmax of its own. NaN propagates (a NaN or inf bound fails the comparisons below); no sum that could pass 65504
-    limit = exact_whole_numbers(out.dtype)
+    values = out.float() if out.dtype.itemsize == 1 else out  # float8: torch has no aminmax or isfinite for these
+    low, high = (float(v) for v in torch.aminmax(values))  # NaN propagates (a NaN or inf bound fails the comparisons
+    limit = exact_whole_numbers(out.dtype)  # below); no sum that could itself pass fp16's 65504
     large = not (-limit < low and high < limit)
-    if not narrowing(source_dtype, out.dtype) or (math.isfinite(low) and math.isfinite(high)):
+    if not narrowing(source_dtype, out.dtype):
+        return 0, large
+    if out.dtype.itemsize == 1:  # float8_e4m3fn has no inf: a value beyond its range saturates to +-448, finite
+        flat = source().reshape(-1)
+        beyond = flat.isfinite() & (flat.abs() >= rounds_past_largest(out.dtype))
+        return int((beyond | (flat.isfinite() & ~values.reshape(-1).isfinite())).sum()), large
+    if math.isfinite(low) and math.isfinite(high):
         return 0, large
     flat = source().reshape(-1)
     return int((torch.isfinite(flat) & ~torch.isfinite(out.reshape(-1))).sum()), large
+
+
+@functools.lru_cache(maxsize=None)
+def rounds_past_largest(dtype: torch.dtype) -> float:
+    """The magnitude from which a value no longer rounds to a one-byte floating ``dtype``'s largest finite value
+    (half its last step above it): what a cast makes inf or NaN, or, in a dtype without inf, saturates. Found
+    among the dtype's 256 values themselves (torch's finfo gives some float8 types an eps their top step lacks)."""
+    values = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    top = values[values.isfinite() & (values > 0)].unique().sort().values
+    return float(top[-1] + (top[-1] - top[-2]) / 2)
 
 
 def exact_whole_numbers(dtype: torch.dtype) -> float:
@@ -471,6 +491,26 @@ def overflow_listing(overflowed: Mapping[str, int], *, quoted: bool = False) -> 
         f", ... ({len(keys) - 20} more)" if len(keys) > 20 else "")
 
 
+def exclude_patterns(keys: Sequence[str], cast_keys: Sequence[str]) -> list[str]:
+    """``cast_exclude`` patterns that keep exactly ``keys`` out of a cast of ``cast_keys``: one pattern for keys
+    that differ only in their numbers (one buffer per layer: ``model.layers.*.pos_ids``) where it matches no
+    other cast key, else each key itself (escaped: a key may hold fnmatch's brackets)."""
+    offenders, patterns, covered = set(keys), [], set()
+    for key in sorted(offenders):
+        if key in covered:
+            continue
+        exact = glob.escape(key)
+        general = re.sub(r"\d+", "*", exact)
+        matched = {k for k in cast_keys if fnmatch.fnmatchcase(k, general)} if general != exact else set()
+        if len(matched) > 1 and matched <= offenders:
+            patterns.append(general)
+            covered |= matched
+        else:
+            patterns.append(exact)
+            covered.add(key)
+    return patterns
+
+
 def cast_error(overflowed: Mapping[str, int], changed: Mapping[str, float], jobs: Sequence[TensorJob]) -> ConvertError:
     """The error for casts that made finite values of these keys inf or NaN (``overflowed``: how many), or changed
     a tensor of whole numbers or a 0-dim value (``changed``: by up to how much; `changed_by_cast`), listing every
@@ -490,12 +530,15 @@ def cast_error(overflowed: Mapping[str, int], changed: Mapping[str, float], jobs
                         f"{k} ({'0-dim' if by_key[k].source.dim() == 0 else 'whole numbers'}, by up to {changed[k]:g})"
                         for k in listed[:20]) + (
                         f", ... ({len(listed) - 20} more)" if len(listed) > 20 else ""))
+    # bf16 holds fp16's overflows, unless it rounds them as verify fails (the source read again: few tensors, and
+    # only on the way to this error)
     wider = (f" or cast to bf16 (up to +-{torch.finfo(torch.bfloat16).max:.3g});" if overflowed and not changed
              and target == torch.float16 and all(by_key[k].source.dtype in (torch.float32, torch.bfloat16)
-                                                 for k in keys) else "")
-    shown = [glob.escape(k) for k in keys[:3]] + (["..."] if len(keys) > 3 else [])  # patterns matching the keys
+                                                 for k in keys)
+             and all(changed_by_cast(replace(by_key[k], dtype=torch.bfloat16)) is None for k in keys) else "")
+    advice = exclude_patterns(keys, [j.key for j in jobs if j.dtype != j.source.dtype])
     return ConvertError(f"the cast to {name} {'; and '.join(said)}; nothing was written. Keep them in their dtype"
-                        f" (convert: cast_exclude={shown!r}; save: cast the other tensors yourself and pass no dtype)"
+                        f" (convert: cast_exclude={advice!r}; save: cast the other tensors yourself and pass no dtype)"
                         + (f";{wider} or bring those values into range first" if overflowed else ""))
 
 

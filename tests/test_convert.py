@@ -369,6 +369,33 @@ def test_a_cast_that_changes_whole_numbers_or_a_named_scalar_is_refused_as_verif
     assert fsdp_restore.verify(tmp_path / "o.safetensors", against=src).verdict == "identical up to the declared cast"
 
 
+def test_the_advice_for_refused_casts_names_every_offender_and_works(tmp_path):
+    """With more than three offenders the advice listed three keys and '...' (following it failed again); one
+    buffer per layer gets one pattern, where it names no tensor the cast may change; fp16's 'or cast to bf16' was
+    offered where bf16 rounds the same tensors as verify fails them."""
+    import ast
+    import re
+
+    layers = {f"layer{i}": {"pos_ids": torch.arange(512.0), "w": torch.randn(8)} for i in range(5)}
+    torch.save({"model": layers}, tmp_path / "s.pt")
+    with pytest.raises(fsdp_restore.ConvertError) as info:
+        convert(tmp_path / "s.pt", tmp_path / "o.safetensors", dtype="bf16")
+    advised = ast.literal_eval(re.search(r"cast_exclude=(\[.*?\])", str(info.value)).group(1))
+    assert advised == ["model.layer*.pos_ids"], str(info.value)
+    assert convert(tmp_path / "s.pt", tmp_path / "o.safetensors", dtype="bf16", cast_exclude=advised).cast_tensors == 5
+
+    torch.save({"model": {"counts": torch.tensor([1.0, 7e4, 123457.0]), "big": torch.tensor([0.5, 7e4])}},
+               tmp_path / "c.pt")
+    with pytest.raises(fsdp_restore.ConvertError) as info:
+        convert(tmp_path / "c.pt", tmp_path / "c.safetensors", dtype="fp16")
+    assert "model.big (1 values), model.counts (2 values)" in str(info.value) and "bf16" not in str(info.value)
+    with pytest.raises(fsdp_restore.ConvertError, match=r"model\.counts \(whole numbers"):
+        convert(tmp_path / "c.pt", tmp_path / "c.safetensors", dtype="bf16")
+    torch.save({"model": {"big": torch.tensor([0.5, 7e4])}}, tmp_path / "b.pt")
+    with pytest.raises(fsdp_restore.ConvertError, match="or cast to bf16"):
+        convert(tmp_path / "b.pt", tmp_path / "b.safetensors", dtype="fp16")
+
+
 def test_cli_int8_is_one_clear_error(train_ckpt, tmp_path):
     src, _ = train_ckpt
     res = subprocess.run([sys.executable, "-m", "fsdp_restore", "convert", str(src), str(tmp_path / "o.safetensors"),

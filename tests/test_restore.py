@@ -305,6 +305,28 @@ def test_a_cast_into_the_model_beyond_its_range_fails_naming_every_tensor(tmp_pa
     assert torch.equal(model.blocks[0].bias.detach(), state["blocks.0.bias"].half())
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2])
+def test_a_cast_into_a_float8_model_beyond_its_range_fails_too(tmp_path, dtype):
+    """float8_e4m3fn has no inf: an fp32 1e6 saturated to 448 and restored as if it fit; into e4m3fnuz the screen
+    itself crashed (torch has no isfinite for it). A value just past the largest that rounds down to it fits."""
+    top = torch.finfo(dtype).max
+    state = build("mlp").state_dict()
+    state["inp.weight"][0, 0] = 1e6
+    state["out.weight"][1, 2] = top * (1 + torch.finfo(dtype).eps / 4)  # rounds to the largest, within range
+    torch.save({"model": state}, tmp_path / "m.pt")
+    fsdp_restore.convert(tmp_path / "m.pt", tmp_path / "m.safetensors")
+    model = build("mlp").to(dtype)
+    with pytest.raises(RestoreError) as info:
+        restore_model(model, tmp_path / "m.safetensors", check=False)
+    text = str(info.value)
+    assert "'model.inp.weight' (1 values)" in text and "out.weight" not in text, text
+    state["inp.weight"][0, 0] = 1.0
+    torch.save({"model": state}, tmp_path / "m.pt")
+    fsdp_restore.convert(tmp_path / "m.pt", tmp_path / "m.safetensors", force=True)
+    restore_model(model, tmp_path / "m.safetensors", check=False)
+    assert float(model.out.weight[1, 2].float()) == top
+
+
 def _apply_route_overflow(rank, world_size, path):
     model = wrap(build("mlp").half(), "fsdp1-FULL_SHARD-flat", world_size)
     with pytest.raises(RestoreError) as info:
