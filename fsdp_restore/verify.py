@@ -151,11 +151,14 @@ def _check_segment(ckpt: Checkpoint, key: str, start: int, stop: int, source: to
             src = flat[first:first + piece.numel()]
             expected = src.to(entry.dtype).contiguous().view(torch.uint8)
             actual = piece.view(torch.uint8)
+            differs = None
             if not torch.equal(expected, actual):
-                same = (expected.reshape(piece.numel(), -1) == actual.reshape(piece.numel(), -1)).all(dim=1)
-                at = first + int((~same).nonzero()[0])
+                differs = (_cast_differs(src, piece) if cast is not None else
+                           (expected.reshape(piece.numel(), -1) != actual.reshape(piece.numel(), -1)).any(dim=1))
+            if differs is not None and bool(differs.any()):
+                at = first + int(differs.nonzero()[0])
                 diff = (f"bytes differ from the source (first at flat element {at},"
-                        f" {int((~same).sum())} elements in that chunk)")
+                        f" {int(differs.sum())} elements in that chunk)")
             elif cast is not None:
                 cast.update(src, piece)
         progress(piece.numel() * piece.element_size())
@@ -634,24 +637,44 @@ class _Piece:
     error: str | None = None
 
 
+def _cast_differs(src: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
+    """Per element of a declared cast, flat: whether ``stored`` differs from ``src`` cast to its dtype, bit for bit,
+    except that any NaN equals any NaN. Which NaN a cast makes depends on torch's code path, not on the file (fp32 ->
+    bf16: 0x7fc0 from a 0-dim `.to`, 0xffff from a vectorized copy); outside casts NaN bits are compared."""
+    expected = src.resolve_conj().resolve_neg().to(stored.dtype).contiguous().reshape(-1)
+    stored = stored.contiguous().reshape(-1)
+    n = expected.numel()
+    bits_differ = (expected.view(torch.uint8).reshape(n, -1) != stored.view(torch.uint8).reshape(n, -1)).any(dim=1)
+
+    def nan(t: torch.Tensor) -> torch.Tensor:
+        return (t.float() if t.element_size() == 1 else t).isnan()
+
+    return bits_differ & ~(nan(expected) & nan(stored))
+
+
 def _compare_piece(pair: _Pair, idx: tuple[Any, ...]) -> _Piece:
     """Compare ``pair`` at ``idx`` (one of `_chunks`): a copy of at most `COMPARE_BYTES` per side."""
     src, out = pair.src[idx], pair.out[idx]
     a, b = _raw(src, out.dtype if pair.cast_key else None), _raw(out)
     shape = tuple(np.shape(out))
     n = math.prod(shape)
-    if _equal(a, b):
+    differ = None
+    if not _equal(a, b):
+        if pair.cast_key is not None:
+            differ = _cast_differs(src, out).numpy()
+        else:
+            a, b = np.asarray(a), np.asarray(b)  # a uint8 tensor's bytes, not copied
+            differ = (a.reshape(n, -1) != b.reshape(n, -1)).any(axis=1)
+    if differ is None or not differ.any():
         stats = None
         if pair.cast_key is not None and n:
             stats = _CastStats()
             stats.update(src, out)
         return _Piece(math.prod(b.shape), cast=stats)
-    a, b = np.asarray(a), np.asarray(b)  # a uint8 tensor's bytes, not copied
-    differ = (a.reshape(n, -1) != b.reshape(n, -1)).any(axis=1)
     local = [int(i) for i in np.unravel_index(int(np.argmax(differ)), shape)] if shape else []
     if idx and isinstance(idx[-1], slice):  # a run of rows: its first row's index
         local[0] += idx[-1].start
-    return _Piece(int(b.size), int(differ.sum()), [i for i in idx if isinstance(i, int)] + local)
+    return _Piece(math.prod(b.shape), int(differ.sum()), [i for i in idx if isinstance(i, int)] + local)
 
 
 def _compare_values(comparer: _Comparer, ckpt: Checkpoint, report: VerifyReport, pool: ThreadPoolExecutor,
@@ -676,8 +699,9 @@ def _compare_values(comparer: _Comparer, ckpt: Checkpoint, report: VerifyReport,
         elif piece.cast is not None:
             src, stats = casts.get(pair.cast_key, (pair.src, _CastStats()))
             stats.merge(piece.cast)  # type: ignore[arg-type]
-            # judged as the tensor stored, not as an alias that views part of it (a 0-dim w[3] beside w)
-            casts[pair.cast_key] = (pair.src if pair.src.numel() > src.numel() else src, stats)
+            # judged as the tensor stored, not as an alias of another shape (w[3] beside w, s.expand(4) beside s)
+            stored = tuple(pair.src.shape) == tuple(ckpt.entries[pair.cast_key].shape)
+            casts[pair.cast_key] = (pair.src if stored else src, stats)
     for path, p in found.items():
         report.problems.append((path or "<root>", f"cannot compare with the source: {p.error}" if p.error else
                                 f"bytes differ from the source ({p.differ} elements, first at index {p.first})"))
@@ -794,9 +818,10 @@ def _judge_cast(report: VerifyReport, key: str, ckpt: Checkpoint, source: torch.
     if st.overflowed:
         report.problems.append((key, f"the cast {before} -> {after} made {st.overflowed} finite value(s) infinite or"
                                      f" NaN (beyond {after}'s range): the run would not go on as it was"))
-    elif st.changed and source.dim() == 0:
+    elif st.changed and not ckpt.entries[key].shape:  # the tensor stored is 0-dim, whatever views name it too
+        value = source.reshape(-1)[0]
         report.problems.append((key, f"the cast {before} -> {after} changed this 0-dim value"
-                                     f" ({source.item()!r} -> {source.to(ckpt.entries[key].dtype).item()!r})"))
+                                     f" ({value.item()!r} -> {value.to(ckpt.entries[key].dtype).item()!r})"))
     elif st.changed and st.integer_valued:
         report.problems.append((key, f"the cast {before} -> {after} changed a tensor of whole numbers (a counter"
                                      f" or index?) by up to {st.max_abs:g}"))

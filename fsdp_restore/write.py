@@ -34,7 +34,7 @@ import zlib
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
 
@@ -377,9 +377,7 @@ def _copy_piece(piece: _Piece, buffer: torch.Tensor) -> tuple[int, bool]:
     cast may have changed the tensor as `changed_by_cast` says (decided over the whole tensor afterwards)."""
     job, size = piece.job, piece.job.dtype.itemsize
     first, stop = piece.first // size, -(-(piece.first + piece.nbytes) // size)
-    parts = source = _source_elements(job, first, stop)
-    if job.source.dim() == 0 and job.dtype != job.source.dtype:  # cast as torch casts a 0-dim tensor (`Tensor.to`):
-        parts = [parts[0].reshape(()).to(job.dtype).reshape(1)]  # its NaN keeps its sign where copy_'s loses it
+    parts = _source_elements(job, first, stop)
     if piece.first % size == 0 and piece.nbytes % size == 0 and piece.at % size == 0:
         out = buffer[piece.at:piece.at + piece.nbytes].view(job.dtype)
         _copy_elements(out, parts)
@@ -389,7 +387,7 @@ def _copy_piece(piece: _Piece, buffer: torch.Tensor) -> tuple[int, bool]:
         skip = piece.first - first * size
         buffer[piece.at:piece.at + piece.nbytes].copy_(out.view(torch.uint8)[skip:skip + piece.nbytes])
     source_dtype = job.source.dtype
-    overflowed, large = cast_screen(source_dtype, out, lambda: torch.cat([p.reshape(-1) for p in source]))
+    overflowed, large = cast_screen(source_dtype, out, lambda: torch.cat([p.reshape(-1) for p in parts]))
     rounded = job.dtype != source_dtype and (job.source.dim() == 0 or (large and rounds_whole_numbers(
         source_dtype, job.dtype)))
     return overflowed, rounded
@@ -418,7 +416,10 @@ def cast_screen(source_dtype: torch.dtype, out: torch.Tensor, source: Callable[[
         return 0, large
     if out.dtype.itemsize == 1:  # float8_e4m3fn has no inf: a value beyond its range saturates to +-448, finite
         flat = source().reshape(-1)
-        beyond = flat.isfinite() & (flat.abs() >= rounds_past_largest(out.dtype))
+        flat = flat.float() if flat.element_size() == 1 else flat  # a float8 source: no isfinite or abs of its own
+        edge, tie_fits = rounds_past_largest(out.dtype)
+        magnitude = flat.abs()
+        beyond = flat.isfinite() & ((magnitude > edge) if tie_fits else (magnitude >= edge))
         return int((beyond | (flat.isfinite() & ~values.reshape(-1).isfinite())).sum()), large
     if math.isfinite(low) and math.isfinite(high):
         return 0, large
@@ -427,13 +428,15 @@ def cast_screen(source_dtype: torch.dtype, out: torch.Tensor, source: Callable[[
 
 
 @functools.lru_cache(maxsize=None)
-def rounds_past_largest(dtype: torch.dtype) -> float:
-    """The magnitude from which a value no longer rounds to a one-byte floating ``dtype``'s largest finite value
-    (half its last step above it): what a cast makes inf or NaN, or, in a dtype without inf, saturates. Found
-    among the dtype's 256 values themselves (torch's finfo gives some float8 types an eps their top step lacks)."""
+def rounds_past_largest(dtype: torch.dtype) -> tuple[float, bool]:
+    """Where a value stops rounding to a one-byte floating ``dtype``'s largest finite value: half its last step
+    above it (what a cast then makes inf or NaN, or, in a dtype without inf, saturates), and whether that tie
+    itself still rounds down to it (to even: float8_e4m3fn's 448 is even, e5m2's 57344 is not). Found among the
+    dtype's 256 values and by torch's own cast (torch's finfo gives some float8 types an eps their top step lacks)."""
     values = torch.arange(256, dtype=torch.uint8).view(dtype).float()
     top = values[values.isfinite() & (values > 0)].unique().sort().values
-    return float(top[-1] + (top[-1] - top[-2]) / 2)
+    edge = float(top[-1] + (top[-1] - top[-2]) / 2)
+    return edge, float(torch.tensor([edge]).to(dtype).float()[0]) == float(top[-1])
 
 
 def exact_whole_numbers(dtype: torch.dtype) -> float:
@@ -495,18 +498,27 @@ def exclude_patterns(keys: Sequence[str], cast_keys: Sequence[str]) -> list[str]
     """``cast_exclude`` patterns that keep exactly ``keys`` out of a cast of ``cast_keys``: one pattern for keys
     that differ only in their numbers (one buffer per layer: ``model.layers.*.pos_ids``) where it matches no
     other cast key, else each key itself (escaped: a key may hold fnmatch's brackets)."""
-    offenders, patterns, covered = set(keys), [], set()
+    def general(key: str) -> str:
+        return re.sub(r"\d+", "*", glob.escape(key))
+
+    offenders = set(keys)
+    same_form: dict[str, set[str]] = {}  # each cast key under its numbers-as-`*` form
+    for key in cast_keys:
+        same_form.setdefault(general(key), set()).add(key)
+    patterns, covered, refused_forms = [], set(), set()
     for key in sorted(offenders):
         if key in covered:
             continue
-        exact = glob.escape(key)
-        general = re.sub(r"\d+", "*", exact)
-        matched = {k for k in cast_keys if fnmatch.fnmatchcase(k, general)} if general != exact else set()
-        if len(matched) > 1 and matched <= offenders:
-            patterns.append(general)
-            covered |= matched
+        form = general(key)
+        # a form that also names a tensor the cast keeps is out at once; else one scan, as `*` spans more than numbers
+        group = same_form.get(form, set())
+        if (form not in refused_forms and len(group) > 1 and group <= offenders
+                and set(fnmatch.filter(cast_keys, form)) <= offenders):
+            patterns.append(form)
+            covered |= group
         else:
-            patterns.append(exact)
+            refused_forms.add(form)
+            patterns.append(glob.escape(key))
             covered.add(key)
     return patterns
 
@@ -530,15 +542,14 @@ def cast_error(overflowed: Mapping[str, int], changed: Mapping[str, float], jobs
                         f"{k} ({'0-dim' if by_key[k].source.dim() == 0 else 'whole numbers'}, by up to {changed[k]:g})"
                         for k in listed[:20]) + (
                         f", ... ({len(listed) - 20} more)" if len(listed) > 20 else ""))
-    # bf16 holds fp16's overflows, unless it rounds them as verify fails (the source read again: few tensors, and
-    # only on the way to this error)
-    wider = (f" or cast to bf16 (up to +-{torch.finfo(torch.bfloat16).max:.3g});" if overflowed and not changed
+    wider = (f" or cast to bf16 (its range reaches +-{torch.finfo(torch.bfloat16).max:.3g}, but it keeps fewer"
+             " digits: whole numbers past 256 change, which is refused too);" if overflowed and not changed
              and target == torch.float16 and all(by_key[k].source.dtype in (torch.float32, torch.bfloat16)
-                                                 for k in keys)
-             and all(changed_by_cast(replace(by_key[k], dtype=torch.bfloat16)) is None for k in keys) else "")
+                                                 for k in keys) else "")
     advice = exclude_patterns(keys, [j.key for j in jobs if j.dtype != j.source.dtype])
     return ConvertError(f"the cast to {name} {'; and '.join(said)}; nothing was written. Keep them in their dtype"
-                        f" (convert: cast_exclude={advice!r}; save: cast the other tensors yourself and pass no dtype)"
+                        f" (convert: cast_exclude={advice!r}, added to any patterns given before; save: cast the"
+                        " other tensors yourself and pass no dtype)"
                         + (f";{wider} or bring those values into range first" if overflowed else ""))
 
 

@@ -363,7 +363,7 @@ def test_a_cast_that_changes_whole_numbers_or_a_named_scalar_is_refused_as_verif
     failed = {key for key, _ in fsdp_restore.verify(tmp_path / "unchecked.safetensors", against=src).problems}
     assert failed == refused
 
-    advised = ast.literal_eval(re.search(r"cast_exclude=(\[.*?\])", text).group(1))
+    advised = ast.literal_eval(re.search(r"cast_exclude=(\[.*?\]), added", text).group(1))
     report = convert(src, tmp_path / "o.safetensors", dtype="bf16", cast_include=named_scalars, cast_exclude=advised)
     assert report.cast_tensors == 6
     assert fsdp_restore.verify(tmp_path / "o.safetensors", against=src).verdict == "identical up to the declared cast"
@@ -380,7 +380,7 @@ def test_the_advice_for_refused_casts_names_every_offender_and_works(tmp_path):
     torch.save({"model": layers}, tmp_path / "s.pt")
     with pytest.raises(fsdp_restore.ConvertError) as info:
         convert(tmp_path / "s.pt", tmp_path / "o.safetensors", dtype="bf16")
-    advised = ast.literal_eval(re.search(r"cast_exclude=(\[.*?\])", str(info.value)).group(1))
+    advised = ast.literal_eval(re.search(r"cast_exclude=(\[.*?\]), added", str(info.value)).group(1))
     assert advised == ["model.layer*.pos_ids"], str(info.value)
     assert convert(tmp_path / "s.pt", tmp_path / "o.safetensors", dtype="bf16", cast_exclude=advised).cast_tensors == 5
 
@@ -388,7 +388,8 @@ def test_the_advice_for_refused_casts_names_every_offender_and_works(tmp_path):
                tmp_path / "c.pt")
     with pytest.raises(fsdp_restore.ConvertError) as info:
         convert(tmp_path / "c.pt", tmp_path / "c.safetensors", dtype="fp16")
-    assert "model.big (1 values), model.counts (2 values)" in str(info.value) and "bf16" not in str(info.value)
+    assert "model.big (1 values), model.counts (2 values)" in str(info.value)
+    assert "or cast to bf16" in str(info.value) and "whole numbers past 256 change" in str(info.value)
     with pytest.raises(fsdp_restore.ConvertError, match=r"model\.counts \(whole numbers"):
         convert(tmp_path / "c.pt", tmp_path / "c.safetensors", dtype="bf16")
     torch.save({"model": {"big": torch.tensor([0.5, 7e4])}}, tmp_path / "b.pt")
@@ -663,7 +664,7 @@ def test_the_overflow_advice_works_as_given_and_patterns_may_be_any_iterable(tmp
     torch.save({"model": {"w[1]": torch.tensor([1e6, 1.0]), "ok": torch.ones(2)}}, tmp_path / "s.pt")
     with pytest.raises(fsdp_restore.ConvertError) as info:
         convert(tmp_path / "s.pt", tmp_path / "o.safetensors", dtype="fp16")
-    advised = ast.literal_eval(re.search(r"cast_exclude=(\[.*?\]);", str(info.value)).group(1))
+    advised = ast.literal_eval(re.search(r"cast_exclude=(\[.*?\]), added", str(info.value)).group(1))
     assert convert(tmp_path / "s.pt", tmp_path / "o.safetensors", dtype="fp16", cast_exclude=advised).cast_tensors == 1
     report = convert(tmp_path / "s.pt", tmp_path / "g.safetensors", dtype="fp16",
                      cast_exclude=(p for p in ["model.w*"]))

@@ -167,3 +167,21 @@ def test_the_checksums_patched_into_a_header_give_the_header_built_with_them(ent
     sums = {key: f"{crc:08x}" for key, (_, _, crc) in entries.items()}
     placeholder, _ = write.file_header(jobs, metadata)
     assert write.with_checksums(placeholder, jobs, sums) == write.file_header(jobs, metadata, sums)[0]
+
+
+@pytest.mark.parametrize("dtype,fits,beyond", [
+    (torch.float8_e4m3fn, [463.0, 464.0, -464.0, 448.0], [465.0, -465.0, 1e6]),  # 464: a tie, to even 448
+    (torch.float8_e5m2, [61439.0, -61439.0], [61440.0, -61440.0]),  # 61440: a tie, to even: inf
+    (torch.float8_e4m3fnuz, [247.0], [248.0, -1e6]),
+])
+def test_a_cast_into_float8_counts_what_leaves_its_range(dtype, fits, beyond):
+    """What a cast into float8 makes inf or NaN, or (e4m3fn, which has no inf) saturates to its largest value, is
+    counted; what rounds to that largest value by ordinary rounding (a tie included, where it goes to even) is not.
+    torch's own cast shows which is which; a float8 source (which torch cannot abs or isfinite) counts too."""
+    top = torch.finfo(dtype).max
+    src = torch.tensor(fits + beyond + [float("inf"), float("nan")])
+    out = src.to(dtype)
+    assert all(abs(float(v)) == top for v in out[:len(fits)].float()[[abs(f) > top for f in fits]])  # torch's view
+    assert write.cast_overflow(src.dtype, out, lambda: src) == len(beyond)
+    wide = torch.tensor([1.0, -2.0, 224.0]).to(torch.float8_e5m2)  # float8 into float8, all in range
+    assert write.cast_overflow(wide.dtype, wide.to(dtype), lambda: wide) == 0
