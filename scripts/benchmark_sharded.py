@@ -11,7 +11,8 @@ the page cache dropped (root; ``--evict checkpoint``: only the checkpoint's file
 measures wall time and the process's peak anonymous memory (RssAnon, sampled every 10 ms). The methods take
 turns, one run of each per round. Methods (and ``cp -r`` + ``sync`` of the checkpoint directory, the floor of a
 conversion that reads and writes everything once): DeepSpeed's ``zero_to_fp32.py CKPT OUT --safe_serialization`` (model
-weights only, single core) and ``fsdp-restore convert CKPT OUT.safetensors`` (weights and optimizer state,
+weights only, single core; and the same with the clock stopped only after a ``sync``, since ours fsyncs its
+output and DeepSpeed's leaves it in the page cache) and ``fsdp-restore convert CKPT OUT.safetensors`` (weights and optimizer state,
 every core) and ``--select model`` (the same output as DeepSpeed's). DCP: a directory written by
 ``dcp.save`` from FSDP2 on 2 ranks (model + AdamW state through ``get_state_dict``), converted by
 ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` and by ours.
@@ -102,7 +103,9 @@ def evict(ckpt: Path, how: str) -> bool:
     return True
 
 
-def run(cmd: list[str], ckpt: Path, how: str) -> dict[str, Any]:
+def run(cmd: list[str], ckpt: Path, how: str, then_sync: bool = False) -> dict[str, Any]:
+    """One timed run of ``cmd`` after `evict`; ``then_sync``: the clock stops only once ``sync`` has put what it
+    wrote on the disk (ours fsyncs its output before it exits; DeepSpeed's script leaves it in the page cache)."""
     cold = evict(ckpt, how)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -110,6 +113,8 @@ def run(cmd: list[str], ckpt: Path, how: str) -> dict[str, Any]:
     watcher = threading.Thread(target=_peak_anon, args=(proc.pid, stop, peak), daemon=True)
     watcher.start()
     out, err = proc.communicate()
+    if then_sync:
+        os.sync()
     seconds = time.perf_counter() - t0
     stop.set()
     watcher.join()
@@ -150,12 +155,15 @@ def main() -> None:
                                                    str(work / "ours-model.safetensors"), "--force", "--select", "model"],
             "cp -r + sync (the floor of a full conversion)": ["sh", "-c", f"cp -r '{ckpt}' '{work / 'copy'}' && sync"],
         }
+        durable = {"zero_to_fp32.py --safe_serialization, then sync (its output on disk, as ours)":
+                   methods["zero_to_fp32.py --safe_serialization"]}
+        methods.update(durable)
         runs_of: dict[str, list[dict[str, Any]]] = {label: [] for label in methods}
         for _ in range(args.repeat):  # the methods take turns: drift over the run hits each alike
             for label, cmd in methods.items():
                 shutil.rmtree(work / "ds_out", ignore_errors=True)
                 shutil.rmtree(work / "copy", ignore_errors=True)
-                runs_of[label].append(run(cmd, ckpt, args.evict))
+                runs_of[label].append(run(cmd, ckpt, args.evict, then_sync=label in durable))
         for label, runs in runs_of.items():
             best = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
             row = {"stage": stage, "method": label, "checkpoint_bytes": size, **best,
@@ -180,7 +188,8 @@ def main() -> None:
             console.print(f"  DCP {label}: {rows[-1]['runs_seconds']} s, peak anon {best['peak_anon'] / 1e6:.0f} MB")
     lines = ["| source | method | seconds (median) | x reference | peak anonymous memory |", "|---|---|---|---|---|"]
     for r in rows:
-        ref = next(x for x in rows if x["stage"] == r["stage"] and x["method"].startswith(("zero_to_fp32", "dcp_to")))
+        ref = next(x for x in rows if x["stage"] == r["stage"] and x["method"] in (
+            "zero_to_fp32.py --safe_serialization", "dcp_to_torch_save"))
         lines.append(f"| {'ZeRO-' if r['stage'] != 'dcp' else ''}{r['stage']} | {r['method']} | {r['seconds']:.2f} | {r['seconds'] / ref['seconds']:.2f} |"
                      f" {r['peak_anon'] / 1e6:,.0f} MB |")
     console.print("\n".join(lines))
