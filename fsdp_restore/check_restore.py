@@ -43,14 +43,17 @@ def load_factory(spec: str) -> Callable[[], nn.Module]:
         assert loader_spec is not None and loader_spec.loader is not None
         module = importlib.util.module_from_spec(loader_spec)
         sys.path.insert(0, os.path.dirname(os.path.abspath(module_name)))
-        loader_spec.loader.exec_module(module)
+        try:
+            loader_spec.loader.exec_module(module)
+        except Exception as e:  # noqa: BLE001 - the user's file: its error, named, is the message
+            raise ValueError(f"--model: running {module_name} failed: {type(e).__name__}: {e}") from None
     else:
         if os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())
         try:
             module = importlib.import_module(module_name)
-        except ImportError as e:
-            raise ValueError(f"--model: cannot import {module_name}: {e}") from None
+        except Exception as e:  # noqa: BLE001 - ImportError, or whatever the user's module raised at import
+            raise ValueError(f"--model: cannot import {module_name}: {type(e).__name__}: {e}") from None
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ValueError(f"--model: {module_name} has no function {attr}")
@@ -142,12 +145,22 @@ def _full_values(model: nn.Module) -> Iterator[tuple[list[str], torch.Tensor]]:
     for unit_prefix, handle in _fsdp1_units(model):
         flat = handle.flat_param
         unit = next(m for m in model.modules() if isinstance(m, FSDP) and getattr(m, "_handle", None) is handle)
+        # a tied parameter's names together (its first owner's, then each sharer's), as for FSDP2 below: a file may
+        # hold it under one of them only (transformers' save_pretrained stores a tied head under the embedding's)
+        names = [[_join(unit_prefix, clean_name(fqn))] for fqn in flat._fqns]
+        owner = {(id(info.module), info.param_name): i for i, info in enumerate(flat._param_infos)}
         with FSDP.summon_full_params(unit, recurse=False, writeback=False):
-            for info, fqn in zip(flat._param_infos, flat._fqns):
-                yield [_join(unit_prefix, clean_name(fqn))], getattr(info.module, info.param_name).detach()
+            alone = []
             for shared in flat._shared_param_infos:
                 name = _join(unit_prefix, clean_name(_join(shared.module_name, shared.param_name)))
-                yield [name], getattr(shared.module, shared.param_name).detach()
+                i = owner.get((id(shared.prim_module), shared.prim_param_name))
+                if i is None:
+                    alone.append(([name], getattr(shared.module, shared.param_name).detach()))
+                else:
+                    names[i].append(name)
+            for info, group in zip(flat._param_infos, names):
+                yield group, getattr(info.module, info.param_name).detach()
+            yield from alone
         done.add(id(flat))
     names_of: dict[int, list[str]] = {}
     tensors: dict[int, torch.Tensor] = {}

@@ -30,6 +30,9 @@ def as_function(key_map: KeyMap | None) -> Callable[[str], object] | None:
     if isinstance(key_map, Mapping):
         table = dict(key_map)
         return lambda name: table.get(name, name)
+    if isinstance(key_map, (str, bytes)) or not isinstance(key_map, Iterable):
+        raise ValueError(f"key_map must be a mapping, a function or (regex, replacement) pairs, not"
+                         f" {type(key_map).__name__} {key_map!r}"[:300])
     pairs = []
     for pair in key_map:
         if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(p, str) for p in pair)):
@@ -107,7 +110,7 @@ def parse_spec(spec: str) -> KeyMap:
         sys.path.insert(0, os.getcwd())
     try:
         value = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"--key-map {spec}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - ImportError, AttributeError, or what the user's module raised at import
+        raise ValueError(f"--key-map {spec}: {type(e).__name__}: {e}") from None
     as_function(value)  # validate here, not on every rank
     return value

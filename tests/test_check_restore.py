@@ -63,6 +63,21 @@ def test_cli_exit_codes(setup):
     assert res.returncode == 2 and "cannot import nomodule" in res.stderr and "Traceback" not in res.stderr  # bad value
 
 
+def test_a_model_or_key_map_that_fails_to_load_is_one_line(setup):
+    """A --model file with a syntax error, a module that raises at import, or a --key-map attribute that is not a
+    map printed a Python traceback with exit 1; other bad values of these options are one line with exit 2."""
+    (setup / "broken.py").write_text("def build(:\n")
+    (setup / "raises.py").write_text("raise RuntimeError('no GPU here')\ndef build(): pass\n")
+    (setup / "maps.py").write_text("X = 3\n")
+    base = [sys.executable, "-m", "fsdp_restore", "check-restore", "ck.safetensors", "--nproc", "1"]
+    for extra, said in [(["--model", "broken.py:build"], "SyntaxError"), (["--model", "raises:build"], "no GPU here"),
+                        (["--model", "raises.py:build"], "no GPU here"),
+                        (["--model", "mymodel:build", "--key-map", "maps:X"], "not int 3"),
+                        (["--model", "mymodel:build", "--key-map", "raises:build"], "no GPU here")]:
+        res = subprocess.run(base + extra, cwd=setup, capture_output=True, text=True)
+        assert res.returncode == 2 and said in res.stderr and "Traceback" not in res.stderr, (extra, res.stderr)
+
+
 LLAMA_FACTORY = '''
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -172,6 +187,21 @@ def test_a_comparison_that_finds_nothing_fails(setup):
     assert all(r["error"] is None and r["compared"] == 0 for r in results)  # the restore itself passed
     assert sorted(n for r in results for n in r["not_found"]) == sorted(
         ["embed.weight"] + [f"layers.{i}.{p}" for i in range(3) for p in ("weight", "bias")])
+
+
+@pytest.mark.parametrize("fsdp", ["fsdp1", "fsdp2"])
+def test_a_tied_weight_stored_under_one_name_is_compared(setup, fsdp):
+    """transformers' save_pretrained stores a tied head under the embedding's name only, with no alias: FSDP1's
+    comparison looked for it under the head's name alone and failed a good restore."""
+    from safetensors.torch import save_file
+
+    import mymodel
+
+    state = {k: v.clone() for k, v in mymodel.build().state_dict().items() if k != "head.weight"}
+    save_file(state, setup / "hf.safetensors")
+    report = run_check_restore(str(setup / "hf.safetensors"), f"{setup / 'mymodel.py'}:build", nproc=2, fsdp=fsdp)
+    assert report.ok, report.problems
+    assert sum(r["compared"] for r in report.ranks) == 7
 
 
 class _Block(torch.nn.Module):
