@@ -68,6 +68,27 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, prefix: str | None, strict
     return plan
 
 
+def _same_values(ckpt: Checkpoint, a: Source, b: Source) -> bool:
+    """Whether two stored tensors (or ranges of them) hold the same bytes: by the crc32 the file records of each
+    where both are whole stored tensors, else read and compared in 16 MB steps (a file that holds a tied tensor
+    twice without checksums: rare, and only on the way to restoring it)."""
+    entry_a, entry_b = ckpt.entries[a.key], ckpt.entries[b.key]
+    if entry_a.dtype != entry_b.dtype or tuple(a.shape) != tuple(b.shape):
+        return False
+    crc_a, crc_b = ckpt.checksums.get(a.key), ckpt.checksums.get(b.key)
+    if crc_a and crc_b and a.start == b.start == 0 and a.numel == entry_a.numel and b.numel == entry_b.numel:
+        return crc_a == crc_b
+    step = max(1, (16 << 20) // entry_a.itemsize)
+    first_buf, second_buf = (torch.empty(min(step, a.numel), dtype=entry_a.dtype) for _ in range(2))
+    for first in range(0, a.numel, step):
+        n = min(step, a.numel - first)
+        ckpt.read_range(a.key, a.start + first, first_buf[:n])
+        ckpt.read_range(b.key, b.start + first, second_buf[:n])
+        if not torch.equal(first_buf[:n].view(torch.uint8), second_buf[:n].view(torch.uint8)):
+            return False
+    return True
+
+
 def _plan_weights(plan: ReadPlan, targets: Sequence[Target], aliases: dict[str, str], ckpt: Checkpoint, prefix: str,
                   stored_as: dict[str, str], *, strict: bool, dtype_policy: str) -> None:
     report = plan.model_report
@@ -98,10 +119,22 @@ def _plan_weights(plan: ReadPlan, targets: Sequence[Target], aliases: dict[str, 
             continue
         # a tied tensor may be stored under any of its names (save_model keeps only one)
         src = sources.get(stored_as[target.name])
-        for alias in tied_names.get(target.name, ()) if src is None else ():
-            src = sources.get(stored_as.get(alias, ""))
-            if src is not None:
-                break
+        if src is None:
+            for alias in tied_names.get(target.name, ()):
+                src = sources.get(stored_as.get(alias, ""))
+                if src is not None:
+                    break
+        else:  # stored under its own name: a tied name stored apart must hold the same values, or one would be lost
+            for alias in tied_names.get(target.name, ()):
+                other = sources.get(stored_as.get(alias, ""))
+                if other is not None and (other.key, other.start) != (src.key, src.start) and not _same_values(
+                        ckpt, src, other):
+                    plan.add_problem("tied", f"{target.name} and {alias}: the model ties them (one tensor), but the"
+                                             f" file holds different values under them ('{src.key}', '{other.key}'),"
+                                             " so the restore would keep one and drop the other; untie them in the"
+                                             " model (transformers: tie_word_embeddings=False), or restore a file"
+                                             " that holds one value")
+                    plan.refused.add(target.name)
         if src is None:
             if strict:
                 key = stored_as[target.name]
