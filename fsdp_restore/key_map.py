@@ -71,6 +71,10 @@ def apply(key_map: KeyMap | None, names: Iterable[str], *, same: Mapping[str, st
         except Exception as e:  # noqa: BLE001 - the user's function: reported with the name it failed on
             problems.append(f"{name}: key_map raised {type(e).__name__}: {e}")
             continue
+        if isinstance(key, (list, tuple)):
+            problems.append(f"{name}: key_map gives several names ({key!r}); it must give one (a str): a rename"
+                            " cannot fuse several stored tensors into one parameter")
+            continue
         if not isinstance(key, str) or not key:
             problems.append(f"{name}: key_map sends it to nothing ({key!r})")
             continue

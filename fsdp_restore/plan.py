@@ -24,7 +24,7 @@ from .optim_plan import plan_optimizer
 from .read import Checkpoint
 from .readplan import OptimizerPlan, ReadItem, ReadPlan, RestoreReport
 from .shards import Target, local_targets
-from .stored import Source, default_prefix, tensor_sources
+from .stored import Source, default_prefix, normalize_names, tensor_sources
 
 __all__ = ["OptimizerPlan", "ReadItem", "ReadPlan", "RestoreReport", "Source", "build_plan", "default_prefix",
            "tensor_sources"]
@@ -102,6 +102,14 @@ def _plan_weights(plan: ReadPlan, targets: Sequence[Target], aliases: dict[str, 
                                   " weights file")
         plan.refused.update(t.name for t in targets)  # one problem, not one more per tensor never planned
         return
+    # a key map may give the stored name itself ('module.w', '_orig_mod.w'), where the sources are under the
+    # normalized one ('w'): read it as the stored names were read
+    model_names = [t.name for t in targets]
+    for name, as_stored in stored_as.items():
+        if as_stored not in sources and as_stored not in unsupported:
+            normal = normalize_names([as_stored], model_names)[as_stored]
+            if normal in sources or normal in unsupported:
+                stored_as[name] = normal
     tied_names: dict[str, list[str]] = {}
     for alias, name in aliases.items():
         tied_names.setdefault(name, []).append(alias)

@@ -39,6 +39,9 @@ _NAMES_HINT = ("check model_prefix= (CLI: --model-prefix; the subtree holding th
                " model names its tensors differently, or strict=False to restore the keys that match (in the restore"
                " calls: check-restore proves a strict restore)")
 _HINTS = {
+    "shape": "a stored tensor of another shape: the model is configured otherwise (vocabulary, widths, heads), or a"
+             " key_map sends a stored tensor to a parameter that fuses or splits several (q, k and v into one qkv): a"
+             " rename cannot fuse or split, so join or cut those tensors in the source and convert again",
     "unreadable": "a view whose values are not one range of another tensor's elements (a transpose, a conj or neg"
                   " view) cannot be read in slices: save a contiguous copy of it (.contiguous(), .resolve_conj(),"
                   " .resolve_neg()) and convert again; two tensors under one name: rename one in the source and"

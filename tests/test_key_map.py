@@ -158,9 +158,13 @@ def test_a_rename_cannot_fuse(tmp_path):
             self.qkv = torch.nn.Linear(30, 50, bias=False)
 
     path = converted(tmp_path, "llama")
-    with pytest.raises(RestoreError, match=r"qkv.weight: checkpoint \[30, 30\] vs model \[50, 30\]"):
+    with pytest.raises(RestoreError, match=r"qkv.weight: checkpoint \[30, 30\] vs model \[50, 30\]") as info:
         fsdp_restore.restore_model(Fused(), path, strict=False,
                                    key_map={"qkv.weight": "model.layers.0.self_attn.q_proj.weight"})
+    assert "a rename cannot fuse or split" in str(info.value)  # the hint said strict=False, which fails the same
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"]
+    with pytest.raises(RestoreError, match=r"key_map gives several names .* a rename cannot fuse"):
+        fsdp_restore.restore_model(Fused(), path, strict=False, key_map=lambda name: names)
 
 
 def test_readme_example_is_the_shipped_map():
@@ -224,3 +228,19 @@ def _restore_titan_weights(rank, world_size, path, how):
 def test_key_map_under_fsdp1_and_ddp(hf_training_ckpt, how):
     """Flat parameters hold several renamed tensors each; DDP prefixes every name with module."""
     assert run_ranks(_restore_titan_weights, 2, hf_training_ckpt, how) == [[], []]
+
+
+@pytest.mark.parametrize("wrapper", ["module.", "_orig_mod.", "_orig_mod.module."])
+def test_a_map_may_give_the_names_as_the_file_stores_them(tmp_path, wrapper):
+    """The restore reads a DDP or compiled model's names without their wrappers; a map that gave the file's own
+    names ('module.weight') was told they were missing, and that the file held 'weight', which it did not."""
+    torch.manual_seed(0)
+    saved = torch.nn.Linear(3, 2)
+    torch.save({wrapper + k: v for k, v in saved.state_dict().items()}, tmp_path / "w.pt")
+    fsdp_restore.convert(tmp_path / "w.pt", tmp_path / "w.safetensors")
+    model = torch.nn.Linear(3, 2)
+    fsdp_restore.restore_model(model, tmp_path / "w.safetensors", key_map=lambda name: wrapper + name)
+    oracle = torch.nn.Linear(3, 2)
+    stored = torch.load(tmp_path / "w.pt")
+    oracle.load_state_dict({n: stored[wrapper + n] for n in oracle.state_dict()})
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), oracle.state_dict().values()))
