@@ -3,8 +3,8 @@
 Spawns N local ranks, builds the model with the user's factory (``module:function`` or
 ``path/to/file.py:function``), shards it with FSDP2 (on the meta device, then ``to_empty``) or FSDP1,
 restores with the NaN-fill check, then gathers every parameter's full value through FSDP itself and
-compares it bit for bit with the stored tensor read by `load` (an oracle that shares nothing with the
-restore's plan). The verdict is the exit code.
+compares it bit for bit with the stored tensor read by safetensors' own reader (an oracle that shares nothing
+with the restore's plan or reader). The verdict is the exit code.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import importlib
 import importlib.util
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,21 +92,85 @@ def shard_model(factory: Callable[[], nn.Module], fsdp: str, device: torch.devic
     raise ValueError(f"--fsdp must be fsdp2 or fsdp1, not '{fsdp}'")
 
 
-def _expected_tensors(path: str, prefix: str) -> dict[str, torch.Tensor]:
-    """The stored weights by name, through `load` (the structure and memory-mapped safetensors reads),
-    not through the restore's plan; names a save_model file dropped as tied resolve to the kept one."""
-    from . import load
+class _StoredValues(Mapping[str, torch.Tensor]):
+    """The stored weights by name, each read when the comparison asks for it by safetensors' own reader
+    (``safe_open(...).get_tensor``), never through this package's index or reads: only the names come from the
+    file's structure (or are its keys). A name stored as a view of another tensor (rare) is read through `load`."""
 
-    obj: Any = load(path)
-    for part in prefix.split(".") if prefix else []:
-        obj = obj[part]
-    if not isinstance(obj, dict):
-        raise ValueError(f"the checkpoint's '{prefix}' is not a dict of tensors")
+    def __init__(self, files: dict[str, str], keys: dict[str, str], viewed: Callable[[str], torch.Tensor],
+                 views: set[str]) -> None:
+        self._files, self._keys, self._viewed, self._views = files, keys, viewed, views
+        self._handles: dict[str, Any] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self._views:
+            return self._viewed(name)
+        key = self._keys[name]
+        file = self._files[key]
+        if file not in self._handles:
+            from safetensors import safe_open
+
+            self._handles[file] = safe_open(file, framework="pt")
+        return self._handles[file].get_tensor(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([*self._keys, *self._views])
+
+    def __len__(self) -> int:
+        return len(self._keys) + len(self._views)
+
+
+def _expected_tensors(path: str, prefix: str) -> Mapping[str, torch.Tensor]:
+    """The stored weights by name (`_StoredValues`: read by safetensors itself, not through the restore's plan or
+    reader); names a save_model file dropped as tied resolve to the kept one."""
+    import json
+
+    from .flatten import iter_tensor_nodes
+    from .format import DEFAULT_INDEX_NAME
+
+    lead = prefix + "." if prefix else ""
+    keys: dict[str, str] = {}
+    views: set[str] = set()
     with Checkpoint(path) as ckpt:
+        if ckpt.has_structure:
+            holds_prefix = not prefix
+            for at, node in iter_tensor_nodes(ckpt.structure["root"]):
+                if at.startswith(lead):
+                    holds_prefix = True
+                    name = at[len(lead):]
+                    if node.get("view") is None and not node.get("conj") and not node.get("neg"):
+                        keys[name] = node["key"]
+                    else:
+                        views.add(name)
+            if not holds_prefix:
+                raise ValueError(f"the checkpoint has no '{prefix}' subtree of tensors")
+        else:
+            keys = {key[len(lead):]: key for key in ckpt.entries if key.startswith(lead)}
         for dropped, kept in ckpt.tied_aliases().items():
-            if kept in obj:
-                obj.setdefault(dropped, obj[kept])
-    return {**_unwrapped_names(obj), **obj}  # a name as stored wins (a model whose own child is called `module`)
+            if dropped.startswith(lead) and kept.startswith(lead) and kept[len(lead):] in keys:
+                keys.setdefault(dropped[len(lead):], keys[kept[len(lead):]])
+    if os.path.isdir(path):  # a sharded set: which file holds each key, from the index as written
+        with open(os.path.join(path, DEFAULT_INDEX_NAME)) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = {key: os.path.join(path, weight_map[key]) for key in keys.values()}
+    else:
+        files = {key: path for key in keys.values()}
+    loaded: list[Any] = []
+
+    def viewed(name: str) -> torch.Tensor:
+        from . import load
+
+        if not loaded:
+            obj: Any = load(path)
+            for part in prefix.split(".") if prefix else []:
+                obj = obj[part]
+            loaded.append(obj)
+        return loaded[0][name]
+
+    names = {**_unwrapped_names({n: n for n in [*keys, *views]}), **{n: n for n in [*keys, *views]}}  # a name as
+    # stored wins (a model whose own child is called `module`)
+    return _StoredValues(files, {alias: keys[n] for alias, n in names.items() if n in keys}, viewed,
+                         {alias for alias, n in names.items() if n in views})
 
 
 _WRAPPER_INFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
@@ -178,10 +242,10 @@ def _full_values(model: nn.Module) -> Iterator[tuple[list[str], torch.Tensor]]:
         yield names_of[key], (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
 
 
-def compare_with_file(model: nn.Module, expected: dict[str, torch.Tensor], key_map: KeyMap | None = None
+def compare_with_file(model: nn.Module, expected: Mapping[str, torch.Tensor], key_map: KeyMap | None = None
                       ) -> tuple[int, list[str], list[str]]:
     """Every parameter's and buffer's full value, gathered by FSDP, against ``expected`` (the stored
-    tensors read by `load`, under the checkpoint's names; ``key_map`` gives a model name's): an oracle
+    tensors read by safetensors itself, under the checkpoint's names; ``key_map`` gives a model name's): an oracle
     that shares nothing with the restore's plan. Returns (tensors compared, names that differ, names the
     file does not hold under any name the comparison knows); each rank compares its share of the tensors.
     A strict restore restored every one of them, so a name not found is a failure, never a skip: a

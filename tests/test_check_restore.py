@@ -204,6 +204,35 @@ def test_a_tied_weight_stored_under_one_name_is_compared(setup, fsdp):
     assert sum(r["compared"] for r in report.ranks) == 7
 
 
+def _swapped_reads_worker(rank, world_size, path, spec):
+    """A reader bug, injected: the file's index read with two same-shaped tensors' entries swapped, so the restore
+    reads each one's bytes for the other."""
+    import fsdp_restore.check_restore as check_restore
+    import fsdp_restore.read as read
+
+    real = read.Checkpoint._index
+
+    def swapped(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        a, b = "model.layers.0.weight", "model.layers.1.weight"
+        if a in self.entries and b in self.entries:
+            self.entries[a], self.entries[b] = self.entries[b], self.entries[a]
+
+    read.Checkpoint._index = swapped
+    out = check_restore._worker(rank, world_size, path, spec, "fsdp2", None)
+    return out["error"], out["mismatches"]
+
+
+def test_the_comparison_does_not_share_the_restores_reader(setup):
+    """The expected values came through this package's own reader (`load`), so a reader bug the restore had was
+    blessed by the comparison: they are now read by safetensors itself."""
+    from dist import run_ranks
+
+    results = run_ranks(_swapped_reads_worker, 2, str(setup / "ck.safetensors"), f"{setup / 'mymodel.py'}:build")
+    assert all(error is None for error, _ in results)  # the restore itself passed: every element was written
+    assert sorted(n for _, bad in results for n in bad) == ["layers.0.weight", "layers.1.weight"]
+
+
 class _Block(torch.nn.Module):
     def __init__(self):
         super().__init__()
