@@ -265,7 +265,7 @@ def _never(first: int, count: int) -> torch.Tensor:  # stand-ins are never read:
 def build_write_plan(model: nn.Module, *, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any] | None,
                      weights_only: bool, rank: int, world: int, max_shard_size: int | None,
                      remote_state: dict[str, tuple[int, list[tuple]]] | None = None,
-                     set_id: str | None = None) -> WritePlan:
+                     set_id: str | None = None, on_unsupported: str = "error") -> WritePlan:
     """This rank's write plan (see the module docstring). ``remote_state``: `merge_schemas` of every rank's
     `state_schema`, for optimizers whose ranks hold state only for parameters they hold elements of (FSDP1
     with ``use_orig_params``). Raises `FsdpRestoreError` for a layout or state that cannot be saved this way;
@@ -329,7 +329,7 @@ def build_write_plan(model: nn.Module, *, optimizer: torch.optim.Optimizer | Non
                 raise FsdpRestoreError(f"extra has the key '{k}', which the checkpoint uses for the"
                                        f" {'model' if k == 'model' else 'optimizer'}; rename it")
             obj[k] = v
-    tensors, structure = flatten(obj)
+    tensors, structure = flatten(obj, on_unsupported=on_unsupported)  # type: ignore[arg-type]
     structure_json = json.dumps(structure, separators=(",", ":"))
     kinds: dict[str, _Shaped | _Whole] = {}
     for key, t in tensors.items():
@@ -380,7 +380,8 @@ def _optimizer_object(model: nn.Module, optimizer: torch.optim.Optimizer, target
                       whole: Any, remote_state: dict[str, tuple[int, list[tuple]]] | None = None) -> dict[str, Any]:
     """``Optimizer.state_dict()`` of the unsharded model, with stand-ins: integer ids numbered group by group
     in the order an unsharded optimizer over the same parameters holds them (an FSDP1 flat parameter expands
-    to its original parameters, in the model's order, as the restore maps them), state in id order, every
+    to its original parameters, in the model's order, as the restore maps them), state in the order torch's
+    holds it (below), every
     group with ``param_names`` (where the group has it, else just before ``params``, which comes last)."""
     by_name = {t.name: t for t in targets}
     groups, ordered = live_groups(model, optimizer, targets, aliases)  # names in the order torch numbers them
@@ -445,7 +446,16 @@ def _optimizer_object(model: nn.Module, optimizer: torch.optim.Optimizer, target
             else:
                 continue
             entries.append((pid, fields))
-    state = dict(sorted(entries, key=lambda e: e[0]))  # as an unsharded optimizer holds it: in id order
+    # as an unsharded optimizer holds it: in the order its parameters first got state (a parameter without a
+    # gradient on the first step comes later), where each rank's optimizer holds one parameter per name and state
+    # for all of them (the same steps: the same order on every rank); else (FSDP1's flat parameters) in id order
+    position = {id(p): i for i, p in enumerate(optimizer.state)}
+    first_state = {id_of[name]: position.get(id(slot.param), len(position)) for slots in groups for slot in slots
+                   for name in slot.names}
+    if remote_state is None and all(len(slot.names) == 1 for slots in groups for slot in slots):
+        state = dict(sorted(entries, key=lambda e: (first_state[e[0]], e[0])))
+    else:
+        state = dict(sorted(entries, key=lambda e: e[0]))
     return {"state": state, "param_groups": packed_groups}
 
 

@@ -30,8 +30,8 @@ import ctypes
 import errno
 import functools
 import hashlib
+import io
 import os
-import pickle
 import threading
 import time
 import uuid
@@ -392,8 +392,22 @@ def _agree(problems: Any, what: str, group: dist.ProcessGroup | None,
 DEFAULT_SAVE_THREADS = 4  # write threads per rank when save_sharded is given no thread_count
 
 
+def _to_bytes(value: Any) -> bytes:
+    """Rank 0's ``extra`` (and the write's names) for the other ranks, as ``torch.save`` writes it: tensors that share
+    memory keep sharing it, and every dtype travels (Python's own pickle loses both)."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(payload: bytes) -> Any:
+    """`_to_bytes`'s value, on another rank of the same job (its own peer's bytes: the user's objects, unpickled as
+    the process that holds them would)."""
+    return torch.load(io.BytesIO(payload), weights_only=False)
+
+
 def _check_arguments(model: Any, path: Any, optimizer: Any, extra: Any, process_group: Any, max_shard_size: Any,
-                     thread_count: Any) -> int | None:
+                     thread_count: Any, on_unsupported: Any) -> int | None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, not {type(model).__name__}")
     if not isinstance(path, (str, os.PathLike)) or not str(path):
@@ -406,6 +420,8 @@ def _check_arguments(model: Any, path: Any, optimizer: Any, extra: Any, process_
     if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
         raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, not"
                         f" {type(process_group).__name__}")
+    if on_unsupported not in ("error", "skip"):
+        raise ValueError(f"on_unsupported must be 'error' or 'skip', not {on_unsupported!r}")
     thread_count_argument(thread_count)  # the check every entry point shares
     if isinstance(max_shard_size, bool):
         raise TypeError("max_shard_size must be a size (int bytes or a string such as '5GB') or None")
@@ -416,7 +432,8 @@ def _check_arguments(model: Any, path: Any, optimizer: Any, extra: Any, process_
 
 def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: torch.optim.Optimizer | None = None,
                  extra: dict[str, Any] | None = None, process_group: dist.ProcessGroup | None = None,
-                 max_shard_size: int | str | None = None, thread_count: int | None = None) -> SaveReport:
+                 max_shard_size: int | str | None = None, thread_count: int | None = None,
+                 on_unsupported: str = "error") -> SaveReport:
     """Save a sharded model (and optimizer) into one unsharded checkpoint; call on every rank.
 
     Every rank writes its own bytes straight into the final file (no gather): the file is byte for byte
@@ -435,7 +452,8 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
     in the destination's directory (which every rank must see: a shared filesystem), fsynced by every rank,
     and only then renamed over ``path``. Any failure on any rank raises the same `SaveError` on every rank,
     removes the temporary and leaves an existing checkpoint at ``path`` untouched. ``thread_count``: write
-    threads per rank (default 4).
+    threads per rank (default 4). ``on_unsupported="skip"`` stores a value of ``extra`` that the format cannot
+    hold as None, with a warning, as `convert` does.
     """
     t0 = time.perf_counter()
     rank, world = _rank(process_group)
@@ -454,11 +472,12 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
             schema: dict[str, list[tuple]] | None = None
             remote_state = None
             with problems.guard():
-                size = _check_arguments(model, path, optimizer, extra, process_group, max_shard_size, thread_count)
+                size = _check_arguments(model, path, optimizer, extra, process_group, max_shard_size, thread_count,
+                                        on_unsupported)
                 if rank == 0:
                     dst0 = Path(path)
-                    payload = pickle.dumps((extra, f".{dst0.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}",
-                                            uuid.uuid4().hex))  # the temporary's name, a sharded set's id
+                    payload = _to_bytes((extra, f".{dst0.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+                                         uuid.uuid4().hex))  # the temporary's name, a sharded set's id
                 if optimizer is not None and world > 1 and save_plan.needs_state_schema(model):
                     schema = save_plan.state_schema(model, optimizer)
             if world > 1:  # one exchange, whatever happened above: rank 0's payload, and state schemas if any
@@ -477,7 +496,7 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
                         raise FsdpRestoreError("rank 0 could not send extra (see its error)" if rank else
                                                "extra could not be pickled")
                 else:
-                    sent_extra, tmp_name, set_id = pickle.loads(payload)
+                    sent_extra, tmp_name, set_id = _from_bytes(payload)
                     dst = Path(path)
                     tmp = _temp_path(dst, tmp_name)
                     weights_only = optimizer is None and (extra if rank == 0 else sent_extra) is None  # rank 0's
@@ -486,7 +505,8 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
                     plan = save_plan.build_write_plan(model, optimizer=optimizer,
                                                       extra=extra if rank == 0 else sent_extra,
                                                       weights_only=weights_only, rank=rank, world=world,
-                                                      max_shard_size=size, remote_state=remote_state, set_id=set_id)
+                                                      max_shard_size=size, remote_state=remote_state, set_id=set_id,
+                                                      on_unsupported=on_unsupported)
                     coverage = plan.coverage(rank)
                     header = _header_digest(plan)
                     if rank == 0:

@@ -594,7 +594,7 @@ def test_the_package_exports():
     assert fsdp_restore.SaveReport is not None and issubclass(SaveError, fsdp_restore.FsdpRestoreError)
     params = inspect.signature(save_sharded).parameters
     assert [p for p in params if params[p].kind is inspect.Parameter.KEYWORD_ONLY] == [
-        "optimizer", "extra", "process_group", "max_shard_size", "thread_count"]
+        "optimizer", "extra", "process_group", "max_shard_size", "thread_count", "on_unsupported"]
 
 
 def test_preallocate_reserves_the_size(tmp_path):
@@ -740,3 +740,78 @@ def test_ranks_given_different_destinations_are_refused(tmp_path):
     texts = run_ranks(_own_name, 2, str(tmp_path))
     assert texts[0] == texts[1] and "the ranks were given different destinations" in texts[0], texts
     assert os.listdir(tmp_path) == []
+
+
+def _extra_and_late_state(rank, world_size, root):
+    """A parameter that gets no gradient on the first step (state created later), and an extra whose tensors share
+    memory or have dtypes Python's pickle cannot carry between ranks."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 4), torch.nn.Linear(4, 3))
+    plain = type(model)(*[torch.nn.Linear(m.in_features, m.out_features) for m in model])
+    plain.load_state_dict(model.state_dict())
+    if world_size > 1:
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+    optimizers = [torch.optim.AdamW(m.named_parameters(), lr=0.1) for m in (model, plain)]
+    for step in range(2):
+        for m, opt in zip((model, plain), optimizers):
+            m(torch.ones(2, 6)).sum().backward()
+            if step == 0:
+                for p in m[0].parameters():  # no gradient on the first step: its state comes after the others'
+                    p.grad = None
+            opt.step()
+            opt.zero_grad()
+    base = torch.arange(12.0)
+    extra = {"flat": base, "w": base.view(3, 4), "amax": torch.tensor([1.0, 2.0]).to(torch.float8_e4m3fn),
+             "ids": torch.tensor([1, 2], dtype=torch.uint16)}
+    path = os.path.join(root, f"ws{world_size}.safetensors")
+    save_sharded(model, path, optimizer=optimizers[0], extra=extra)
+    if rank == 0:
+        torch.save({"model": dict(plain.state_dict()), "optim": optimizers[1].state_dict(), **extra},
+                   os.path.join(root, f"ws{world_size}.pt"))
+    dist.barrier()
+    return path
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_state_in_torchs_order_and_any_extra_torch_saves(tmp_path, world_size):
+    """The optimizer's state was written in id order where torch's state_dict keeps the order its parameters first
+    got state (a parameter without a gradient on the first step: an unused branch, an MoE expert), so verify found
+    the keys in another order; rank 0's extra reached the other ranks by Python's pickle, which loses shared memory
+    (the ranks' headers then differed) and cannot carry float8 or uint16 tensors."""
+    path = run_ranks(_extra_and_late_state, world_size, str(tmp_path))[0]
+    report = fsdp_restore.verify(path, against=tmp_path / f"ws{world_size}.pt")
+    assert report.verdict == "identical", report.problems
+    back = fsdp_restore.load(path)
+    assert back["w"].data_ptr() == back["flat"].data_ptr() and list(back["optim"]["state"]) == [2, 3, 4, 5, 0, 1]
+
+
+def test_an_extra_value_the_format_cannot_hold_may_be_skipped(tmp_path):
+    """The error's advice (on_unsupported='skip') was an argument save_sharded did not take."""
+    import datetime
+
+    extra = {"when": datetime.date(2024, 1, 1), "step": 3}
+    refused = run_ranks(_save_with_extra, 1, str(tmp_path / "a.safetensors"), extra, "error")[0]
+    assert "on_unsupported='skip'" in refused and not (tmp_path / "a.safetensors").exists()
+    assert run_ranks(_save_with_extra, 1, str(tmp_path / "a.safetensors"), extra, "skip")[0] == "saved"
+    back = fsdp_restore.load(tmp_path / "a.safetensors")
+    assert back["when"] is None and back["step"] == 3
+    with pytest.raises(SaveError, match="on_unsupported must be 'error' or 'skip', not 'drop'"):
+        save_sharded(torch.nn.Linear(2, 2), tmp_path / "b.safetensors", on_unsupported="drop")
+
+
+def _save_with_extra(rank, world_size, path, extra, on_unsupported):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            save_sharded(torch.nn.Linear(2, 2), path, extra=extra, on_unsupported=on_unsupported)
+        except SaveError as e:
+            return str(e)
+    assert any("skipped" in str(w.message) for w in caught)
+    return "saved"
