@@ -319,7 +319,8 @@ def _commit(dst: Path, tmp: Path, plan: WritePlan, sharded: bool, checksums: dic
 _DIFFERENT_DESTINATIONS = ("the ranks were given different destinations (a name computed on each rank, such as a"
                            " time stamp?): give every rank the same path, one every rank sees; nothing was written")
 _DIFFERENT_HEADERS = ("the ranks computed different checkpoint headers (their models' shapes, dtypes, optimizer"
-                      " state or param groups differ); nothing was written")
+                      " state or param groups differ, or they were called with different arguments, such as"
+                      " max_shard_size or on_unsupported); nothing was written")
 
 
 def _header_digest(plan: WritePlan) -> str:
