@@ -98,20 +98,27 @@ class _StoredValues(Mapping[str, torch.Tensor]):
     file's structure (or are its keys). A name stored as a view of another tensor (rare) is read through `load`."""
 
     def __init__(self, files: dict[str, str], keys: dict[str, str], viewed: Callable[[str], torch.Tensor],
-                 views: set[str]) -> None:
-        self._files, self._keys, self._viewed, self._views = files, keys, viewed, views
-        self._handles: dict[str, Any] = {}
+                 views: dict[str, str]) -> None:
+        from safetensors import safe_open
+
+        self._keys, self._viewed, self._views = keys, viewed, views
+        # every file opened, and every key found in it, now (headers only): a file safetensors cannot read, or a key
+        # it does not hold there, fails here, in the step every rank agrees on, not in the middle of the gathers
+        self._handles = {file: safe_open(file, framework="pt") for file in sorted(set(files.values()))}
+        self._handle_of = {key: self._handles[file] for key, file in files.items()}
+        for file, handle in self._handles.items():
+            absent = {key for key, f in files.items() if f == file} - set(handle.keys())
+            if absent:
+                raise ValueError(f"safetensors does not find {', '.join(sorted(absent)[:5])} in {file}")
+
+    def __contains__(self, name: object) -> bool:  # (Mapping's own would read the tensor to answer)
+        return name in self._keys or name in self._views
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self._views:
-            return self._viewed(name)
+            return self._viewed(self._views[name])
         key = self._keys[name]
-        file = self._files[key]
-        if file not in self._handles:
-            from safetensors import safe_open
-
-            self._handles[file] = safe_open(file, framework="pt")
-        return self._handles[file].get_tensor(key)
+        return self._handle_of[key].get_tensor(key)
 
     def __iter__(self) -> Iterator[str]:
         return iter([*self._keys, *self._views])
@@ -123,14 +130,11 @@ class _StoredValues(Mapping[str, torch.Tensor]):
 def _expected_tensors(path: str, prefix: str) -> Mapping[str, torch.Tensor]:
     """The stored weights by name (`_StoredValues`: read by safetensors itself, not through the restore's plan or
     reader); names a save_model file dropped as tied resolve to the kept one."""
-    import json
-
     from .flatten import iter_tensor_nodes
-    from .format import DEFAULT_INDEX_NAME
 
     lead = prefix + "." if prefix else ""
     keys: dict[str, str] = {}
-    views: set[str] = set()
+    views: set[str] = set()  # names stored as views of another tensor: read through `load`
     with Checkpoint(path) as ckpt:
         if ckpt.has_structure:
             holds_prefix = not prefix
@@ -149,12 +153,9 @@ def _expected_tensors(path: str, prefix: str) -> Mapping[str, torch.Tensor]:
         for dropped, kept in ckpt.tied_aliases().items():
             if dropped.startswith(lead) and kept.startswith(lead) and kept[len(lead):] in keys:
                 keys.setdefault(dropped[len(lead):], keys[kept[len(lead):]])
-    if os.path.isdir(path):  # a sharded set: which file holds each key, from the index as written
-        with open(os.path.join(path, DEFAULT_INDEX_NAME)) as f:
-            weight_map = json.load(f)["weight_map"]
-        files = {key: os.path.join(path, weight_map[key]) for key in keys.values()}
-    else:
-        files = {key: path for key in keys.values()}
+        # which file of a set (or the .safetensors beside a .pt) holds each key, as the checkpoint was resolved; the
+        # bytes, and where they lie in that file, are safetensors' to find
+        files = {key: str(ckpt.entries[key].file) for key in keys.values()}
     loaded: list[Any] = []
 
     def viewed(name: str) -> torch.Tensor:
@@ -170,7 +171,7 @@ def _expected_tensors(path: str, prefix: str) -> Mapping[str, torch.Tensor]:
     names = {**_unwrapped_names({n: n for n in [*keys, *views]}), **{n: n for n in [*keys, *views]}}  # a name as
     # stored wins (a model whose own child is called `module`)
     return _StoredValues(files, {alias: keys[n] for alias, n in names.items() if n in keys}, viewed,
-                         {alias for alias, n in names.items() if n in views})
+                         {alias: n for alias, n in names.items() if n in views})
 
 
 _WRAPPER_INFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")

@@ -55,6 +55,10 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, prefix: str | None, strict
                                " with model.to_empty(device=...) before restoring (then fsdp_restore."
                                "init_non_persistent_buffers(model) for buffers that no checkpoint holds)")
     stored_as, map_problems = key_maps.apply(key_map, [t.name for t in targets] + list(aliases), same=aliases)
+    if key_map is not None:  # a map may give the names as stored ('module.w', '_orig_mod.w'); the stored names (and
+        # an optimizer's param_names) are read without their wrappers, so the map's are too, by the same rule
+        normal = normalize_names(stored_as.values(), [t.name for t in targets])
+        stored_as = {name: normal[key] for name, key in stored_as.items()}
     plan.stored_as = stored_as
     for text in map_problems:
         plan.add_problem("key_map", text)
@@ -102,14 +106,6 @@ def _plan_weights(plan: ReadPlan, targets: Sequence[Target], aliases: dict[str, 
                                   " weights file")
         plan.refused.update(t.name for t in targets)  # one problem, not one more per tensor never planned
         return
-    # a key map may give the stored name itself ('module.w', '_orig_mod.w'), where the sources are under the
-    # normalized one ('w'): read it as the stored names were read
-    model_names = [t.name for t in targets]
-    for name, as_stored in stored_as.items():
-        if as_stored not in sources and as_stored not in unsupported:
-            normal = normalize_names([as_stored], model_names)[as_stored]
-            if normal in sources or normal in unsupported:
-                stored_as[name] = normal
     tied_names: dict[str, list[str]] = {}
     for alias, name in aliases.items():
         tied_names.setdefault(name, []).append(alias)
@@ -125,24 +121,19 @@ def _plan_weights(plan: ReadPlan, targets: Sequence[Target], aliases: dict[str, 
             plan.add_problem("unreadable", f"{target.name}: {unsupported[stored_as[target.name]]}")
             plan.refused.add(target.name)
             continue
-        # a tied tensor may be stored under any of its names (save_model keeps only one)
-        src = sources.get(stored_as[target.name])
-        if src is None:
-            for alias in tied_names.get(target.name, ()):
-                src = sources.get(stored_as.get(alias, ""))
-                if src is not None:
-                    break
-        else:  # stored under its own name: a tied name stored apart must hold the same values, or one would be lost
-            for alias in tied_names.get(target.name, ()):
-                other = sources.get(stored_as.get(alias, ""))
-                if other is not None and (other.key, other.start) != (src.key, src.start) and not _same_values(
-                        ckpt, src, other):
-                    plan.add_problem("tied", f"{target.name} and {alias}: the model ties them (one tensor), but the"
-                                             f" file holds different values under them ('{src.key}', '{other.key}'),"
-                                             " so the restore would keep one and drop the other; untie them in the"
-                                             " model (transformers: tie_word_embeddings=False), or restore a file"
-                                             " that holds one value")
-                    plan.refused.add(target.name)
+        # a tied tensor may be stored under any of its names (save_model keeps only one); names stored apart must
+        # hold the same values, or the restore would keep one and lose the others
+        held = [(name, found) for name in [target.name, *tied_names.get(target.name, ())]
+                if (found := sources.get(stored_as.get(name, ""))) is not None]
+        src = held[0][1] if held else None
+        for alias, other in held[1:]:
+            if (other.key, other.start) != (src.key, src.start) and not _same_values(ckpt, src, other):
+                plan.add_problem("tied", f"{held[0][0]} and {alias}: the model ties them (one tensor), but the file"
+                                         f" holds different values under them ('{src.key}', '{other.key}'), so the"
+                                         " restore would keep one and drop the other; untie them in the model"
+                                         " (transformers: tie_word_embeddings=False), or restore a file that holds"
+                                         " one value")
+                plan.refused.add(target.name)
         if src is None:
             if strict:
                 key = stored_as[target.name]

@@ -233,6 +233,45 @@ def test_the_comparison_does_not_share_the_restores_reader(setup):
     assert sorted(n for _, bad in results for n in bad) == ["layers.0.weight", "layers.1.weight"]
 
 
+def test_every_path_the_restore_takes_is_checked(setup):
+    """The comparison opened the path itself with safetensors: a directory holding one model.safetensors, an index
+    of another name, the index's own path and a .pt beside its conversion all failed check-restore, which the
+    restore accepts. Each tensor is read once (a membership test read it too)."""
+    import os
+    import shutil
+
+    from safetensors.torch import save_file
+
+    import fsdp_restore.check_restore as check_restore
+    import mymodel
+
+    state = mymodel.build().state_dict()
+    (setup / "hf").mkdir()
+    save_file({k: v.clone() for k, v in state.items() if k != "head.weight"}, setup / "hf" / "model.safetensors")
+    fsdp_restore.save(dict(state), setup / "sharded", max_shard_size=300)
+    shutil.copytree(setup / "sharded", setup / "renamed")
+    os.rename(setup / "renamed" / "model.safetensors.index.json",
+              setup / "renamed" / "diffusion_pytorch_model.safetensors.index.json")
+    for path in [setup / "hf", setup / "renamed", setup / "sharded" / "model.safetensors.index.json",
+                 setup / "ck.pt"]:
+        report = run_check_restore(str(path), f"{setup / 'mymodel.py'}:build", nproc=1, fsdp="fsdp2")
+        assert report.ok, (path, report.problems)
+    expected = check_restore._expected_tensors(str(setup / "ck.safetensors"), "model")
+    reads: list[str] = []
+    expected._handle_of = {k: _Counted(h, reads) for k, h in expected._handle_of.items()}
+    assert "embed.weight" in expected and not reads
+    assert torch.equal(expected["embed.weight"], state["embed.weight"]) and reads == ["model.embed.weight"]
+
+
+class _Counted:
+    def __init__(self, handle, reads):
+        self.handle, self.reads = handle, reads
+
+    def get_tensor(self, key):
+        self.reads.append(key)
+        return self.handle.get_tensor(key)
+
+
 class _Block(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -244,3 +244,43 @@ def test_a_map_may_give_the_names_as_the_file_stores_them(tmp_path, wrapper):
     stored = torch.load(tmp_path / "w.pt")
     oracle.load_state_dict({n: stored[wrapper + n] for n in oracle.state_dict()})
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), oracle.state_dict().values()))
+
+
+def test_no_map_never_reads_one_name_for_another(tmp_path):
+    """The normalization of a map's names (above) was applied without a map too, name by name: a model with a real
+    child called `module` took 'module.w' from the file's 'w' instead of reporting it missing."""
+    from safetensors.torch import save_file
+
+    class Inner(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(4))
+
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(4))
+            self.module = Inner()
+
+    save_file({"w": torch.arange(4.0)}, tmp_path / "old.safetensors")
+    with pytest.raises(RestoreError, match=r"missing from the checkpoint \(1\): module.w"):
+        fsdp_restore.restore_model(Outer(), tmp_path / "old.safetensors")
+
+
+def test_an_optimizer_alone_through_a_map_of_wrapped_names(tmp_path):
+    """restore_optimizer (no weights planned) refused the map of the file's own DDP names that restore took."""
+    torch.manual_seed(0)
+    src = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(list(src.named_parameters()), lr=1e-3)
+    src(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    state = opt.state_dict()
+    for group in state["param_groups"]:
+        group["param_names"] = ["module.old_" + n for n in group["param_names"]]
+    fsdp_restore.save({"model": {"module.old_" + k: v for k, v in src.state_dict().items()}, "optim": state},
+                      tmp_path / "ck.safetensors")
+    model = torch.nn.Linear(3, 2)
+    restored = torch.optim.AdamW(list(model.named_parameters()), lr=1e-3)
+    fsdp_restore.restore_optimizer(restored, model, tmp_path / "ck.safetensors", key_map=lambda n: "module.old_" + n)
+    assert torch.equal(restored.state[model.weight]["exp_avg"], opt.state[src.weight]["exp_avg"])
+    assert torch.equal(restored.state[model.bias]["exp_avg_sq"], opt.state[src.bias]["exp_avg_sq"])

@@ -674,3 +674,26 @@ def test_a_tied_weight_stored_twice_must_hold_one_value(tmp_path, writer):
     with pytest.raises(RestoreError, match=r"embed_tokens.weight and lm_head.weight: the model ties them") as info:
         restore_model(_TiedLM(), differ)
     assert "tie_word_embeddings=False" in str(info.value)
+
+
+
+def test_a_three_way_tie_stored_under_two_of_its_names_must_hold_one_value(tmp_path):
+    """T5's shared / encoder / decoder embedding: the file held two of the three names, with different values, and
+    the restore took the first it found without a word."""
+    from safetensors.torch import save_file
+
+    class ThreeWay(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.shared = torch.nn.Embedding(4, 2)
+            self.enc = torch.nn.Embedding(4, 2)
+            self.dec = torch.nn.Embedding(4, 2)
+            self.enc.weight = self.dec.weight = self.shared.weight
+
+    save_file({"enc.weight": torch.zeros(4, 2), "dec.weight": torch.ones(4, 2)}, tmp_path / "t5.safetensors")
+    with pytest.raises(RestoreError, match=r"enc.weight and dec.weight: the model ties them"):
+        restore_model(ThreeWay(), tmp_path / "t5.safetensors")
+    save_file({"enc.weight": torch.ones(4, 2), "dec.weight": torch.ones(4, 2)}, tmp_path / "same.safetensors")
+    model = ThreeWay()
+    restore_model(model, tmp_path / "same.safetensors")
+    assert torch.equal(model.shared.weight.detach(), torch.ones(4, 2))
