@@ -161,17 +161,27 @@ def _expected_tensors(path: str, prefix: str) -> Mapping[str, torch.Tensor]:
     def viewed(name: str) -> torch.Tensor:
         from . import load
 
-        if not loaded:
-            obj: Any = load(path)
-            for part in prefix.split(".") if prefix else []:
-                obj = obj[part]
-            loaded.append(obj)
-        return loaded[0][name]
+        if not loaded:  # every tensor of the loaded object by its dotted path, as the structure names them
+            loaded.append(dict(_tensors_by_path(load(path))))
+        return loaded[0][lead + name]
 
     names = {**_unwrapped_names({n: n for n in [*keys, *views]}), **{n: n for n in [*keys, *views]}}  # a name as
     # stored wins (a model whose own child is called `module`)
     return _StoredValues(files, {alias: keys[n] for alias, n in names.items() if n in keys}, viewed,
                          {alias: n for alias, n in names.items() if n in views})
+
+
+def _tensors_by_path(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """``(dotted path, tensor)`` of every tensor in a loaded object (nested dicts, lists, tuples)."""
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            if isinstance(key, (str, int)):
+                yield from _tensors_by_path(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from _tensors_by_path(value, f"{path}.{i}" if path else str(i))
 
 
 _WRAPPER_INFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
@@ -259,7 +269,11 @@ def compare_with_file(model: nn.Module, expected: Mapping[str, torch.Tensor], ke
     for i, (names, full) in enumerate(_full_values(model)):
         if i % world != rank:
             continue
-        stored = next((expected[k] for k in map(rename, names) if k in expected), None)
+        try:  # a read that fails is this tensor's failure, never this rank's leaving the gathers
+            stored = next((expected[k] for k in map(rename, names) if k in expected), None)
+        except Exception as e:  # noqa: BLE001
+            bad.append(f"{names[0]} (reading the file's value failed: {type(e).__name__}: {e})")
+            continue
         if stored is None:
             not_found.append(names[0])
             continue

@@ -176,6 +176,7 @@ def plan_optimizer(plan: ReadPlan, model: nn.Module, targets: Sequence[Target], 
     optim.groups.extend(dict(stored.hyper) for stored in saved.groups)
     lazy = ckpt.tensors(exact=True)  # small values (step): no mmap readahead
     misfits: list[str] = []
+    position = {key: i for i, key in enumerate(saved.state)}  # the file's order: torch's, that of first state
     for g, (group_slots, group) in enumerate(zip(slots, saved.groups)):
         for slot in group_slots:
             keys = {n: mapping.get(n, stored_as.get(n, n)) for n in slot.names}
@@ -183,6 +184,7 @@ def plan_optimizer(plan: ReadPlan, model: nn.Module, targets: Sequence[Target], 
                                       optim.optimizer.state.get(slot.param, {}), group.hyper, misfits)
             if state:
                 optim.state[slot.param] = state
+                optim.order[slot.param] = min(position.get(k, len(position)) for k in keys.values())
     for text in misfits:
         plan.add_problem("optimizer", text)
     if misfits:

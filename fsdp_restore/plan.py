@@ -24,7 +24,7 @@ from .optim_plan import plan_optimizer
 from .read import Checkpoint
 from .readplan import OptimizerPlan, ReadItem, ReadPlan, RestoreReport
 from .shards import Target, local_targets
-from .stored import Source, default_prefix, normalize_names, tensor_sources
+from .stored import Source, default_prefix, stored_names_as_read, tensor_sources
 
 __all__ = ["OptimizerPlan", "ReadItem", "ReadPlan", "RestoreReport", "Source", "build_plan", "default_prefix",
            "tensor_sources"]
@@ -55,10 +55,10 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, prefix: str | None, strict
                                " with model.to_empty(device=...) before restoring (then fsdp_restore."
                                "init_non_persistent_buffers(model) for buffers that no checkpoint holds)")
     stored_as, map_problems = key_maps.apply(key_map, [t.name for t in targets] + list(aliases), same=aliases)
-    if key_map is not None:  # a map may give the names as stored ('module.w', '_orig_mod.w'); the stored names (and
-        # an optimizer's param_names) are read without their wrappers, so the map's are too, by the same rule
-        normal = normalize_names(stored_as.values(), [t.name for t in targets])
-        stored_as = {name: normal[key] for name, key in stored_as.items()}
+    if key_map is not None:  # a map may give the names as stored ('module.w', '_orig_mod.w'), which the restore
+        # reads without their wrappers where the file's names have them: a stored name given is read as the file's is
+        as_read = stored_names_as_read(ckpt, prefix, [t.name for t in targets])
+        stored_as = {name: as_read.get(key, key) for name, key in stored_as.items()}
     plan.stored_as = stored_as
     for text in map_problems:
         plan.add_problem("key_map", text)

@@ -75,12 +75,15 @@ class OptimizerPlan:
     groups: list[dict[str, Any]] = field(default_factory=list)
     # (param, field) of every state tensor laid out like its parameter's local shard: the check covers them
     shaped: list[tuple[torch.Tensor, str]] = field(default_factory=list)
+    # each parameter's place in the saved state: installed in the file's order, as load_state_dict installs it (a
+    # later save_sharded, or state_dict(), then keeps torch's order of first state)
+    order: dict[torch.Tensor, int] = field(default_factory=dict)
 
     def install(self) -> None:
         for current, saved in zip(self.optimizer.param_groups, self.groups):
             current.update(saved)
         self.optimizer.state.clear()
-        for param, state in self.state.items():
+        for param, state in sorted(self.state.items(), key=lambda item: self.order.get(item[0], len(self.order))):
             self.optimizer.state[param] = state
 
 

@@ -448,7 +448,8 @@ def _optimizer_object(model: nn.Module, optimizer: torch.optim.Optimizer, target
             entries.append((pid, fields))
     # as an unsharded optimizer holds it: in the order its parameters first got state (a parameter without a
     # gradient on the first step comes later), where each rank's optimizer holds one parameter per name and state
-    # for all of them (the same steps: the same order on every rank); else (FSDP1's flat parameters) in id order
+    # for all of them (the same steps: the same order on every rank); else in id order (FSDP1's flat parameters, and
+    # FSDP1 with use_orig_params where a rank holds no state for the parameters it holds no elements of)
     position = {id(p): i for i, p in enumerate(optimizer.state)}
     first_state = {id_of[name]: position.get(id(slot.param), len(position)) for slots in groups for slot in slots
                    for name in slot.names}

@@ -319,8 +319,8 @@ def _commit(dst: Path, tmp: Path, plan: WritePlan, sharded: bool, checksums: dic
 _DIFFERENT_DESTINATIONS = ("the ranks were given different destinations (a name computed on each rank, such as a"
                            " time stamp?): give every rank the same path, one every rank sees; nothing was written")
 _DIFFERENT_HEADERS = ("the ranks computed different checkpoint headers (their models' shapes, dtypes, optimizer"
-                      " state or param groups differ, or they were called with different arguments, such as"
-                      " max_shard_size or on_unsupported); nothing was written")
+                      " state, its order or param groups differ, or they were called with different arguments, such"
+                      " as max_shard_size or on_unsupported); nothing was written")
 
 
 def _header_digest(plan: WritePlan) -> str:
@@ -395,9 +395,22 @@ DEFAULT_SAVE_THREADS = 4  # write threads per rank when save_sharded is given no
 
 def _to_bytes(value: Any) -> bytes:
     """Rank 0's ``extra`` (and the write's names) for the other ranks, as ``torch.save`` writes it: tensors that share
-    memory keep sharing it, and every dtype travels (Python's own pickle loses both)."""
+    memory keep sharing it, and every dtype travels (Python's own pickle loses both). A value it cannot write (a
+    lambda, a local class) is named by its key."""
     buffer = io.BytesIO()
-    torch.save(value, buffer)
+    try:
+        torch.save(value, buffer)
+    except Exception as e:  # noqa: BLE001 - whatever pickling raised: find the keys of extra that cause it
+        extra = value[0] if isinstance(value, tuple) and isinstance(value[0], dict) else {}
+        bad = []
+        for key, item in extra.items():
+            try:
+                torch.save(item, io.BytesIO())
+            except Exception:  # noqa: BLE001
+                bad.append(repr(key))
+        raise FsdpRestoreError(f"extra[{', '.join(bad) or '?'}] cannot be saved ({type(e).__name__}: {e}): give"
+                               " values a checkpoint can hold (tensors, numbers, strings, containers of those) in"
+                               " their place") from None
     return buffer.getvalue()
 
 
@@ -500,11 +513,13 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
                     sent_extra, tmp_name, set_id = _from_bytes(payload)
                     dst = Path(path)
                     tmp = _temp_path(dst, tmp_name)
-                    weights_only = optimizer is None and (extra if rank == 0 else sent_extra) is None  # rank 0's
+                    # every rank, rank 0 too, plans from the copy that travelled: a set rebuilt by unpickling may
+                    # iterate in another order than the caller's own
+                    weights_only = optimizer is None and sent_extra is None
                     _reshard_fsdp2(model)
                     _refuse_unsharded_fsdp1(model)
                     plan = save_plan.build_write_plan(model, optimizer=optimizer,
-                                                      extra=extra if rank == 0 else sent_extra,
+                                                      extra=sent_extra,
                                                       weights_only=weights_only, rank=rank, world=world,
                                                       max_shard_size=size, remote_state=remote_state, set_id=set_id,
                                                       on_unsupported=on_unsupported)

@@ -263,6 +263,27 @@ def test_every_path_the_restore_takes_is_checked(setup):
     assert torch.equal(expected["embed.weight"], state["embed.weight"]) and reads == ["model.embed.weight"]
 
 
+def test_a_view_inside_a_nested_model_subtree_is_compared(setup):
+    """A tensor stored as a view of another, in a model subtree of nested dicts (and under --model-prefix): the
+    comparison looked it up by its dotted name in the loaded object and failed in the middle of the gathers."""
+    import mymodel
+
+    state = mymodel.build().state_dict()
+    base = torch.zeros(state["embed.weight"].numel() + 7)
+    base[7:] = state["embed.weight"].reshape(-1)
+    nested: dict = {}
+    for name, value in state.items():
+        node = nested
+        *parents, leaf = name.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = base[7:].view(value.shape) if name == "embed.weight" else value
+    fsdp_restore.save({"base": base, "ema": {"model": nested}}, setup / "nested.safetensors")
+    report = run_check_restore(str(setup / "nested.safetensors"), f"{setup / 'mymodel.py'}:build", nproc=2,
+                               fsdp="fsdp2", model_prefix="ema.model")
+    assert report.ok, report.problems
+
+
 class _Counted:
     def __init__(self, handle, reads):
         self.handle, self.reads = handle, reads

@@ -284,3 +284,26 @@ def test_an_optimizer_alone_through_a_map_of_wrapped_names(tmp_path):
     fsdp_restore.restore_optimizer(restored, model, tmp_path / "ck.safetensors", key_map=lambda n: "module.old_" + n)
     assert torch.equal(restored.state[model.weight]["exp_avg"], opt.state[src.weight]["exp_avg"])
     assert torch.equal(restored.state[model.bias]["exp_avg_sq"], opt.state[src.bias]["exp_avg_sq"])
+
+
+@pytest.mark.parametrize("stored,key_map", [
+    ({"module.weight": 1, "module.bias": 1, "head.weight": 2, "head.bias": 2},
+     {"inner.weight": "module.weight", "inner.bias": "module.bias"}),  # 'module.' is a real name here: kept
+    ({"module.x.weight": 1, "module.x.bias": 1, "module.y.weight": 2},
+     {"inner.weight": "module.x.weight", "inner.bias": "module.x.bias"}),  # a DDP file: every name has it
+])
+def test_a_stored_name_given_is_read_as_the_file_reads_it(tmp_path, stored, key_map):
+    """Whether 'module.' is DDP's prefix is the file's to say (all of its names have it), not the map's: judged on
+    the map's names, a map into a file whose child is called 'module' lost its names, and a map naming only some of
+    a DDP file's names kept the prefix the stored names had lost."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    values = {k: torch.randn(2, 3) if k.endswith("weight") else torch.randn(2) for k in stored}
+    save_file(values, tmp_path / "f.safetensors")
+    model = torch.nn.Module()
+    model.inner = torch.nn.Linear(3, 2)
+    report = fsdp_restore.restore_model(model, tmp_path / "f.safetensors", key_map=key_map, strict=False)
+    assert report.missing == []
+    assert torch.equal(model.inner.weight.detach(), values[key_map["inner.weight"]])
+    assert torch.equal(model.inner.bias.detach(), values[key_map["inner.bias"]])

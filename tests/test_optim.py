@@ -427,3 +427,27 @@ def test_a_missing_optimizer_prefix_names_where_the_state_is(tmp_path, layout, e
     fsdp_restore.convert(tmp_path / "ck.pt", tmp_path / "ck.safetensors")
     with pytest.raises(RestoreError, match=f"no optimizer state under 'optim': it holds one under .*pass {expected}"):
         fsdp_restore.restore_optimizer(torch.optim.AdamW(model.parameters()), model, tmp_path / "ck.safetensors")
+
+
+def test_the_state_is_installed_in_the_order_the_file_holds_it(tmp_path):
+    """The restore installed state in group order, so the optimizer's next state_dict() (and save_sharded) put a
+    parameter that got its state late (no gradient on the first step) first, where torch's load_state_dict keeps
+    the saved order."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for step in range(2):
+        model(torch.ones(1, 3)).sum().backward()
+        if step == 0:
+            for p in model[0].parameters():
+                p.grad = None
+        opt.step()
+        opt.zero_grad()
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, tmp_path / "c.pt")
+    fsdp_restore.convert(tmp_path / "c.pt", tmp_path / "c.safetensors")
+    fresh = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    restored = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    fsdp_restore.restore(fresh, tmp_path / "c.safetensors", optimizer=restored)
+    oracle = torch.optim.AdamW(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2)).parameters(), lr=0.1)
+    oracle.load_state_dict(torch.load(tmp_path / "c.pt")["optim"])
+    assert list(restored.state_dict()["state"]) == list(oracle.state_dict()["state"]) == [2, 3, 0, 1]

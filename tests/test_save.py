@@ -815,3 +815,30 @@ def _save_with_extra(rank, world_size, path, extra, on_unsupported):
             return str(e)
     assert any("skipped" in str(w.message) for w in caught)
     return "saved"
+
+
+
+def _save_extra_returning_error(rank, world_size, path, extra):
+    if extra == "unsaveable":
+        extra = {"f": _Local(), "step": 1}
+    try:
+        save_sharded(torch.nn.Linear(2, 2), path, extra=extra)
+    except SaveError as e:
+        return str(e)
+    return "saved"
+
+
+def test_extra_is_planned_from_what_travelled_and_an_unsaveable_value_is_named(tmp_path):
+    """Rank 0 planned from its own extra and the others from the copy that travelled: a set, rebuilt by unpickling,
+    may iterate in another order, so the ranks' headers differed. A value torch.save cannot write (a lambda) gave
+    pickle's error without the key."""
+    results = run_ranks(_save_extra_returning_error, 2, str(tmp_path / "s.safetensors"), {"s": {9, 2}, "step": 1})
+    assert results == ["saved", "saved"]
+    assert fsdp_restore.load(tmp_path / "s.safetensors")["s"] == {9, 2}
+    results = run_ranks(_save_extra_returning_error, 2, str(tmp_path / "l.safetensors"), "unsaveable")
+    assert all("extra['f'] cannot be saved" in text for text in results), results
+
+
+class _Local:
+    def __reduce__(self):
+        raise TypeError("cannot pickle this")
