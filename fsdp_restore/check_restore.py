@@ -9,6 +9,7 @@ with the restore's plan or reader). The verdict is the exit code.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import importlib.util
 import os
@@ -172,9 +173,11 @@ def _expected_tensors(path: str, prefix: str) -> Mapping[str, torch.Tensor]:
 
 
 def _tensors_by_path(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """``(dotted path, tensor)`` of every tensor in a loaded object (nested dicts, lists, tuples)."""
+    """``(dotted path, tensor)`` of every tensor in a loaded object (nested dicts, Namespaces, lists, tuples)."""
     if isinstance(obj, torch.Tensor):
         yield path, obj
+    elif isinstance(obj, argparse.Namespace):  # the structure walks a Namespace's attributes as a dict's items
+        yield from _tensors_by_path(vars(obj), path)
     elif isinstance(obj, dict):
         for key, value in obj.items():
             if isinstance(key, (str, int)):

@@ -23,8 +23,8 @@ from .key_map import KeyMap
 from .optim_plan import plan_optimizer
 from .read import Checkpoint
 from .readplan import OptimizerPlan, ReadItem, ReadPlan, RestoreReport
-from .shards import Target, local_targets
-from .stored import Source, default_prefix, stored_names_as_read, tensor_sources
+from .shards import Target, clean_name, local_targets
+from .stored import Source, default_prefix, tensor_sources
 
 __all__ = ["OptimizerPlan", "ReadItem", "ReadPlan", "RestoreReport", "Source", "build_plan", "default_prefix",
            "tensor_sources"]
@@ -55,10 +55,6 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, prefix: str | None, strict
                                " with model.to_empty(device=...) before restoring (then fsdp_restore."
                                "init_non_persistent_buffers(model) for buffers that no checkpoint holds)")
     stored_as, map_problems = key_maps.apply(key_map, [t.name for t in targets] + list(aliases), same=aliases)
-    if key_map is not None:  # a map may give the names as stored ('module.w', '_orig_mod.w'), which the restore
-        # reads without their wrappers where the file's names have them: a stored name given is read as the file's is
-        as_read = stored_names_as_read(ckpt, prefix, [t.name for t in targets])
-        stored_as = {name: as_read.get(key, key) for name, key in stored_as.items()}
     plan.stored_as = stored_as
     for text in map_problems:
         plan.add_problem("key_map", text)
@@ -137,7 +133,10 @@ def _plan_weights(plan: ReadPlan, targets: Sequence[Target], aliases: dict[str, 
         if src is None:
             if strict:
                 key = stored_as[target.name]
-                plan.add_problem("missing", target.name if key == target.name else f"{target.name} (as '{key}')")
+                read_as = [n for n in (clean_name(key), clean_name(key).removeprefix("module.")) if n in sources]
+                plan.add_problem("missing", target.name if key == target.name else f"{target.name} (as '{key}'" + (
+                    f"; the restore reads the file's names without wrappers such as DDP's 'module.' and"
+                    f" '_orig_mod.': give key_map '{read_as[0]}')" if read_as and read_as[0] != key else ")"))
                 plan.refused.add(target.name)
             else:
                 report.missing.append(target.name)

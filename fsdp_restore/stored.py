@@ -91,14 +91,6 @@ def normalize_names(names: Iterable[str], model_names: Iterable[str] = ()) -> di
     return {n: c.removeprefix(_DDP_PREFIX) if strip else c for n, c in cleaned.items()}
 
 
-def stored_names_as_read(ckpt: Checkpoint, prefix: str, model_names: Iterable[str] = ()) -> dict[str, str]:
-    """``{stored name: name as the restore reads it}`` of every tensor under dotted ``prefix`` (`normalize_names`,
-    judged on all of them at once, as `tensor_sources` does): how a name a key map gives as stored is read."""
-    lead = prefix + "." if prefix else ""
-    names = [path[len(lead):] for path, _ in iter_tensor_nodes(ckpt.structure["root"]) if path.startswith(lead)]
-    return normalize_names(names, model_names)
-
-
 def default_prefix(ckpt: Checkpoint) -> str:
     """``"model"`` when the top level holds a ``"model"`` subtree (`flatten.holds_model_subtree`); ``""``
     for plain weight files (Hugging Face files, ``--select`` outputs, a converted

@@ -263,9 +263,13 @@ def test_every_path_the_restore_takes_is_checked(setup):
     assert torch.equal(expected["embed.weight"], state["embed.weight"]) and reads == ["model.embed.weight"]
 
 
-def test_a_view_inside_a_nested_model_subtree_is_compared(setup):
-    """A tensor stored as a view of another, in a model subtree of nested dicts (and under --model-prefix): the
-    comparison looked it up by its dotted name in the loaded object and failed in the middle of the gathers."""
+@pytest.mark.parametrize("holder", ["dict", "Namespace"])
+def test_a_view_inside_a_nested_model_subtree_is_compared(setup, holder):
+    """A tensor stored as a view of another, in a model subtree of nested dicts (and under --model-prefix, in a dict
+    or an argparse.Namespace): the comparison looked it up by its dotted name in the loaded object and failed in the
+    middle of the gathers."""
+    import argparse
+
     import mymodel
 
     state = mymodel.build().state_dict()
@@ -278,7 +282,8 @@ def test_a_view_inside_a_nested_model_subtree_is_compared(setup):
         for part in parents:
             node = node.setdefault(part, {})
         node[leaf] = base[7:].view(value.shape) if name == "embed.weight" else value
-    fsdp_restore.save({"base": base, "ema": {"model": nested}}, setup / "nested.safetensors")
+    ema = {"model": nested} if holder == "dict" else argparse.Namespace(model=nested)
+    fsdp_restore.save({"base": base, "ema": ema}, setup / "nested.safetensors")
     report = run_check_restore(str(setup / "nested.safetensors"), f"{setup / 'mymodel.py'}:build", nproc=2,
                                fsdp="fsdp2", model_prefix="ema.model")
     assert report.ok, report.problems

@@ -231,15 +231,20 @@ def test_key_map_under_fsdp1_and_ddp(hf_training_ckpt, how):
 
 
 @pytest.mark.parametrize("wrapper", ["module.", "_orig_mod.", "_orig_mod.module."])
-def test_a_map_may_give_the_names_as_the_file_stores_them(tmp_path, wrapper):
+def test_a_map_that_gives_wrapped_names_is_told_the_names_to_give(tmp_path, wrapper):
     """The restore reads a DDP or compiled model's names without their wrappers; a map that gave the file's own
-    names ('module.weight') was told they were missing, and that the file held 'weight', which it did not."""
+    names ('module.weight') was told they were missing, the file holding 'weight', which it does not say. It is now
+    told the name to give; the map giving it restores (torch's loader as the oracle)."""
     torch.manual_seed(0)
     saved = torch.nn.Linear(3, 2)
     torch.save({wrapper + k: v for k, v in saved.state_dict().items()}, tmp_path / "w.pt")
     fsdp_restore.convert(tmp_path / "w.pt", tmp_path / "w.safetensors")
+    with pytest.raises(RestoreError, match=f"weight \\(as '{wrapper}weight'; the restore reads the file's names"
+                                           " without wrappers .* give key_map 'weight'\\)"):
+        fsdp_restore.restore_model(torch.nn.Linear(3, 2), tmp_path / "w.safetensors",
+                                   key_map=lambda name: wrapper + name)
     model = torch.nn.Linear(3, 2)
-    fsdp_restore.restore_model(model, tmp_path / "w.safetensors", key_map=lambda name: wrapper + name)
+    fsdp_restore.restore_model(model, tmp_path / "w.safetensors", key_map=lambda name: name)
     oracle = torch.nn.Linear(3, 2)
     stored = torch.load(tmp_path / "w.pt")
     oracle.load_state_dict({n: stored[wrapper + n] for n in oracle.state_dict()})
@@ -267,8 +272,8 @@ def test_no_map_never_reads_one_name_for_another(tmp_path):
         fsdp_restore.restore_model(Outer(), tmp_path / "old.safetensors")
 
 
-def test_an_optimizer_alone_through_a_map_of_wrapped_names(tmp_path):
-    """restore_optimizer (no weights planned) refused the map of the file's own DDP names that restore took."""
+def test_an_optimizer_alone_through_a_map_of_a_ddp_files_names(tmp_path):
+    """restore_optimizer with a map, for a file saved from DDP: the names given as the restore reads them."""
     torch.manual_seed(0)
     src = torch.nn.Linear(3, 2)
     opt = torch.optim.AdamW(list(src.named_parameters()), lr=1e-3)
@@ -281,7 +286,7 @@ def test_an_optimizer_alone_through_a_map_of_wrapped_names(tmp_path):
                       tmp_path / "ck.safetensors")
     model = torch.nn.Linear(3, 2)
     restored = torch.optim.AdamW(list(model.named_parameters()), lr=1e-3)
-    fsdp_restore.restore_optimizer(restored, model, tmp_path / "ck.safetensors", key_map=lambda n: "module.old_" + n)
+    fsdp_restore.restore_optimizer(restored, model, tmp_path / "ck.safetensors", key_map=lambda n: "old_" + n)
     assert torch.equal(restored.state[model.weight]["exp_avg"], opt.state[src.weight]["exp_avg"])
     assert torch.equal(restored.state[model.bias]["exp_avg_sq"], opt.state[src.bias]["exp_avg_sq"])
 
@@ -290,12 +295,11 @@ def test_an_optimizer_alone_through_a_map_of_wrapped_names(tmp_path):
     ({"module.weight": 1, "module.bias": 1, "head.weight": 2, "head.bias": 2},
      {"inner.weight": "module.weight", "inner.bias": "module.bias"}),  # 'module.' is a real name here: kept
     ({"module.x.weight": 1, "module.x.bias": 1, "module.y.weight": 2},
-     {"inner.weight": "module.x.weight", "inner.bias": "module.x.bias"}),  # a DDP file: every name has it
+     {"inner.weight": "x.weight", "inner.bias": "x.bias"}),  # a DDP file: every name has it, read without it
 ])
-def test_a_stored_name_given_is_read_as_the_file_reads_it(tmp_path, stored, key_map):
-    """Whether 'module.' is DDP's prefix is the file's to say (all of its names have it), not the map's: judged on
-    the map's names, a map into a file whose child is called 'module' lost its names, and a map naming only some of
-    a DDP file's names kept the prefix the stored names had lost."""
+def test_a_map_into_names_that_start_with_module(tmp_path, stored, key_map):
+    """Whether 'module.' is DDP's prefix is the file's to say (all of its names have it), not the map's: a map into
+    a file whose child is called 'module' keeps those names."""
     from safetensors.torch import save_file
 
     torch.manual_seed(0)
@@ -305,5 +309,6 @@ def test_a_stored_name_given_is_read_as_the_file_reads_it(tmp_path, stored, key_
     model.inner = torch.nn.Linear(3, 2)
     report = fsdp_restore.restore_model(model, tmp_path / "f.safetensors", key_map=key_map, strict=False)
     assert report.missing == []
-    assert torch.equal(model.inner.weight.detach(), values[key_map["inner.weight"]])
-    assert torch.equal(model.inner.bias.detach(), values[key_map["inner.bias"]])
+    stored_key = {k: k if k in values else "module." + k for k in key_map.values()}
+    assert torch.equal(model.inner.weight.detach(), values[stored_key[key_map["inner.weight"]]])
+    assert torch.equal(model.inner.bias.detach(), values[stored_key[key_map["inner.bias"]]])
