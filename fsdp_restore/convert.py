@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from . import torch_zip
-from .errors import ConvertError, FormatError, UnsafePickleError, first_line, thread_count_argument
+from .errors import (ConvertError, FormatError, UnsafePickleError, first_line, on_unsupported_argument,
+                     thread_count_argument)
 from .flatten import flatten
 from .format import META_SOURCE, PT_SUFFIXES, SNIFF_BYTES, is_legacy_torch_save
 from .jobs import ConvertReport, cast_groups, cast_target, plan_jobs, shard_size_argument, write_converted
@@ -401,8 +402,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
         for name, patterns in (("cast_include", cast_include), ("cast_exclude", cast_exclude)):
             if patterns is not None and (isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns)):
                 raise TypeError(f"{name} must be a list of key patterns (strings), not {patterns!r}")
-        if on_unsupported not in ("error", "skip"):
-            raise ValueError(f"on_unsupported must be 'error' or 'skip', not {on_unsupported!r}")
+        on_unsupported_argument(on_unsupported)
         shard_size_argument(max_shard_size)  # a bad size: here, not after the source was read
         return thread_count_argument(thread_count, threads, stacklevel=5), cast_target(dtype)
 

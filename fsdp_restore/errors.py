@@ -92,6 +92,13 @@ class SaveError(_AgreedError):
     that it may be."""
 
 
+def on_unsupported_argument(on_unsupported: object) -> None:
+    """The ``on_unsupported=`` of a public entry point, checked at the door: ``"error"`` or ``"skip"``, else a
+    `ValueError` naming it."""
+    if on_unsupported not in ("error", "skip"):
+        raise ValueError(f"on_unsupported must be 'error' or 'skip', not {on_unsupported!r}")
+
+
 def thread_count_argument(thread_count: object, threads: object = None, *, stacklevel: int = 3) -> int | None:
     """The ``thread_count=`` of a public entry point, checked at the door: None (the entry point's default) or
     an int >= 1, else a `ValueError` naming it. ``threads=``, its name before, is accepted for one release with

@@ -48,7 +48,7 @@ from torch import nn
 
 from . import save_plan
 from .checksum import _multiply, _shift, shift_power
-from .errors import FsdpRestoreError, RestoreError, SaveError, thread_count_argument
+from .errors import FsdpRestoreError, RestoreError, SaveError, on_unsupported_argument, thread_count_argument
 from .execute import parts
 from .format import DEFAULT_INDEX_NAME
 from .jobs import shard_size_argument
@@ -434,9 +434,8 @@ def _check_arguments(model: Any, path: Any, optimizer: Any, extra: Any, process_
     if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
         raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, not"
                         f" {type(process_group).__name__}")
-    if on_unsupported not in ("error", "skip"):
-        raise ValueError(f"on_unsupported must be 'error' or 'skip', not {on_unsupported!r}")
-    thread_count_argument(thread_count)  # the check every entry point shares
+    on_unsupported_argument(on_unsupported)
+    thread_count_argument(thread_count)  # the checks every entry point shares
     if isinstance(max_shard_size, bool):
         raise TypeError("max_shard_size must be a size (int bytes or a string such as '5GB') or None")
     size = shard_size_argument(max_shard_size)
