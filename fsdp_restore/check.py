@@ -286,7 +286,7 @@ def _sum_squares(m: int) -> int:
     return (m - 1) * m * (2 * m - 1) // 6
 
 
-def _moments(start: int, run: int, rows: int, stride: int) -> tuple[int, int]:
+def index_moments(start: int, run: int, rows: int, stride: int) -> tuple[int, int]:
     """(sum, sum of squares) of the indices start + i * stride + j for i < rows, j < run, in closed form
     (a column block of thousands of rows costs as little as one range)."""
     a1 = rows * start + stride * rows * (rows - 1) // 2  # sum of the row starts a_i
@@ -305,7 +305,7 @@ def coverage_terms(items: Sequence[ReadItem]) -> dict[str, tuple[int, int]]:
         s, c, big_n = item.global_start, item.dest.numel(), item.global_numel
         if c == 0:
             continue
-        s1, s2 = _moments(s, item.run, item.rows, item.stride)
+        s1, s2 = index_moments(s, item.run, item.rows, item.stride)
         t = terms.setdefault(item.name, [0, 0])
         t[0] += 2 * s1 - c * (big_n - 1)
         t[1] += 6 * s2 - c * (big_n - 1) * (2 * big_n - 1)

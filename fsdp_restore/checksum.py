@@ -64,6 +64,32 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     return _shift(crc1, len2) ^ crc2 if len2 else crc1
 
 
+def zeros_crc(nbytes: int) -> int:
+    """The crc32 of ``nbytes`` zero bytes, without reading any (the register, all ones at the start, times
+    x^(8 nbytes), complemented)."""
+    return _shift(0xFFFFFFFF, nbytes) ^ 0xFFFFFFFF if nbytes else 0
+
+
+def placed_crc(crc: int, nbytes: int, after: int) -> int:
+    """The linear part of the crc32 of a message that is all zeros but for a part of ``nbytes`` whose crc32 is
+    ``crc``, followed by ``after`` bytes (what precedes it does not matter: zeros leave a zero register as it is).
+
+    crc32 is affine: for messages of one length, ``crc(A ^ B) = crc(A) ^ crc(B) ^ crc(zeros)``. So the crc32 of
+    a message cut into parts, each placed alone in zeros, is the XOR of their `placed_crc` and the
+    `zeros_crc` of the whole length: the parts may be checksummed apart, in any order, by any process."""
+    return _shift(crc ^ zeros_crc(nbytes), after)
+
+
+def strided_placed_crc(row_crcs: Iterable[int], run_bytes: int, stride_bytes: int, after_last: int) -> int:
+    """`placed_crc` of equal runs of ``run_bytes``, ``stride_bytes`` apart (a column block of a row-major tensor),
+    from each run's crc32, in order; ``after_last``: the bytes that follow the last run. One multiplication per
+    run (Horner's rule), where placing each run alone would cost one power per run."""
+    acc, zeros = 0, zeros_crc(run_bytes)
+    for crc in row_crcs:
+        acc = _shift(acc, stride_bytes) ^ crc ^ zeros
+    return _shift(acc, after_last)
+
+
 def combine_segments(segments: Iterable[tuple[int, int]]) -> int:
     """Join ``(crc32, nbytes)`` of consecutive segments, in order, into the crc32 of the whole."""
     crc = 0

@@ -64,6 +64,10 @@ class RestoreReport:
     # that `restore` returns, agree), "read" (with the
     # ledger's fill and screen on the read threads), "check" (the verdict of the check), "agree"
     timings: dict[str, float] = field(default_factory=dict)
+    # verify_checksums=True: stored tensors whose restored values are proven the file's bytes by its crc32s, and
+    # "key: reason" for each restored one that could not be compared (cast on reading, no crc32 in the file)
+    checksums_verified: int = 0
+    checksums_unverified: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -35,6 +35,7 @@ from .execute import DEFAULT_READ_THREADS, cache_chunk_bytes, execute_reads
 from .key_map import KeyMap
 from .plan import ReadPlan, RestoreReport, build_plan, default_prefix
 from .read import Checkpoint, open_checkpoint
+from .restored_sums import ChecksumVerdict, joined_verdict, local_sums
 from .stored import extras
 from .verdict import agree, new_problems
 
@@ -123,8 +124,8 @@ def _run(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint, **op
 def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint, *, weights: bool,
          optimizer: torch.optim.Optimizer | None, prefix: str | None, optim_prefix: str, strict: bool, check: bool,
          check_buffers: bool, method: str, threads: int | None, dtype_policy: str,
-         group: dist.ProcessGroup | None, extra_keys: tuple[str, ...] | None = None, key_map: KeyMap | None = None
-         ) -> tuple[ReadPlan, dict[str, Any]]:
+         group: dist.ProcessGroup | None, extra_keys: tuple[str, ...] | None = None, key_map: KeyMap | None = None,
+         verify_checksums: bool = False) -> tuple[ReadPlan, dict[str, Any]]:
     """Both phases of a restore of ``weights`` and/or ``optimizer``; returns the plan (with its
     reports) and, with ``extra_keys``, every other top-level entry of the checkpoint."""
     t0 = time.perf_counter()
@@ -145,12 +146,16 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
         with problems.guard():
             if method not in ("read", "apply"):
                 raise ValueError(f"unknown method '{method}' (use 'read' or 'apply')")
+            if verify_checksums and method != "read":
+                raise ValueError("verify_checksums=True checks what the read route restored: use method='read'")
             ckpt = open_checkpoint(checkpoint)
             _reshard_fsdp2(model)
             _refuse_unsharded_fsdp1(model)
             plan = build_plan(model, ckpt, prefix=prefix, strict=strict, dtype_policy=dtype_policy, weights=weights,
                               optimizer=optimizer, optim_prefix=optim_prefix, key_map=key_map)
             problems.update(plan.problems)
+            if verify_checksums:
+                _refuse_without_checksums(plan, ckpt)
             memory = checks.model_storages(model)  # from the model itself, not from the plan
             if weights:
                 model_memory = checks.without(memory, plan.skipped)
@@ -170,7 +175,7 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
                 same = _same_on_every_rank(ckpt, prefix=prefix, optim_prefix=optim_prefix, weights=weights,
                                            optimizer=optimizer, strict=strict, check=check,
                                            check_buffers=check_buffers, method=method, dtype_policy=dtype_policy,
-                                           stored_as=plan.stored_as)
+                                           stored_as=plan.stored_as, verify_checksums=verify_checksums)
         agree(problems, what, group, coverage=coverage, buffer_prints=prints, same=same)
         assert ckpt is not None
         timings = {"plan": time.perf_counter() - t0}
@@ -208,6 +213,14 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
                     result = checks.screen(storages, plan, ckpt, threads)
                 problems.add("unrestored", result.unrestored)
                 timings["check"] = (t1 - t1_fill) + (time.perf_counter() - t2)  # fill pass + verdict
+                t_sums = time.perf_counter()
+                sums = local_sums(plan.items, ckpt, threads) if verify_checksums else {}
+        sums_verdict = None
+        if verify_checksums:  # every rank joins, whatever its reads did (the options agreed in phase 1)
+            with problems.guard():
+                sums_verdict = joined_verdict(sums, ckpt, f"{what} check", group)
+                problems.add("checksum", sums_verdict.damaged)
+            timings["checksums"] = time.perf_counter() - t_sums
         t3 = time.perf_counter()
         try:
             agree(problems, f"{what} check", group)
@@ -219,13 +232,20 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
 
         _fill_reports(plan, ckpt, result, bytes_read=ckpt.bytes_read - before, method=method,
                       seconds=time.perf_counter() - t0, checked=(model_memory, optim_memory) if check else ([], []),
-                      timings=timings)
+                      timings=timings, sums=sums_verdict)
         if plan.optim is not None:
             plan.optim.install()
         return plan, extra
     finally:
         if own and ckpt is not None:
             ckpt.close()
+
+
+def _flag(name: str, value: object, what: str, group: dist.ProcessGroup | None) -> bool:
+    """A boolean option checked at the door: True or False only (a string such as "no" would read as true)."""
+    if type(value) is not bool:
+        _refuse_on_every_rank(TypeError(f"{name} must be True or False, not {value!r}"), what, group)
+    return bool(value)
 
 
 _PARTLY_WRITTEN = {  # by whether the model's weights were restored too
@@ -239,7 +259,8 @@ _PARTLY_WRITTEN = {  # by whether the model's weights were restored too
 
 def _same_on_every_rank(ckpt: Checkpoint, *, prefix: str | None, optim_prefix: str, weights: bool,
                         optimizer: torch.optim.Optimizer | None, strict: bool, check: bool, check_buffers: bool,
-                        method: str, dtype_policy: str, stored_as: dict[str, str]) -> list[tuple[str, str]]:
+                        method: str, dtype_policy: str, stored_as: dict[str, str], verify_checksums: bool
+                        ) -> list[tuple[str, str]]:
     """What every rank of a restore must hold alike, for `agree`: the checkpoint's content (ranks that open it
     while it is replaced may each see a whole version but not the same one; copies on two nodes may differ)
     and each option that decides what is read where, as the call uses it (a rank with another one would read
@@ -257,7 +278,8 @@ def _same_on_every_rank(ckpt: Checkpoint, *, prefix: str | None, optim_prefix: s
         "strict": bool(strict) if weights or optimizer is not None else ignored,
         "method": method if weights else ignored,
         "optim_prefix": optim_prefix if optimizer is not None else ignored,
-        "check_buffers": bool(check_buffers) if check else ignored}
+        "check_buffers": bool(check_buffers) if check else ignored,
+        "verify_checksums": bool(verify_checksums)}
     for name in sorted(options):
         pairs.append((repr(options[name]), f"the ranks called the restore with different values of {name}= (one"
                                            " value on every rank)"))
@@ -271,7 +293,7 @@ def _same_on_every_rank(ckpt: Checkpoint, *, prefix: str | None, optim_prefix: s
 
 def _fill_reports(plan: ReadPlan, ckpt: Checkpoint, result: checks.CheckResult, *, bytes_read: int, method: str,
                   seconds: float, checked: tuple[list[checks.Storage], list[checks.Storage]],
-                  timings: dict[str, float]) -> None:
+                  timings: dict[str, float], sums: ChecksumVerdict | None = None) -> None:
     """Counts per report. Bytes read: the model's are what its items asked for (the apply route: all it
     read); the optimizer's are the rest (with the check's re-reads of NaN held by the file, if any)."""
     model_bytes = bytes_read if plan.optim_report is None else 0
@@ -288,13 +310,43 @@ def _fill_reports(plan: ReadPlan, ckpt: Checkpoint, result: checks.CheckResult, 
         report.method = "optimizer" if optim else method
         report.seconds = seconds
         report.timings = dict(timings)
+        if sums is not None:
+            split = _optimizer_keys(plan)
+            report.checksums_verified = sum(1 for k in sums.proven if _belongs(k, split, optim))
+            report.checksums_unverified = [line for line in sums.unproven
+                                           if _belongs(line.split(": ", 1)[0], split, optim)]
+
+
+def _optimizer_keys(plan: ReadPlan) -> str | None:
+    """How to tell the optimizer's stored keys from the model's in a restore of both: the optimizer subtree's
+    prefix; None when the call restores the optimizer alone (every key is its)."""
+    if plan.model_report is None or plan.optim_report is None:
+        return None
+    return plan.optim_report.prefix + "." if plan.optim_report.prefix else None
+
+
+def _belongs(key: str, optimizer_prefix: str | None, optim: bool) -> bool:
+    """Whether a stored key counts for the optimizer's report (``optim``) or the model's: the optimizer's keys start
+    with its prefix; with None (one report), every key counts for it."""
+    return optimizer_prefix is None or key.startswith(optimizer_prefix) == optim
+
+
+def _refuse_without_checksums(plan: ReadPlan, ckpt: Checkpoint) -> None:
+    """``verify_checksums=True`` on a file that records no crc32 for anything this restore reads: nothing could be
+    verified, which the caller asked to be told of before the reads."""
+    keys = {item.key for item in plan.items}
+    if keys and not any(k in ckpt.checksums for k in keys):
+        raise ValueError(f"verify_checksums=True: {ckpt.path} records no checksums (another tool wrote it), so the"
+                         " restored values cannot be compared with them; convert it with fsdp-restore convert to"
+                         " get a file that does, or restore without verify_checksums")
 
 
 def restore_model(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint, *,
                   model_prefix: str | None = None, strict: bool = True, check: bool = True, check_buffers: bool = True,
                   method: str = "read", thread_count: int | None = None, dtype_policy: str = "cast",
                   key_map: KeyMap | None = None, process_group: dist.ProcessGroup | None = None,
-                  threads: int | None = None, prefix: str | None = None) -> RestoreReport:
+                  threads: int | None = None, prefix: str | None = None, verify_checksums: bool = False
+                  ) -> RestoreReport:
     """Restore a model's weights from a checkpoint; call on every rank after sharding the model.
 
     ``checkpoint``: a path (file, sharded directory, or ``.pt`` with a ``.safetensors`` sibling) or
@@ -318,6 +370,14 @@ def restore_model(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpo
     ``dtype_policy="error"`` (default ``"cast"``: converted and listed in ``report.cast``), unrestored
     elements, or any exception.
 
+    ``verify_checksums``: after the reads, prove that the restored values are the bytes the file was written
+    with: each rank checksums the memory it restored, the ranks' parts are joined into each stored tensor's crc32
+    (one all-reduce) and compared with the one the file records, so a file damaged after it was written (or a
+    copy that differs) is the same `RestoreError` on every rank, naming each tensor. It reads the restored memory
+    once more (a device's through host copies); tensors it cannot compare (cast into the model's dtype, or no
+    crc32 in the file) are listed in ``report.checksums_unverified``; a file with no crc32s at all is refused
+    before the reads. ``method="read"`` only.
+
     ``thread_count``: read threads per rank (default 4); ``threads=``, its old name, still works with a
     `DeprecationWarning`. A value that is not an int >= 1 is a `ValueError` before anything is read; with
     several ranks, a bad argument on any rank is the same `RestoreError` on every rank instead.
@@ -329,7 +389,8 @@ def restore_model(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpo
         _refuse_on_every_rank(e, "restore", process_group)
     plan, _ = _run(model, checkpoint, weights=True, optimizer=None, prefix=model_prefix, optim_prefix="optim",
                    strict=strict, check=check, check_buffers=check_buffers, method=method, threads=thread_count,
-                   dtype_policy=dtype_policy, group=process_group, key_map=key_map)
+                   dtype_policy=dtype_policy, group=process_group, key_map=key_map,
+                   verify_checksums=_flag("verify_checksums", verify_checksums, "restore", process_group))
     assert plan.model_report is not None
     return plan.model_report
 
@@ -338,7 +399,8 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
                       checkpoint: str | os.PathLike[str] | Checkpoint, *, optim_prefix: str | None = None,
                       model_prefix: str | None = None, check: bool = True, thread_count: int | None = None,
                       key_map: KeyMap | None = None, process_group: dist.ProcessGroup | None = None,
-                      threads: int | None = None, prefix: str | None = None, strict: bool = True) -> RestoreReport:
+                      threads: int | None = None, prefix: str | None = None, strict: bool = True,
+                      verify_checksums: bool = False) -> RestoreReport:
     """Restore ``optimizer`` (built over the sharded ``model``) from the checkpoint subtree ``optim_prefix``
     (default ``"optim"``; ``prefix=``, its old name, still works with a `DeprecationWarning`).
 
@@ -354,8 +416,8 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
     raises the same `RestoreError` when the optimizer does not match the checkpoint (nothing is
     modified then) or when a read or its check fails (the state is then not installed). ``strict=False``:
     where ``param_names`` were saved, a group may hold a part of the saved group's parameters (a pipeline
-    stage of the saved run's model); the others are listed in ``report.unexpected``. ``thread_count``:
-    as `restore_model`."""
+    stage of the saved run's model); the others are listed in ``report.unexpected``. ``thread_count`` and
+    ``verify_checksums``: as `restore_model`."""
     try:
         thread_count = thread_count_argument(thread_count, threads)
         optim_prefix = renamed_argument("prefix", prefix, "optim_prefix", optim_prefix)
@@ -364,8 +426,8 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
     optim_prefix = "optim" if optim_prefix is None else optim_prefix
     plan, _ = _run(model, checkpoint, weights=False, optimizer=optimizer, prefix=model_prefix,
                    optim_prefix=optim_prefix, strict=strict, check=check, check_buffers=False, method="read",
-                   threads=thread_count,
-                   dtype_policy="cast", group=process_group, key_map=key_map)
+                   threads=thread_count, dtype_policy="cast", group=process_group, key_map=key_map,
+                   verify_checksums=_flag("verify_checksums", verify_checksums, "optimizer restore", process_group))
     assert plan.optim_report is not None
     return plan.optim_report
 
@@ -375,7 +437,8 @@ def restore(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint,
             optim_prefix: str | None = None, check: bool = True, check_buffers: bool = True, strict: bool = True,
             thread_count: int | None = None, key_map: KeyMap | None = None,
             process_group: dist.ProcessGroup | None = None, threads: int | None = None,
-            model_key: str | None = None, optim_key: str | None = None) -> RestoreResult:
+            model_key: str | None = None, optim_key: str | None = None, verify_checksums: bool = False
+            ) -> RestoreResult:
     """Restore model (and optimizer) state on every rank in one pass: one plan, one read phase, two
     verdicts. Returns a `RestoreResult`: a mapping over every other top-level entry of the checkpoint
     (step, scheduler, RNG states, config...) as ordinary Python objects, with ``.model`` and
@@ -384,8 +447,8 @@ def restore(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint,
     (a training checkpoint), else ``""`` (a plain weights file, such as a Hugging Face file or a weights-only
     `save_sharded`; nothing else is returned then); ``optim_prefix``: the optimizer's subtree (default
     ``"optim"``). ``model_key=`` and
-    ``optim_key=``, their old names, still work with a `DeprecationWarning`. ``key_map`` and ``thread_count``:
-    as `restore_model`."""
+    ``optim_key=``, their old names, still work with a `DeprecationWarning`. ``key_map``, ``thread_count`` and
+    ``verify_checksums``: as `restore_model`."""
     try:
         thread_count = thread_count_argument(thread_count, threads)
         model_prefix = renamed_argument("model_key", model_key, "model_prefix", model_prefix)
@@ -396,5 +459,6 @@ def restore(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint,
     plan, extra = _run(model, checkpoint, weights=True, optimizer=optimizer, prefix=model_prefix,
                        optim_prefix=optim_prefix, strict=strict, check=check, check_buffers=check_buffers,
                        method="read", threads=thread_count, dtype_policy="cast", group=process_group,
-                       extra_keys=(optim_prefix,), key_map=key_map)
+                       extra_keys=(optim_prefix,), key_map=key_map,
+                       verify_checksums=_flag("verify_checksums", verify_checksums, "restore", process_group))
     return RestoreResult(model=plan.model_report, optimizer=plan.optim_report, extra=extra)

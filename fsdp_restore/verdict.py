@@ -34,6 +34,7 @@ _LABELS = {
     "unsupported": "unsupported layouts", "buffers": "non-persistent buffers (held by no checkpoint) that are wrong",
     "coverage": "plan: the ranks' reads do not cover these tensors exactly (a planner bug)",
     "key_map": "key_map problems", "unreadable": "stored in a form a restore cannot read",
+    "checksum": "restored values that are not the bytes the file records a crc32 of (verify_checksums=True)",
 }
 _NAMES_HINT = ("check model_prefix= (CLI: --model-prefix; the subtree holding the weights), pass key_map= when the"
                " model names its tensors differently, or strict=False to restore the keys that match (in the restore"
@@ -48,6 +49,9 @@ _HINTS = {
                   " convert again",
     "missing": _NAMES_HINT,
     "unexpected": _NAMES_HINT,
+    "checksum": "the file's bytes changed after it was written (a damaged disk, an incomplete or altered copy):"
+                " fsdp-restore verify FILE names every damaged tensor; restore from an intact copy (where the ranks'"
+                " copies differ, give every rank the same file)",
     "buffers": "the model was probably built on the meta device and materialized with to_empty(): call"
                " fsdp_restore.init_non_persistent_buffers(model) (Hugging Face rotary embeddings, modules with"
                " reset_buffers()), re-run your own buffer initialisation, or build these modules on the real"

@@ -9,7 +9,9 @@ threads, reading the rank's share of the file's bytes into one preallocated buff
 placement, no check); ``bare-model``: the same loop reading the rank's own tensor bytes straight into the
 model's memory, as the restore's plan places them (precomputed once: no plan, no check; it shows what the
 placement of the model's memory against the file costs, see scripts/benchmark_alignment.py);
-``ours-nocheck``: `restore_model(check=False)`; ``ours``: `restore_model` with the NaN check.
+``ours-nocheck``: `restore_model(check=False)`; ``ours``: `restore_model` with the NaN check; with
+``--verify-checksums`` also ``ours+sums``: the NaN check and ``verify_checksums=True`` (the restored memory's crc32s
+joined over the ranks and compared with the file's).
 The four alternate run by run (``repeat`` rounds) and the medians are reported, with the restore's own phase
 timings (plan / read / check / agree) and the plan time per tensor.
 """
@@ -51,7 +53,8 @@ def _shape(mb: float) -> tuple[int, int]:
     return layers, dim
 
 
-def worker(rank: int, world_size: int, path: str, mb: float, repeat: int, threads: int) -> dict[str, Any]:
+def worker(rank: int, world_size: int, path: str, mb: float, repeat: int, threads: int,
+           methods: tuple[str, ...] = METHODS) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
 
     import fsdp_restore
@@ -81,16 +84,18 @@ def worker(rank: int, world_size: int, path: str, mb: float, repeat: int, thread
         list(pool.map(lambda read: os.preadv(fd, read[1], read[0]), iovecs))
         return {}
 
-    def ours(check: bool) -> dict[str, float]:
-        return fsdp_restore.restore_model(model, path, check=check, thread_count=threads).timings
+    def ours(check: bool, sums: bool = False) -> dict[str, float]:
+        return fsdp_restore.restore_model(model, path, check=check, thread_count=threads,
+                                          verify_checksums=sums).timings
 
-    run = {"bare": bare, "bare-model": bare_model, "ours-nocheck": lambda: ours(False), "ours": lambda: ours(True)}
-    for method in METHODS:
+    run = {"bare": bare, "bare-model": bare_model, "ours-nocheck": lambda: ours(False), "ours": lambda: ours(True),
+           "ours+sums": lambda: ours(True, True)}
+    for method in methods:
         run[method]()  # warm-up: the page cache, first-time code paths, allocator pools
-    seconds: dict[str, list[float]] = {m: [] for m in METHODS}
-    timings: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
+    seconds: dict[str, list[float]] = {m: [] for m in methods}
+    timings: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
     for _ in range(repeat):
-        for method in METHODS:
+        for method in methods:
             torch.distributed.barrier()
             t0 = time.perf_counter()
             timings[method].append(run[method]())
@@ -125,8 +130,10 @@ def main() -> None:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--threads", type=int, default=4)
+    parser.add_argument("--verify-checksums", action="store_true", help="also time verify_checksums=True")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    methods = METHODS + (("ours+sums",) if args.verify_checksums else ())
     args.work.mkdir(parents=True, exist_ok=True)
     path = args.work / f"stack-{args.mb:g}.safetensors"
     if not path.exists():
@@ -138,22 +145,23 @@ def main() -> None:
     table = Table(title=f"restore vs bare preadv loop, warm, {path.stat().st_size / 1e9:.2f} GB, "
                         f"{args.threads} threads (medians of {args.repeat})")
     for col in ("ws", "method", "s / rank", "GB/s / rank", "x bare", "plan s", "plan us/tensor", "read s",
-                "check s"):
+                "check s", "checksums s"):
         table.add_column(col)
     for ws in args.world_sizes:
-        per_rank = run_ranks(worker, ws, str(path), args.mb, args.repeat, args.threads, timeout=1200,
+        per_rank = run_ranks(worker, ws, str(path), args.mb, args.repeat, args.threads, methods, timeout=1200,
                              backend="gloo")
         results["world_sizes"][ws] = per_rank
         slowest = {m: statistics.median(max(r["seconds"][m][i] for r in per_rank) for i in range(args.repeat))
-                   for m in METHODS}
+                   for m in methods}
         rank0 = per_rank[0]
-        for m in METHODS:
-            phase = {k: statistics.median(t.get(k, 0.0) for t in rank0["timings"][m]) for k in ("plan", "read", "check")}
+        for m in methods:
+            phase = {k: statistics.median(t.get(k, 0.0) for t in rank0["timings"][m])
+                     for k in ("plan", "read", "check", "checksums")}
             table.add_row(str(ws), m, f"{slowest[m]:.3f}", f"{rank0['bytes'] / slowest[m] / 1e9:.2f}",
                           f"{slowest['bare'] / slowest[m]:.2f}",
-                          *(["", "", "", ""] if m.startswith("bare") else
+                          *(["", "", "", "", ""] if m.startswith("bare") else
                             [f"{phase['plan']:.3f}", f"{phase['plan'] / rank0['tensors'] * 1e6:.0f}",
-                             f"{phase['read']:.3f}", f"{phase['check']:.3f}"]))
+                             f"{phase['read']:.3f}", f"{phase['check']:.3f}", f"{phase['checksums']:.3f}"]))
     console.print(table)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
