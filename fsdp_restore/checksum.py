@@ -85,9 +85,26 @@ def strided_placed_crc(row_crcs: Iterable[int], run_bytes: int, stride_bytes: in
     from each run's crc32, in order; ``after_last``: the bytes that follow the last run. One multiplication per
     run (Horner's rule), where placing each run alone would cost one power per run."""
     acc, zeros = 0, zeros_crc(run_bytes)
-    for crc in row_crcs:
-        acc = _shift(acc, stride_bytes) ^ crc ^ zeros
+    row_crcs = list(row_crcs)
+    if len(row_crcs) > _TABLE_ROWS:  # thousands of rows (a column block): one table, then four lookups per row
+        times = _times_table(shift_power(stride_bytes))
+        t0, t1, t2, t3 = times
+        for crc in row_crcs:
+            acc = t0[acc & 0xFF] ^ t1[(acc >> 8) & 0xFF] ^ t2[(acc >> 16) & 0xFF] ^ t3[acc >> 24] ^ crc ^ zeros
+    else:
+        for crc in row_crcs:
+            acc = _shift(acc, stride_bytes) ^ crc ^ zeros
     return _shift(acc, after_last)
+
+
+_TABLE_ROWS = 256  # past this many runs, a table of products (1024 multiplications) costs less than one per run
+
+
+@functools.lru_cache(maxsize=64)
+def _times_table(factor: int) -> tuple[tuple[int, ...], ...]:
+    """Multiplication by ``factor`` as four tables of 256 (one per byte of the other operand): the product is
+    linear over GF(2), so it is the XOR of the products of the operand's bytes."""
+    return tuple(tuple(_multiply(b << (8 * k), factor) for b in range(256)) for k in range(4))
 
 
 def combine_segments(segments: Iterable[tuple[int, int]]) -> int:

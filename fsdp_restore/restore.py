@@ -185,6 +185,8 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
         before = ckpt.bytes_read
         result = checks.CheckResult()
         storages = model_memory + optim_memory
+        sums: dict[str, list[int]] = {}  # set before any step that may fail: every rank joins the checksums below
+        t_sums = time.perf_counter()
         # host memory: the check fills and screens each chunk on the read threads (a ledger); GPU memory and
         # the apply route: one fill pass before the reads and one screen pass after
         ledger = checks.Ledger(storages) if check and method == "read" and all(
@@ -214,7 +216,9 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
                 problems.add("unrestored", result.unrestored)
                 timings["check"] = (t1 - t1_fill) + (time.perf_counter() - t2)  # fill pass + verdict
                 t_sums = time.perf_counter()
-                sums = local_sums(plan.items, ckpt, threads) if verify_checksums else {}
+                if verify_checksums:
+                    sums, mismatched = local_sums(plan.items, ckpt, threads)
+                    problems.add("checksum", mismatched)
         sums_verdict = None
         if verify_checksums:  # every rank joins, whatever its reads did (the options agreed in phase 1)
             with problems.guard():
@@ -334,8 +338,7 @@ def _belongs(key: str, optimizer_prefix: str | None, optim: bool) -> bool:
 def _refuse_without_checksums(plan: ReadPlan, ckpt: Checkpoint) -> None:
     """``verify_checksums=True`` on a file that records no crc32 for anything this restore reads: nothing could be
     verified, which the caller asked to be told of before the reads."""
-    keys = {item.key for item in plan.items}
-    if keys and not any(k in ckpt.checksums for k in keys):
+    if plan.items and not ckpt.checksums:  # the file's, not this rank's items: the same answer on every rank
         raise ValueError(f"verify_checksums=True: {ckpt.path} records no checksums (another tool wrote it), so the"
                          " restored values cannot be compared with them; convert it with fsdp-restore convert to"
                          " get a file that does, or restore without verify_checksums")

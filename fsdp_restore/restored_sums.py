@@ -38,8 +38,8 @@ from .read import Checkpoint, _writable_bytes
 from .verdict import _all_reduce, _collective
 
 _BITS = 32
-_ELEMENTS, _NOT_THE_FILES, _MOMENT1, _MOMENT2 = _BITS, _BITS + 1, _BITS + 2, _BITS + 3
-_COLUMNS = _BITS + 4
+_ELEMENTS, _NOT_THE_FILES, _MOMENT1, _MOMENT2, _OVERLAPPING = _BITS, _BITS + 1, _BITS + 2, _BITS + 3, _BITS + 4
+_COLUMNS = _BITS + 5
 HOST_PIECE_BYTES = 64 * 1024 * 1024  # device memory is checksummed through host copies of at most this size
 
 
@@ -54,31 +54,59 @@ class ChecksumVerdict:
     unproven: list[str] = field(default_factory=list)
 
 
-def local_sums(items: Sequence[ReadItem], ckpt: Checkpoint, threads: int) -> dict[str, list[int]]:
+def local_sums(items: Sequence[ReadItem], ckpt: Checkpoint, threads: int) -> tuple[dict[str, list[int]], list[str]]:
     """Per stored key this rank restored: ``[placed crc of its parts, elements, 1 if its bytes are not the file's,
-    first moment term, second moment term]`` (the terms as `check.coverage_terms`'s, over the stored tensor's
-    flat indices, modulo `check.DIGEST_PRIME`). Reads the restored memory, on ``threads`` threads."""
+    first moment term, second moment term, 1 if the rank read parts of it that overlap]`` (the terms as
+    `check.coverage_terms`'s, over the stored tensor's flat indices, modulo `check.DIGEST_PRIME`), and the lines of
+    what this rank alone can tell is wrong. Reads the restored memory, on ``threads`` threads.
+
+    One range read twice (a tied tensor restored into two untied parameters) counts once: its two copies must hold
+    the same bytes. Parts that overlap otherwise make the rank's share of the tensor two copies cut differently,
+    which the join cannot divide: such a tensor is not proven (`_OVERLAPPING`)."""
     sums: dict[str, list[int]] = {}
-    readable: list[ReadItem] = []
+    parts: dict[str, dict[tuple[int, int, int, int], list[ReadItem]]] = {}
     for item in items:
-        count = item.dest.numel()
-        if count == 0:
-            continue
-        entry = ckpt.entries[item.key]
-        row = sums.setdefault(item.key, [0, 0, 0, 0, 0])
+        if item.dest.numel():
+            parts.setdefault(item.key, {}).setdefault((item.src_start, item.run, item.rows, item.stride), []).append(item)
+    readable: list[ReadItem] = []
+    for key, by_range in parts.items():
+        entry = ckpt.entries[key]
         numel = entry.numel
-        s1, s2 = index_moments(item.src_start, item.run, item.rows, item.stride)
-        row[1] += count
-        row[3] = (row[3] + 2 * s1 - count * (numel - 1)) % DIGEST_PRIME
-        row[4] = (row[4] + 6 * s2 - count * (numel - 1) * (2 * numel - 1)) % DIGEST_PRIME
-        if item.dest.dtype != entry.dtype:
-            row[2] = 1
-        else:
-            readable.append(item)
+        row = sums[key] = [0, 0, 0, 0, 0, int(_overlapping(list(by_range)))]
+        for (start, run, rows, stride), same in by_range.items():
+            count = same[0].dest.numel()
+            s1, s2 = index_moments(start, run, rows, stride)
+            row[1] += count
+            row[3] = (row[3] + 2 * s1 - count * (numel - 1)) % DIGEST_PRIME
+            row[4] = (row[4] + 6 * s2 - count * (numel - 1) * (2 * numel - 1)) % DIGEST_PRIME
+            if any(i.dest.dtype != entry.dtype for i in same):
+                row[2] = 1
+            else:
+                readable.extend(same)
+    placed: dict[int, int] = {}
     with ThreadPoolExecutor(max(1, threads)) as pool:
         for item, crc in zip(readable, pool.map(lambda i: _placed(i, ckpt), readable)):
-            sums[item.key][0] ^= crc
-    return sums
+            placed[id(item)] = crc
+    damaged: list[str] = []
+    for key, by_range in parts.items():
+        for same in by_range.values():
+            crcs = {placed[id(i)] for i in same if id(i) in placed}
+            if len(crcs) > 1:
+                names = ", ".join(sorted({i.name for i in same}))
+                damaged.append(f"{key}: one stored range read into {names} holds different bytes in each")
+            if crcs:
+                sums[key][0] ^= crcs.pop()
+    return sums, damaged
+
+
+def _overlapping(ranges: list[tuple[int, int, int, int]]) -> bool:
+    """Whether distinct parts ``(start, run, rows, stride)`` of one stored tensor share an element."""
+    if len(ranges) < 2:
+        return False
+    if any(rows > 1 for _, _, rows, _ in ranges):
+        return True  # column blocks of one tensor twice on one rank: only aliases do that; not divided
+    spans = sorted((start, start + run) for start, run, _, _ in ranges)
+    return any(nxt[0] < prev[1] for prev, nxt in zip(spans, spans[1:]))
 
 
 def _placed(item: ReadItem, ckpt: Checkpoint) -> int:
@@ -90,9 +118,18 @@ def _placed(item: ReadItem, ckpt: Checkpoint) -> int:
         nbytes = item.dest.numel() * size
         return placed_crc(_crc(item.dest), nbytes, entry.nbytes - first - nbytes)
     run, stride = item.run, item.stride
-    rows = [_crc(item.dest[i * run:(i + 1) * run]) for i in range(item.rows)]
+    data = _host_bytes(item.dest)  # once: a device's block in one copy, not one per row
+    step = run * size
+    rows = [zlib.crc32(data[i * step:(i + 1) * step]) for i in range(item.rows)]
     last_end = first + ((item.rows - 1) * stride + run) * size
     return strided_placed_crc(rows, run * size, stride * size, entry.nbytes - last_end)
+
+
+def _host_bytes(flat: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous 1-D tensor in host memory: a view of CPU memory, a copy of a device's."""
+    if flat.device.type == "cpu":
+        return _writable_bytes(flat)
+    return memoryview(flat.view(torch.uint8).cpu().numpy()).cast("B")
 
 
 def _crc(flat: torch.Tensor) -> int:
@@ -115,9 +152,9 @@ def joined_verdict(sums: dict[str, list[int]], ckpt: Checkpoint, what: str,
         row = sums.get(key)
         if row is None:
             continue
-        placed, elements, not_the_files, m1, m2 = row
+        placed, elements, not_the_files, m1, m2, overlapping = row
         table[i][:_BITS] = [(placed >> bit) & 1 for bit in range(_BITS)]
-        table[i][_ELEMENTS:] = [elements, not_the_files, m1, m2]
+        table[i][_ELEMENTS:] = [elements, not_the_files, m1, m2, overlapping]
     several = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     if several and keys:
         with _collective(what, "joining the ranks' checksums"):
@@ -134,6 +171,9 @@ def joined_verdict(sums: dict[str, list[int]], ckpt: Checkpoint, what: str,
             verdict.unproven.append(f"{key}: the file records no checksum for it (written by another tool)")
         elif row[_NOT_THE_FILES]:
             verdict.unproven.append(f"{key}: cast into the model's dtype on reading, so its bytes are not the file's")
+        elif row[_OVERLAPPING]:
+            verdict.unproven.append(f"{key}: read on one rank in parts that overlap (a tied tensor restored into"
+                                    " parameters sharded otherwise)")
         elif elements % entry.numel or row[_MOMENT1] % DIGEST_PRIME or row[_MOMENT2] % DIGEST_PRIME:
             verdict.unproven.append(f"{key}: read in parts that do not cover it uniformly (views of it?)")
         elif any(count % (elements // entry.numel) for count in row[:_BITS]):

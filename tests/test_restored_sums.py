@@ -62,7 +62,8 @@ def test_the_file_records_zlibs_crc32_of_each_tensor(llama):
             assert f"{zlib.crc32(t.contiguous().view(torch.uint8).numpy().tobytes()):08x}" == recorded[key], key
 
 
-@pytest.mark.parametrize("rows,run,stride,base", [(1, 13, 13, 0), (4, 5, 12, 3), (7, 1, 9, 8), (3, 9, 9, 0)])
+@pytest.mark.parametrize("rows,run,stride,base", [(1, 13, 13, 0), (4, 5, 12, 3), (7, 1, 9, 8), (3, 9, 9, 0),
+                                                  (300, 2, 3, 5)])  # past 256 rows: the table of products
 def test_placed_parts_join_into_the_whole_crc32(rows, run, stride, base):
     """A tensor's bytes cut into a column block (strided runs) and every other byte as single parts: the XOR of
     their placed crcs and the crc32 of as many zeros is zlib's crc32 of the whole."""
@@ -215,3 +216,47 @@ def test_a_reader_that_permutes_values_is_caught(llama, world_size):
     caught = run_ranks(_restore_with_swapping_reader, world_size, llama, True)
     errors = {r.get("error") for r in caught}
     assert len(errors) == 1 and None not in errors and VICTIM in errors.pop(), caught
+
+
+def _restore_untied(rank, world_size, path, how):
+    from torch import nn
+
+    model = build("tied", seed=1)
+    model.head.weight = nn.Parameter(model.embed.weight.detach().clone())  # untied: two parameters, one stored key
+    model = wrap(model, how, world_size)
+    report = fsdp_restore.restore_model(model, path, verify_checksums=True)
+    return report.checksums_verified, report.checksums_unverified
+
+
+@pytest.mark.parametrize("how,world_size", [("plain", 1), ("fsdp2", 2), ("ddp", 2)])
+def test_a_tied_file_restored_into_untied_parameters_is_proven(tmp_path, how, world_size):
+    """Both parameters read the one stored key: one range read twice on a rank counts once (it summed to zero
+    and a good file was called damaged)."""
+    path = converted(tmp_path, "tied")
+    with safe_open(path, "pt") as f:
+        stored = len(list(f.keys()))
+    results = run_ranks(_restore_untied, world_size, path, how)
+    assert all(r == (stored, []) for r in results), results
+
+
+def _failing_on_rank_1(rank, world_size, path, where):
+    import importlib
+
+    if rank == 1:
+        module = importlib.import_module("fsdp_restore.restore")
+
+        def fail(*args, **kwargs):
+            raise OSError(5, "Input/output error (injected)")
+
+        setattr(module, where, fail)
+    return _restore(rank, world_size, path, "fsdp2", {"verify_checksums": True})
+
+
+@pytest.mark.parametrize("where", ["execute_reads", "local_sums"])
+def test_a_rank_that_fails_before_the_join_fails_every_rank_with_its_error(llama, where):
+    """Every rank joins the checksums whatever its reads did: the others must not wait for it, nor meet it in
+    another collective."""
+    results = run_ranks(_failing_on_rank_1, 2, llama, where, timeout=120, pg_timeout=30)
+    errors = {r.get("error") for r in results}
+    assert len(errors) == 1 and None not in errors, results
+    assert "Input/output error (injected)" in errors.pop()
