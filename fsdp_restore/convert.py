@@ -15,32 +15,35 @@ import json
 import os
 import pathlib
 import pickle
+import sys
 import warnings
 import zipfile
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
-import torch.distributed as dist
-
-from . import torch_zip
 from .errors import (ConvertError, FormatError, UnsafePickleError, first_line, on_unsupported_argument,
                      thread_count_argument)
 from .flatten import flatten
 from .format import META_SOURCE, PT_SUFFIXES, SNIFF_BYTES, is_legacy_torch_save
 from .jobs import ConvertReport, cast_groups, cast_target, plan_jobs, shard_size_argument, write_converted
-from .mapped import MappedFile
 from .measure import PeakAnonMemory, Stopwatch
 from .provenance import source_identity
 from .share import Share
 from .write import ProgressFn, check_destination, default_io_threads, write_safetensors
 from .zero_files import is_zero_checkpoint
 
+if TYPE_CHECKING:  # imported where used: a plain checkpoint converts without torch (plain_pt)
+    import torch
+    import torch.distributed as dist
+
+
 def _allowlist() -> list[Any]:
     """Globals a weights_only unpickler may resolve in a checkpoint: data types, never callables
     with side effects."""
+    import numpy as np
+
     core = getattr(np, "_core", None) or np.core
     allowed: list[Any] = [core.multiarray._reconstruct, core.multiarray.scalar, np.ndarray, np.dtype,
                           argparse.Namespace, pathlib.PosixPath, pathlib.WindowsPath,
@@ -128,6 +131,9 @@ def load_pt(path: str | os.PathLike[str], *, trust_pickle: bool = False, allow_g
     ``trust_pickle=True`` runs the pickle as plain ``torch.load`` would: only for files you trust. Legacy
     (non-zip) files cannot be memory-mapped and load fully, with a warning.
     """
+    from . import torch_zip
+    import torch
+
     path = Path(path)
     if not path.is_file():
         raise FormatError(path, "no such file")
@@ -192,6 +198,8 @@ def _load_stored_zip(path: Path, extra: list[Any]) -> Any:
     before it is imported); only when it stops is the pickle scanned for every global it names, so that the
     error lists them all, and is the one the scan-first order gave: unreadable pickle, then refused globals,
     then what stopped the load."""
+    from . import torch_zip
+
     try:
         return torch_zip.load(path, _allowlist() + extra)
     except torch_zip.NotHandled:
@@ -209,6 +217,8 @@ def _load_stored_zip(path: Path, extra: list[Any]) -> Any:
 def _refuse_unsafe_globals(path: Path, extra: list[Any]) -> None:
     """`UnsafePickleError` listing the globals the pickle names outside torch's and our allowlists (read without
     unpickling); `FormatError` if the archive or its pickle cannot be read."""
+    import torch
+
     try:
         needed = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
     except Exception as e:  # a corrupt zip or pickle stream
@@ -338,6 +348,81 @@ def _convert_directory(src: str | os.PathLike[str], dst: str | os.PathLike[str],
                          checksums=result.checksums)
 
 
+def _convert_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, select: str | None,
+                   on_unsupported: str, threads: int, max_shard_size: int | str | None, force: bool,
+                   progress: Callable[[int, int], None] | None) -> ConvertReport | None:
+    """`convert` of a plain checkpoint without torch (`plain_pt`): the same file, byte for byte, as the conversion
+    through torch.load writes (the tests compare them). None, with nothing written, where `plain_pt` does not read
+    the file exactly as torch would, or anything before the write fails: the caller then converts through torch,
+    which reports what is wrong as it always did."""
+    from .plain_pt import load_plain_archive
+
+    with PeakAnonMemory() as mem, Stopwatch() as clock, _gc_paused():
+        if not Path(src).is_file():
+            return None
+        check_destination(dst, force=force, sources=[src])  # first, as the torch path checks it
+        try:
+            st = os.stat(src)  # before reading, as the torch path takes the identity
+            loaded, members = load_plain_archive(src)
+            identity = source_identity(src, members=members)
+            if (identity["size"], identity["mtime_ns"]) != (st.st_size, st.st_mtime_ns):
+                return None  # rewritten while it was read: the torch path reads it again
+            obj = select_subtree(loaded, select, source=src)
+            if not _only_plain_values(obj):
+                return None
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                tensors, structure = flatten(obj, on_unsupported=on_unsupported)  # type: ignore[arg-type]
+            if not all(t.is_contiguous() for t in tensors.values()):
+                return None  # a tensor whose elements are not one run of its storage: torch copies it
+        except Exception:  # noqa: BLE001 - the torch path reads the file again and says what is wrong with it
+            return None
+        for warning in said:  # flatten's warnings (skipped values), said once, now that this path goes on
+            warnings.warn(warning.message, warning.category, stacklevel=3)
+        fd = os.open(src, os.O_RDONLY)
+        try:
+            locations = {key: (fd, t.file_offset) for key, t in tensors.items()}
+            result, casts = write_converted(tensors, structure, dst, max_shard_size=max_shard_size, threads=threads,
+                                            force=force, progress=progress,
+                                            metadata={META_SOURCE: json.dumps(identity)}, locations=locations,
+                                            share=Share(0, 1))
+        except EOFError as e:  # as the torch path says it
+            raise FormatError(src, f"{str(e).removeprefix('the file ')}; was it truncated or rewritten while it was"
+                              " being converted? Convert it again from a complete copy") from None
+        finally:
+            os.close(fd)
+        del obj, tensors
+    return ConvertReport(src=str(src), dst=str(dst), files=[str(p) for p in result.paths],
+                         tensors=len(result.checksums), nbytes=result.nbytes, cast_tensors=len(casts),
+                         cast=cast_groups(casts), seconds=clock.seconds, peak_anon_bytes=mem.peak, threads=threads,
+                         checksums=result.checksums)
+
+
+def _only_plain_values(obj: Any) -> bool:
+    """Whether ``obj`` holds nothing but what a plain checkpoint's pickle builds: dicts, lists, tuples, Python
+    scalars and strings, and `plain_pt.StoredTensor`s (not a global the pickle named as a value, which torch
+    would give as the object itself)."""
+    from .plain_pt import StoredTensor
+
+    scalars = (type(None), bool, int, float, str, StoredTensor)
+    stack, seen = [obj], set()
+    while stack:
+        node = stack.pop()
+        t = type(node)
+        if t is dict or t is OrderedDict or t is list or t is tuple:
+            if id(node) in seen:  # each container once: a pickle may make one hold itself (flatten then refuses)
+                continue
+            seen.add(id(node))
+            if t is dict or t is OrderedDict:
+                stack.extend(node.keys())
+                stack.extend(node.values())
+            else:
+                stack.extend(node)
+        elif t not in scalars:
+            return False
+    return True
+
+
 def save(obj: Any, path: str | os.PathLike[str], *, max_shard_size: int | str | None = None,
          dtype: torch.dtype | None = None, thread_count: int | None = None, force: bool = True,
          on_unsupported: str = "error", progress: ProgressFn | None = None, threads: int | None = None) -> list[Path]:
@@ -361,8 +446,11 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
             process_group: dist.ProcessGroup | None = None) -> ConvertReport:
     """Stream a ``torch.save`` file into our safetensors format and report what it cost.
 
-    The input is memory-mapped (``torch.load(mmap=True, weights_only=True)``) to read its structure; the
-    tensors' bytes are read with ``pread`` at their offsets into 32 MB blocks of the output, one per
+    The input is memory-mapped (``torch.load(mmap=True, weights_only=True)``) to read its structure; in a
+    process that has not imported torch (the CLI), a plain checkpoint of dicts, lists, tuples, Python scalars
+    and tensors copied as they are (no ``dtype``, one process) is read without torch instead (`plain_pt`: a
+    subset of what torch's weights-only unpickler takes, built as it builds it; anything else is read through
+    torch as before), with the same file as the result. The tensors' bytes are read with ``pread`` at their offsets into 32 MB blocks of the output, one per
     thread at a time (``thread_count``, default: every core, at least 4 and at most 16), cast if asked and
     written with ``O_DIRECT`` where the file system allows it, so anonymous memory stays near
     ``thread_count x 32 MB``. ``select`` keeps one subtree (``"model"`` writes the weights
@@ -414,18 +502,27 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
                                   on_unsupported=on_unsupported, progress=progress, tag=tag, share=one,
                                   trust_pickle=trust_pickle, allow_globals=allow_globals)
     threads = thread_count or default_io_threads()
+    if (process_group is None and dtype is None and cast_include is None and not cast_exclude and not trust_pickle
+            and not allow_globals and "torch" not in sys.modules):
+        # a same-dtype copy in a process that has not imported torch: without it, where the file allows (plain_pt)
+        report = _convert_plain(src, dst, select=select, on_unsupported=on_unsupported, threads=threads,
+                                max_shard_size=max_shard_size, force=force, progress=progress)
+        if report is not None:
+            return report
 
     def read_source() -> tuple[dict[str, Any], Any, dict[str, torch.Tensor], dict[str, Any], int, dict]:
+        from . import mapped  # (torch's path only: it finds where torch.load mapped each tensor)
+
         if not Path(src).is_file():
             raise FormatError(src, "no such file")
         check_destination(dst, force=force, sources=[src])
         identity = source_identity(src)  # before reading: a source rewritten meanwhile will not match it
         obj = select_subtree(load_pt(src, trust_pickle=trust_pickle, allow_globals=allow_globals), select, source=src)
         tensors, structure = flatten(obj, on_unsupported=on_unsupported)  # type: ignore[arg-type]
-        mapped, fd = MappedFile(src), os.open(src, os.O_RDONLY)
+        mapping, fd = mapped.MappedFile(src), os.open(src, os.O_RDONLY)
         try:
             locations = {key: (fd, offset) for key, t in tensors.items()
-                         if (offset := mapped.offset_of(t)) is not None}
+                         if (offset := mapping.offset_of(t)) is not None}
         except BaseException:
             os.close(fd)
             raise

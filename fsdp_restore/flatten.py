@@ -12,17 +12,21 @@ import argparse
 import math
 import pathlib
 import struct
+import sys
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import numpy as np
-import torch
-
+from . import format as formats
 from .errors import FormatError, UnsupportedObjectError
-from .format import DTYPE_TO_NAME, torch_dtype_name
+from .format import torch_dtype_name
+from .plain_pt import StoredTensor
+
+if TYPE_CHECKING:  # imported where used: a plain checkpoint (plain_pt) is flattened without either
+    import numpy as np
+    import torch
 
 STRUCTURE_VERSION = 1
 _INT64 = (-(2**63), 2**63 - 1)
@@ -62,6 +66,8 @@ def flatten(obj: Any, *, on_unsupported: Literal["error", "skip"] = "error") -> 
 class _Flattener:
     def __init__(self, on_unsupported: str) -> None:
         self.on_unsupported = on_unsupported
+        # torch's and numpy's objects exist only where they were imported: their types are asked for only then
+        self.torch, self.np = sys.modules.get("torch"), sys.modules.get("numpy")
         self.refs: list[_TensorRef] = []
         # "__metadata__" is the safetensors header's own field, never a tensor name: a dict key of that name
         # gets "__metadata__~2", as any other collision does
@@ -107,22 +113,27 @@ class _Flattener:
             return {"type": t.__name__, "items": [self.encode(v, _join(path, i), down) for i, v in enumerate(obj)]}
         if t is set or t is frozenset:
             return {"type": t.__name__, "items": [self.encode(v, _join(path, i), down) for i, v in enumerate(obj)]}
-        if isinstance(obj, torch.Tensor) and (t is torch.Tensor or t is torch.nn.Parameter):
+        if t is StoredTensor:
+            return self.encode_stored(obj, path)
+        torch, np = self.torch, self.np
+        if torch is not None and isinstance(obj, torch.Tensor) and (t is torch.Tensor or t is torch.nn.Parameter):
             return self.encode_tensor(obj, path)
-        if t is np.ndarray:
+        if np is not None and t is np.ndarray:
             return self.encode_ndarray(obj, path)
-        if isinstance(obj, np.generic) and obj.dtype.kind in "biufc":
+        if np is not None and isinstance(obj, np.generic) and obj.dtype.kind in "biufc":
             return {"type": "np_scalar", "dtype": obj.dtype.str, "hex": obj.tobytes().hex()}
         if t is bytes or t is bytearray:
+            import torch
+
             node = {"type": t.__name__}
             self.refs.append(_TensorRef(torch.frombuffer(bytearray(obj), dtype=torch.uint8) if obj
                                         else torch.empty(0, dtype=torch.uint8), path, node))
             return node
-        if t is torch.dtype:
+        if torch is not None and t is torch.dtype:
             return {"type": "dtype", "value": torch_dtype_name(obj)}
-        if t is torch.Size:
+        if torch is not None and t is torch.Size:
             return {"type": "Size", "items": list(obj)}
-        if t is torch.device:
+        if torch is not None and t is torch.device:
             return {"type": "device", "value": str(obj)}
         if t is argparse.Namespace:
             items = [[k, self.encode(v, _join(path, k), down)] for k, v in vars(obj).items()]
@@ -144,7 +155,20 @@ class _Flattener:
                                          " or tuples of those", skippable=False)
         return self.encode(key, path, depth)
 
+    def encode_stored(self, tensor: StoredTensor, path: str) -> Any:
+        """The node `encode_tensor` makes of the tensor torch would have rebuilt (a plain one: never nested,
+        quantized, conj or neg; of a dtype safetensors stores)."""
+        node: dict[str, Any] = {"type": "tensor"}
+        if tensor.param:
+            node["param"] = True
+        if tensor.requires_grad:
+            node["requires_grad"] = True
+        self.refs.append(_TensorRef(tensor, path, node))  # type: ignore[arg-type]
+        return node
+
     def encode_tensor(self, tensor: torch.Tensor, path: str) -> Any:
+        import torch
+
         if tensor.is_nested:  # checked first: a nested tensor raises on most other questions
             return self.unsupported(tensor, path, "a nested (jagged) tensor has no fixed shape to store; store its"
                                     " components (tensor.unbind()) instead")
@@ -152,7 +176,7 @@ class _Flattener:
             return self.unsupported(tensor, path, f"tensor with layout {tensor.layout}"
                                     f"{' (quantized)' if tensor.is_quantized else ''}"
                                     f"{' on the meta device (no data)' if tensor.is_meta else ''} is not supported")
-        if tensor.dtype not in DTYPE_TO_NAME:
+        if tensor.dtype not in formats.DTYPE_TO_NAME:
             return self.unsupported(tensor, path, f"dtype {tensor.dtype} has no safetensors equivalent")
         node: dict[str, Any] = {"type": "tensor"}
         if type(tensor) is torch.nn.Parameter:
@@ -170,6 +194,9 @@ class _Flattener:
         return node
 
     def encode_ndarray(self, array: np.ndarray, path: str) -> Any:
+        import numpy as np
+        import torch
+
         if array.dtype.kind not in "biufc" or array.dtype.hasobject:
             return self.unsupported(array, path, f"numpy dtype {array.dtype} is not a plain numeric dtype")
         native = array.astype(array.dtype.newbyteorder("="), copy=False)
@@ -178,7 +205,7 @@ class _Flattener:
             tensor = torch.from_numpy(np.ascontiguousarray(native).reshape(native.shape))
         except TypeError:
             return self.unsupported(array, path, f"numpy dtype {array.dtype} has no torch equivalent")
-        if tensor.dtype not in DTYPE_TO_NAME:
+        if tensor.dtype not in formats.DTYPE_TO_NAME:
             return self.unsupported(array, path, f"numpy dtype {array.dtype} has no safetensors equivalent")
         node = {"type": "ndarray", "dtype": array.dtype.str}
         self.refs.append(_TensorRef(tensor, path, node, id(array)))
@@ -193,6 +220,8 @@ class _Flattener:
             # pickles by value: an array sharing a tensor's memory is its own copy after torch.load, uncast
             if t.numel() == 0 or ref.node["type"] != "tensor":  # (the same array object twice: one group)
                 groups.setdefault(("own", ref.identity if ref.identity is not None else id(ref)), []).append(ref)
+            elif type(t) is StoredTensor:  # one storage record, as torch.load maps it to one storage
+                groups.setdefault(("stored", id(t.storage)), []).append(ref)
             else:
                 groups.setdefault((str(t.device), t.untyped_storage().data_ptr()), []).append(ref)
         tensors: dict[str, torch.Tensor] = {}
@@ -246,7 +275,8 @@ def _storable_key(key: Any) -> bool:
     """A dict key readers accept: a JSON scalar, a float, a dtype, or a tuple of those (validate_structure)."""
     if type(key) is tuple:
         return all(_storable_key(k) for k in key)
-    return key is None or type(key) in (str, int, bool, float, torch.dtype)
+    torch = sys.modules.get("torch")  # a torch dtype exists only where torch was imported
+    return key is None or type(key) in (str, int, bool, float) or (torch is not None and type(key) is torch.dtype)
 
 
 def _join(path: str, key: Any) -> str:
@@ -295,6 +325,9 @@ def unflatten(tensors: Mapping[str, torch.Tensor], structure: Structure) -> Any:
 
 
 def _decode(node: Any, tensors: Mapping[str, torch.Tensor], cache: dict[Any, Any], path: str) -> Any:
+    import numpy as np
+    import torch
+
     if node is None or isinstance(node, (str, bool, int)) and not isinstance(node, float):
         return node
     if not isinstance(node, dict) or not isinstance(node.get("type"), str):

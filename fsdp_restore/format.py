@@ -16,7 +16,6 @@ from math import prod
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import torch
 
 from .errors import FormatError
 
@@ -49,48 +48,56 @@ DEFAULT_INDEX_NAME = "model.safetensors.index.json"
 # safetensors refuses headers above 100 MB; so do we, before allocating anything.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
-DTYPE_TO_NAME: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.complex64: "C64",
-}
-for _attr, _name in [
-    ("float8_e4m3fn", "F8_E4M3"),
-    ("float8_e5m2", "F8_E5M2"),
-    ("float8_e4m3fnuz", "F8_E4M3FNUZ"),
-    ("float8_e5m2fnuz", "F8_E5M2FNUZ"),
-    ("uint16", "U16"),
-    ("uint32", "U32"),
-    ("uint64", "U64"),
-]:
-    if hasattr(torch, _attr):
-        DTYPE_TO_NAME[getattr(torch, _attr)] = _name
-NAME_TO_DTYPE: dict[str, torch.dtype] = {v: k for k, v in DTYPE_TO_NAME.items()}
+# torch's dtype attribute name -> the safetensors name (the float8 and unsigned ones where this torch has them)
+_TORCH_NAMES = [("float64", "F64"), ("float32", "F32"), ("float16", "F16"), ("bfloat16", "BF16"), ("int64", "I64"),
+                ("int32", "I32"), ("int16", "I16"), ("int8", "I8"), ("uint8", "U8"), ("bool", "BOOL"),
+                ("complex64", "C64"), ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
+                ("float8_e4m3fnuz", "F8_E4M3FNUZ"), ("float8_e5m2fnuz", "F8_E5M2FNUZ"), ("uint16", "U16"),
+                ("uint32", "U32"), ("uint64", "U64")]
+_TABLES: list[dict[Any, Any]] = []
+
+
+def _torch_tables() -> tuple[dict[torch.dtype, str], dict[str, torch.dtype]]:
+    """``(DTYPE_TO_NAME, NAME_TO_DTYPE)``, built on first use: a conversion that never meets a torch tensor (see
+    `fsdp_restore.plain_pt`) must not import torch for them."""
+    if not _TABLES:
+        import torch
+
+        to_name = {getattr(torch, attr): name for attr, name in _TORCH_NAMES if hasattr(torch, attr)}
+        _TABLES[:] = [to_name, {v: k for k, v in to_name.items()}]
+    return _TABLES[0], _TABLES[1]  # type: ignore[return-value]
+
+
+def __getattr__(name: str) -> Any:  # PEP 562: DTYPE_TO_NAME and NAME_TO_DTYPE import torch when first asked for
+    if name == "DTYPE_TO_NAME":
+        return _torch_tables()[0]
+    if name == "NAME_TO_DTYPE":
+        return _torch_tables()[1]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """The safetensors name of a torch dtype (``torch.bfloat16`` -> ``"BF16"``)."""
+    """The safetensors name of a torch dtype (``torch.bfloat16`` -> ``"BF16"``), or of a dtype described without
+    torch (anything with a ``safetensors_name``, as `fsdp_restore.plain_pt` gives)."""
+    plain = getattr(dtype, "safetensors_name", None)
+    if plain is not None:
+        return plain
     try:
-        return DTYPE_TO_NAME[dtype]
+        return _torch_tables()[0][dtype]
     except KeyError:
         raise ValueError(f"dtype {dtype} cannot be stored in safetensors") from None
 
 
 def torch_dtype_from_string(text: str) -> torch.dtype:
     """Parse ``"bf16"``, ``"bfloat16"``, ``"torch.bfloat16"`` or ``"BF16"`` into a torch dtype."""
+    import torch
+
     aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
                "float": "float32", "fp64": "float64", "double": "float64"}
     key = text.strip().removeprefix("torch.")
-    if key in NAME_TO_DTYPE:
-        return NAME_TO_DTYPE[key]
+    name_to_dtype = _torch_tables()[1]
+    if key in name_to_dtype:
+        return name_to_dtype[key]
     key = aliases.get(key.lower(), key.lower())
     dtype = getattr(torch, key, None)
     if not isinstance(dtype, torch.dtype):
@@ -256,7 +263,7 @@ def _validate_header(path: Path, header: dict[str, Any], data_start: int, file_s
         if type(info) is not dict:
             raise FormatError(path, f"tensor '{key}': entry is not a JSON object")
         name = info.get("dtype")
-        dtype = NAME_TO_DTYPE.get(name) if type(name) is str else None
+        dtype = _torch_tables()[1].get(name) if type(name) is str else None
         if dtype is None:
             raise FormatError(path, f"tensor '{key}': unknown dtype {str(name)[:40]!r}")
         shape, offsets = info.get("shape"), info.get("data_offsets")

@@ -14,17 +14,24 @@ import re
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .flatten import holds_model_subtree, iter_nodes_with_keys
 from .format import torch_dtype_from_string, torch_dtype_name
 from .share import Share
 from .write import Reader, TensorJob, write_safetensors
 
-_CASTABLE = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+if TYPE_CHECKING:
+    import torch
+
 _GLOB = re.compile(r"[*?\[]")
+
+
+def _castable() -> tuple[torch.dtype, ...]:
+    """The floating dtypes a conversion casts to and from (imports torch: only a cast needs it)."""
+    import torch
+
+    return (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
 def cast_target(dtype: torch.dtype | str | None) -> torch.dtype | None:
@@ -34,7 +41,7 @@ def cast_target(dtype: torch.dtype | str | None) -> torch.dtype | None:
         return None
     if isinstance(dtype, str):
         dtype = torch_dtype_from_string(dtype)
-    if dtype not in _CASTABLE:
+    if dtype not in _castable():
         raise ValueError(f"dtype {str(dtype).removeprefix('torch.')} is not a floating target: --dtype takes bf16,"
                          " fp16, fp32 or fp64 (casting to an integer or bool type would silently change values)")
     return dtype
@@ -108,11 +115,13 @@ def plan_jobs(tensors: dict[str, torch.Tensor], structure: dict[str, Any], dtype
             shown = ", ".join(list(tensors)[:5]) + (", ..." if len(tensors) > 5 else "")
             warnings.warn(f"{', '.join(unmatched)} matches no stored tensor, so it changes nothing; the stored keys"
                           f" look like: {shown or '(none)'}", stacklevel=3)
+    if dtype is None:  # nothing is cast: each tensor keeps its dtype (without a walk of the structure)
+        return [TensorJob(key, t, t.dtype) for key, t in tensors.items()]
     tensor_keys = {node["key"] for _, node in iter_nodes_with_keys(structure["root"]) if node["type"] == "tensor"}
     include = list(cast_include) if cast_include is not None else default_cast_scope(structure)
 
     def out_dtype(key: str, t: torch.Tensor) -> torch.dtype:
-        if dtype is None or t.dtype not in _CASTABLE or key not in tensor_keys:
+        if dtype is None or t.dtype not in _castable() or key not in tensor_keys:
             return t.dtype
         if any(fnmatch.fnmatchcase(key, p) for p in cast_exclude):
             return t.dtype

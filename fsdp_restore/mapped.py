@@ -12,16 +12,18 @@ from __future__ import annotations
 import bisect
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from .torch_zip import bytes_as_loaded
+if TYPE_CHECKING:  # a MappedFile exists only where torch.load mapped a file; pread_exactly needs no torch
+    import torch
 
 
 class MappedFile:
     """The mappings of one file in this process: ``offset_of(t)`` is the file offset of ``t``'s first byte."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
+        from .torch_zip import bytes_as_loaded
+
         self.path = Path(path).resolve()
         st = os.stat(self.path)
         self._ranges: list[tuple[int, int, int]] = []  # (start address, end address, file offset), sorted

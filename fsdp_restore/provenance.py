@@ -24,7 +24,6 @@ _EDGE = 1024 * 1024
 def fingerprint(path: str | os.PathLike[str]) -> str:
     """8 hex digits: crc32 of the zip directory (names, crc32s, sizes), or of the first and last MB."""
     path = Path(path)
-    crc = 0
     try:
         infos = None
         if zipfile.is_zipfile(path):  # which raises, rather than saying no, on some damaged end records
@@ -33,21 +32,29 @@ def fingerprint(path: str | os.PathLike[str]) -> str:
     except (zipfile.BadZipFile, ValueError, EOFError) as e:
         raise FormatError(path, f"zip archive is truncated or corrupt ({e}); re-copy the file") from None
     if infos is not None:
-        for info in infos:
-            crc = zlib.crc32(f"{info.filename}:{info.CRC:08x}:{info.file_size}\n".encode(), crc)
-    else:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            crc = zlib.crc32(f.read(_EDGE))
-            f.seek(max(0, size - _EDGE))
-            crc = zlib.crc32(f.read(_EDGE), crc)
+        return members_fingerprint(infos)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        crc = zlib.crc32(f.read(_EDGE))
+        f.seek(max(0, size - _EDGE))
+        crc = zlib.crc32(f.read(_EDGE), crc)
     return f"{crc:08x}"
 
 
-def source_identity(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """What the conversion records about its source."""
+def members_fingerprint(infos: list[zipfile.ZipInfo]) -> str:
+    """`fingerprint` of a zip archive from its members (as ``zipfile.ZipFile.infolist()`` gives them)."""
+    crc = 0
+    for info in infos:
+        crc = zlib.crc32(f"{info.filename}:{info.CRC:08x}:{info.file_size}\n".encode(), crc)
+    return f"{crc:08x}"
+
+
+def source_identity(path: str | os.PathLike[str], *, members: list[zipfile.ZipInfo] | None = None) -> dict[str, Any]:
+    """What the conversion records about its source (``members``: its zip members, when the caller has read them
+    already, for the fingerprint)."""
     st = os.stat(path)
-    return {"name": Path(path).name, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "fingerprint": fingerprint(path)}
+    digest = members_fingerprint(members) if members is not None else fingerprint(path)
+    return {"name": Path(path).name, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "fingerprint": digest}
 
 
 def mismatch(recorded: dict[str, Any] | None, source: str | os.PathLike[str], converted: str | os.PathLike[str]) -> str | None:

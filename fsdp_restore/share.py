@@ -19,11 +19,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .errors import ConvertError
+
+if TYPE_CHECKING:  # imported where a share of several processes uses it: a conversion alone never does
+    import torch.distributed as dist
 
 T = TypeVar("T")
 
@@ -39,6 +40,8 @@ class Share:
     @classmethod
     def of(cls, group: dist.ProcessGroup | None) -> Share:
         """The share of the calling process in ``group`` (None: the default group, which must exist)."""
+        import torch.distributed as dist
+
         if group is not None and not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a torch.distributed.ProcessGroup (e.g. torch.distributed.group."
                             f"WORLD) or None, not {type(group).__name__}")
@@ -55,6 +58,8 @@ class Share:
         """Rank 0's ``value`` on every rank (a small picklable object); a peer that died is a `ConvertError`."""
         box = [value]
         if self.world > 1:
+            import torch.distributed as dist
+
             with _collective(what):
                 dist.broadcast_object_list(box, src=self._global(0), group=self.group)
         return box[0]
@@ -64,6 +69,8 @@ class Share:
         `ConvertError`."""
         if self.world == 1:
             return [value]
+        import torch.distributed as dist
+
         out: list[Any] = [None] * self.world
         with _collective(what):
             dist.all_gather_object(out, value, group=self.group)
@@ -89,6 +96,8 @@ class Share:
         return result
 
     def _global(self, rank: int) -> int:
+        import torch.distributed as dist
+
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
 

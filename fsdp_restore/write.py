@@ -37,9 +37,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
 
 from .checksum import combine_segments
 from .format import (DEFAULT_INDEX_NAME, FORMAT_VERSION, HEADER_SEAL_PREFIX, META_CAST, META_CHECKSUMS, META_FORMAT,
@@ -54,14 +53,19 @@ _PLACEHOLDER = "0" * 8
 ProgressFn = Callable[[int], None]
 
 
-Reader = Callable[[int, int], torch.Tensor]  # (first flat element, count) -> those elements
-HeldInPieces = dict[int, tuple[torch.Tensor, Reader]]  # stand-in's data_ptr -> (meta tensor, reader)
+if TYPE_CHECKING:  # torch is imported by the functions that make or cast tensors: a plain copy never needs it
+    import torch
+
+Reader = Callable[[int, int], "torch.Tensor"]  # (first flat element, count) -> those elements
+HeldInPieces = dict[int, tuple[Any, Reader]]  # stand-in's data_ptr -> (meta tensor, reader)
 
 
 def stand_in(held: HeldInPieces, shape: tuple[int, ...], dtype: torch.dtype, reader: Reader) -> torch.Tensor:
     """A one-element tensor of its own storage standing, in a nested object about to be flattened, for a
     tensor held in pieces; ``held`` records its real shape and dtype and its reader. flatten keys tensors by
     storage, so a tied name that refers to the same stand-in is stored once."""
+    import torch
+
     t = torch.zeros(1, dtype=dtype)
     held[t.data_ptr()] = (torch.empty(shape, dtype=dtype, device="meta"), reader)
     return t
@@ -79,8 +83,8 @@ class TensorJob:
     reader: Reader | None = None
     location: tuple[int, int] | None = None  # (open file, offset) holding ``source``'s bytes, when it is mapped
 
-    @property
-    def nbytes(self) -> int:
+    @functools.cached_property
+    def nbytes(self) -> int:  # asked for several times per tensor while a file is laid out
         return prod(self.source.shape) * self.dtype.itemsize
 
 
@@ -101,6 +105,8 @@ def scratch(dtype: torch.dtype, count: int) -> torch.Tensor:
     pieces: valid until the thread's next call. Allocating a fresh 16 MB tensor per range instead let
     glibc's per-thread arenas keep freed blocks (its mmap threshold rises to the block size), so
     resident memory grew with the number of threads and ranges."""
+    import torch
+
     nbytes = count * dtype.itemsize
     buf = getattr(_SCRATCH, "buf", None)
     if buf is None or buf.numel() < nbytes:
@@ -114,6 +120,8 @@ def default_threads() -> int:
 
 def tensor_bytes(t: torch.Tensor):
     """A zero-copy byte view (numpy uint8) of a contiguous CPU tensor, for crc32 and pwrite."""
+    import torch
+
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
@@ -225,11 +233,11 @@ class _Block:
 class _BlockBuffer(threading.local):
     """This thread's page-aligned block buffer (anonymous memory, as an O_DIRECT write needs)."""
 
-    def get(self) -> tuple[mmap.mmap, torch.Tensor]:
+    def get(self) -> tuple[mmap.mmap, memoryview]:
         if getattr(self, "memory", None) is None:
             self.memory = mmap.mmap(-1, BLOCK_BYTES)
-            self.tensor = torch.frombuffer(self.memory, dtype=torch.uint8)
-        return self.memory, self.tensor
+            self.view = memoryview(self.memory)
+        return self.memory, self.view
 
 
 _BUFFERS = _BlockBuffer()
@@ -284,30 +292,28 @@ class _FileWriter:
                 block.pieces.append(_Piece(job, lo - begin, hi - lo, lo - block.offset))
         return blocks
 
-    def fill(self, block: _Block, memory: mmap.mmap, buffer: torch.Tensor, progress: ProgressFn | None) -> None:
-        """Put ``block``'s bytes in ``buffer`` (the header's part, then each piece); record each piece's crc32."""
-        data = buffer.numpy()
+    def fill(self, block: _Block, memory: mmap.mmap, data: memoryview, progress: ProgressFn | None) -> None:
+        """Put ``block``'s bytes in ``data`` (the header's part, then each piece); record each piece's crc32."""
         if block.offset < self.data_start:
             part = self.header[block.offset:block.offset + block.nbytes]
-            data[:len(part)] = np.frombuffer(part, dtype=np.uint8)
-        with torch.no_grad():
-            for piece in block.pieces:
-                job = piece.job
-                if job.location is not None and job.dtype == job.source.dtype:
-                    pread_exactly(job.location[0], memoryview(memory)[piece.at:piece.at + piece.nbytes],
-                                  job.location[1] + piece.first)
-                else:
-                    overflowed, rounded = _copy_piece(piece, buffer)
-                    if overflowed or rounded:
-                        with self._lock:
-                            self.overflowed[job.key] += overflowed
-                            if rounded:
-                                self.rounded.add(job.key)
-                crc = zlib.crc32(data[piece.at:piece.at + piece.nbytes])
-                with self._lock:
-                    self._segment_crcs[job.key][piece.first] = (crc, piece.nbytes)
-                if progress:
-                    progress(piece.nbytes)
+            data[:len(part)] = part
+        for piece in block.pieces:
+            job = piece.job
+            if job.location is not None and job.dtype == job.source.dtype:
+                pread_exactly(job.location[0], memoryview(memory)[piece.at:piece.at + piece.nbytes],
+                              job.location[1] + piece.first)
+            else:
+                overflowed, rounded = _copy_piece(piece, memory)
+                if overflowed or rounded:
+                    with self._lock:
+                        self.overflowed[job.key] += overflowed
+                        if rounded:
+                            self.rounded.add(job.key)
+            crc = zlib.crc32(data[piece.at:piece.at + piece.nbytes])
+            with self._lock:
+                self._segment_crcs[job.key][piece.first] = (crc, piece.nbytes)
+            if progress:
+                progress(piece.nbytes)
         if self.direct and block.offset <= self.data_start < block.offset + block.nbytes:
             self._head_tail = bytes(data[self.data_start - block.offset:_round_up(self.data_start) - block.offset])
 
@@ -349,7 +355,11 @@ class _FileWriter:
     def finish(self) -> None:
         """Join each tensor's segment checksums, patch them into the header, fsync and close."""
         for key, segments in self._segment_crcs.items():
-            self.checksums[key] = f"{combine_segments(segments[s] for s in sorted(segments)):08x}"
+            if len(segments) == 1:  # the common case, a tensor in one block: its crc as it is
+                ((crc, _),) = segments.values()
+            else:
+                crc = combine_segments(segments[s] for s in sorted(segments))
+            self.checksums[key] = f"{crc:08x}"
         header = with_checksums(self.header, self.jobs, self.checksums)
         if self.direct:  # whole pages from an aligned buffer: the patched header, then the data that shared its page
             page = mmap.mmap(-1, _round_up(len(header)))
@@ -371,10 +381,20 @@ class _FileWriter:
             self.fd = -1
 
 
-def _copy_piece(piece: _Piece, buffer: torch.Tensor) -> tuple[int, bool]:
-    """Copy (and cast) one piece of a tensor that is not read from a file at its offset into the block buffer;
-    returns how many finite source values a narrowing cast made infinite or NaN (`narrowing`), and whether the
-    cast may have changed the tensor as `changed_by_cast` says (decided over the whole tensor afterwards)."""
+def _copy_piece(piece: _Piece, memory: mmap.mmap) -> tuple[int, bool]:
+    """Copy (and cast) one piece of a tensor that is not read from a file at its offset into the block buffer
+    (``memory``); returns how many finite source values a narrowing cast made infinite or NaN (`narrowing`), and
+    whether the cast may have changed the tensor as `changed_by_cast` says (decided over the whole tensor
+    afterwards)."""
+    import torch
+
+    with torch.no_grad():
+        return _copy_piece_into(piece, torch.frombuffer(memory, dtype=torch.uint8))
+
+
+def _copy_piece_into(piece: _Piece, buffer: torch.Tensor) -> tuple[int, bool]:
+    import torch
+
     job, size = piece.job, piece.job.dtype.itemsize
     first, stop = piece.first // size, -(-(piece.first + piece.nbytes) // size)
     parts = _source_elements(job, first, stop)
@@ -405,6 +425,8 @@ def cast_screen(source_dtype: torch.dtype, out: torch.Tensor, source: Callable[[
     beyond the magnitude up to which ``out``'s dtype holds every whole number (`exact_whole_numbers`; or a NaN).
     The smallest and largest values tell both in one cheap pass (isfinite() is several times the cast itself; a
     sum accumulated in fp32 as slow, one in fp16 passes 65504); the exact count only where they are not finite."""
+    import torch
+
     if source_dtype == out.dtype or out.numel() == 0 or not (
             narrowing(source_dtype, out.dtype) or rounds_whole_numbers(source_dtype, out.dtype)):
         return 0, False
@@ -433,6 +455,8 @@ def rounds_past_largest(dtype: torch.dtype) -> tuple[float, bool]:
     above it (what a cast then makes inf or NaN, or, in a dtype without inf, saturates), and whether that tie
     itself still rounds down to it (to even: float8_e4m3fn's 448 is even, e5m2's 57344 is not). Found among the
     dtype's 256 values and by torch's own cast (torch's finfo gives some float8 types an eps their top step lacks)."""
+    import torch
+
     values = torch.arange(256, dtype=torch.uint8).view(dtype).float()
     top = values[values.isfinite() & (values > 0)].unique().sort().values
     edge = float(top[-1] + (top[-1] - top[-2]) / 2)
@@ -443,12 +467,16 @@ def exact_whole_numbers(dtype: torch.dtype) -> float:
     """The magnitude below which floating ``dtype`` holds every whole number exactly: 2 ** (its mantissa's bits
     + 1), 256 for bf16, 2048 for fp16. A whole number cast to ``dtype`` that stays under it in magnitude is
     unchanged."""
+    import torch
+
     return 2.0 / torch.finfo(dtype).eps
 
 
 def rounds_whole_numbers(source: torch.dtype, target: torch.dtype) -> bool:
     """Whether casting floating ``source`` to floating ``target`` can round a whole number (``target`` has fewer
     mantissa bits: fp32 -> bf16 or fp16, fp16 -> bf16, fp64 -> fp32)."""
+    import torch
+
     return (source.is_floating_point and target.is_floating_point
             and torch.finfo(target).eps > torch.finfo(source).eps)
 
@@ -458,6 +486,8 @@ def changed_by_cast(job: TensorJob, chunk: int = 1 << 22) -> float | None:
     computed here on its own): a 0-dim value, or a tensor whose finite values are all whole numbers (a counter, an
     index). None if not; else the largest change. Reads the source again, ``chunk`` elements at a time: it runs only
     for the few tensors whose cast screen said a change was possible (`cast_screen`)."""
+    import torch
+
     n = job.source.numel()
     changed, largest = False, 0.0
     first, stop = 0, min(n, 4096)  # a small first look: where a value is not whole it is usually among the first
@@ -481,6 +511,8 @@ def changed_by_cast(job: TensorJob, chunk: int = 1 << 22) -> float | None:
 def narrowing(source: torch.dtype, target: torch.dtype) -> bool:
     """Whether casting floating ``source`` to floating ``target`` can make a finite value inf or NaN (``target``'s
     largest finite value is smaller: fp32 -> fp16, and -> bf16 at the very top of fp32's range)."""
+    import torch
+
     return (source.is_floating_point and target.is_floating_point
             and torch.finfo(target).max < torch.finfo(source).max)
 
@@ -527,6 +559,8 @@ def cast_error(overflowed: Mapping[str, int], changed: Mapping[str, float], jobs
     """The error for casts that made finite values of these keys inf or NaN (``overflowed``: how many), or changed
     a tensor of whole numbers or a 0-dim value (``changed``: by up to how much; `changed_by_cast`), listing every
     one and the fix."""
+    import torch
+
     keys = sorted(set(overflowed) | set(changed))
     by_key = {j.key: j for j in jobs}
     target = by_key[keys[0]].dtype
@@ -555,8 +589,8 @@ def cast_error(overflowed: Mapping[str, int], changed: Mapping[str, float], jobs
 
 def _write_block(block: _Block, progress: ProgressFn | None) -> None:
     """One task: fill this thread's buffer with ``block`` and write it."""
-    memory, buffer = _BUFFERS.get()
-    block.writer.fill(block, memory, buffer, progress)
+    memory, data = _BUFFERS.get()
+    block.writer.fill(block, memory, data, progress)
     block.writer.write(block, memory)
 
 

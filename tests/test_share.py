@@ -253,7 +253,7 @@ def _cannot_map_on_rank_1(rank: int, world_size: int, src: str, dst: str) -> str
         def refuse(path):
             raise OSError(24, "Too many open files (injected)")
 
-        importlib.import_module("fsdp_restore.convert").MappedFile = refuse
+        importlib.import_module("fsdp_restore.mapped").MappedFile = refuse
     with pytest.raises(ConvertError) as info:
         fsdp_restore.convert(src, dst, process_group=dist.group.WORLD)
     return str(info.value)

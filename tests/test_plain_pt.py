@@ -1,0 +1,370 @@
+"""The conversion of a plain checkpoint without torch (plain_pt): the same tree torch.load gives, the same file the
+conversion through torch writes, and the torch path for everything else.
+
+Oracles: torch.load (each tensor's dtype, shape, stride, offset, storage sharing and bytes; every other value), and
+the file the torch path writes (byte for byte), itself proven against torch.load by the rest of the suite. The
+lane is called directly here (this process has imported torch, so `convert` takes the torch path); the CLI test
+runs `fsdp-restore convert` in a fresh process, where the lane is taken, and checks torch was never imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import io
+import math
+import pickle
+import struct
+import subprocess
+import sys
+import zipfile
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fsdp_restore import UnsafePickleError, convert
+from fsdp_restore.plain_pt import NotPlain, StoredTensor, load_plain
+
+convert_module = importlib.import_module("fsdp_restore.convert")  # the package's `convert` is the function
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+          torch.int8, torch.uint8, torch.bool]
+
+
+def _lane(src, dst, **options):
+    defaults = {"select": None, "on_unsupported": "error", "threads": 2, "max_shard_size": None, "force": False,
+                "progress": None}
+    return convert_module._convert_plain(src, dst, **{**defaults, **options})
+
+
+def _tensor(draw_shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, draw_shape, generator=g).bool()
+    if dtype.is_floating_point:
+        return torch.randn(draw_shape, generator=g).to(dtype)
+    return torch.randint(-100 if dtype != torch.uint8 else 0, 100, draw_shape, generator=g).to(dtype)
+
+
+@st.composite
+def tensors(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    shape = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
+    t = _tensor(shape, dtype, draw(st.integers(0, 1000)))
+    kind = draw(st.sampled_from(["plain", "param", "grad", "slice"]))
+    if kind == "param":
+        return torch.nn.Parameter(t, requires_grad=dtype.is_floating_point and draw(st.booleans()))
+    if kind == "grad" and dtype.is_floating_point:
+        return t.requires_grad_(True)
+    if kind == "slice" and t.dim() and t.shape[0] > 1:
+        return t[1:]  # a view into a larger storage, saved with its base's bytes
+    return t
+
+
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
+                    st.text(max_size=8))
+keys = st.one_of(st.text(max_size=6), st.integers(-5, 50))
+leaves = st.one_of(scalars, tensors())
+checkpoints = st.recursive(
+    leaves, lambda children: st.one_of(
+        st.dictionaries(keys, children, max_size=4), st.lists(children, max_size=4),
+        st.tuples(children, children), st.dictionaries(st.text(max_size=6), children, max_size=3).map(OrderedDict)),
+    max_leaves=12)
+
+
+@st.composite
+def shared(draw):
+    """Tensors that share storage: a base, views of it, the same tensor twice, a tied Parameter."""
+    base = _tensor((6, 4), draw(st.sampled_from(DTYPES[:4])), draw(st.integers(0, 100)))
+    picks = draw(st.lists(st.sampled_from(["base", "row", "tail", "same", "param"]), min_size=1, max_size=5))
+    made = {"base": base, "row": base[2], "tail": base[3:], "same": base, "param": torch.nn.Parameter(base)}
+    return {f"{i}.{p}": made[p] for i, p in enumerate(picks)}
+
+
+def _same_tree(ours, ref, path="") -> None:
+    """``ours`` (load_plain) is what torch.load gave, tensor by tensor."""
+    if isinstance(ref, torch.Tensor):
+        assert type(ours) is StoredTensor, path
+        assert str(ours.dtype) == str(ref.dtype) and tuple(ours.shape) == tuple(ref.shape), path
+        assert ours.stride() == ref.stride() and ours.storage_offset() == ref.storage_offset(), path
+        assert ours.requires_grad == ref.requires_grad and ours.param == (type(ref) is torch.nn.Parameter), path
+        return
+    assert type(ours) is type(ref), (path, type(ours), type(ref))
+    if isinstance(ref, dict):
+        assert list(ours) == list(ref), path
+        for k in ref:
+            _same_tree(ours[k], ref[k], f"{path}.{k}")
+    elif isinstance(ref, (list, tuple)):
+        assert len(ours) == len(ref), path
+        for i, (a, b) in enumerate(zip(ours, ref)):
+            _same_tree(a, b, f"{path}.{i}")
+    elif isinstance(ref, float) and math.isnan(ref):
+        assert math.isnan(ours) and struct.pack("<d", ours) == struct.pack("<d", ref), path
+    else:
+        assert ours == ref, path
+
+
+def _tensor_leaves(obj):
+    if isinstance(obj, torch.Tensor) or type(obj) is StoredTensor:
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensor_leaves(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensor_leaves(v)
+
+
+def _check_against_torch(path) -> None:
+    ours, ref = load_plain(path), torch.load(path, mmap=True, weights_only=True)
+    _same_tree(ours, ref)
+    a, b = list(_tensor_leaves(ours)), list(_tensor_leaves(ref))
+    raw = path.read_bytes()
+    for i, (s, t) in enumerate(zip(a, b)):
+        if t.numel() and t.is_contiguous():  # the bytes where the lane will read them are torch's values
+            nbytes = t.numel() * t.element_size()
+            got = raw[s.file_offset:s.file_offset + nbytes]
+            assert got == t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+        for j in range(i):  # storage shared exactly where torch shares it
+            if t.numel() and b[j].numel():
+                same = t.untyped_storage().data_ptr() == b[j].untyped_storage().data_ptr()
+                assert (s.storage is a[j].storage) == same
+
+
+def _same_output(tmp_path, obj, **options) -> None:
+    src = tmp_path / "src.pt"
+    torch.save(obj, src)
+    _check_against_torch(src)
+    for name in ("lane.safetensors", "torch.safetensors"):
+        (tmp_path / name).unlink(missing_ok=True)
+    report = _lane(src, tmp_path / "lane.safetensors", **options)
+    assert report is not None, "the lane declined a plain checkpoint"
+    convert(src, tmp_path / "torch.safetensors", **options)  # torch is imported here: the torch path
+    assert (tmp_path / "lane.safetensors").read_bytes() == (tmp_path / "torch.safetensors").read_bytes()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(obj=checkpoints)
+def test_the_lane_writes_the_torch_paths_file(tmp_path, obj):
+    _same_output(tmp_path, {"top": obj})
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(obj=shared())
+def test_shared_storage_is_stored_as_the_torch_path_stores_it(tmp_path, obj):
+    _same_output(tmp_path, obj)
+
+
+def test_a_training_checkpoint_with_select_and_skip(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.LayerNorm(4))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 5)).sum().backward()
+    opt.step()
+    ckpt = {"model": model.state_dict(), "optim": opt.state_dict(), "step": 1, "cfg": {"lr": 1e-3, "name": "run"}}
+    _same_output(tmp_path, ckpt)
+    _same_output(tmp_path, ckpt, select="model")
+    _same_output(tmp_path, ckpt, on_unsupported="skip")
+    torch.save(ckpt, tmp_path / "src.pt")
+    for name in ("lane.safetensors", "torch.safetensors"):
+        (tmp_path / name).unlink(missing_ok=True)
+    _lane(tmp_path / "src.pt", tmp_path / "lane.safetensors", max_shard_size="200B")
+    convert(tmp_path / "src.pt", tmp_path / "torch.safetensors", max_shard_size="200B")
+    lane = sorted(p.name for p in (tmp_path / "lane.safetensors").iterdir())
+    assert lane == sorted(p.name for p in (tmp_path / "torch.safetensors").iterdir()) and len(lane) > 2
+
+
+class Custom:  # a class torch's weights-only loader refuses
+    pass
+
+
+DECLINED = {
+    "numpy array": {"a": np.arange(3)},
+    "Namespace": {"args": argparse.Namespace(lr=0.1)},
+    "torch.Size": {"s": torch.Size([2, 3])},
+    "dtype": {"d": torch.float16},
+    "device": {"d": torch.device("cpu")},
+    "bytes": {"b": b"abc"},
+    "a set": {"s": {1, 2}},
+    "complex": {"c": 1 + 2j},
+    "transposed": {"t": torch.randn(3, 4).t()},
+    "complex tensor": {"c": torch.randn(3, dtype=torch.complex64)},
+    "float8": {"f": torch.zeros(3, dtype=torch.float8_e4m3fn)},
+    "conj view": {"c": torch.randn(3, dtype=torch.complex64).conj()},
+}
+
+
+@pytest.mark.parametrize("what", list(DECLINED))
+def test_what_the_lane_does_not_reproduce_goes_to_torch(tmp_path, what):
+    torch.save(DECLINED[what], tmp_path / "src.pt")
+    assert _lane(tmp_path / "src.pt", tmp_path / "out.safetensors") is None
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_a_refused_global_is_refused_by_torch_as_before(tmp_path):
+    torch.save({"w": torch.ones(2), "c": Custom()}, tmp_path / "src.pt")
+    assert _lane(tmp_path / "src.pt", tmp_path / "out.safetensors") is None
+    with pytest.raises(UnsafePickleError, match="Custom"):
+        convert(tmp_path / "src.pt", tmp_path / "out.safetensors")
+
+
+def _rewritten(tmp_path, pickle_bytes: bytes, records=None, base=None):
+    """src.pt: a torch.save of ``base`` with its data.pkl replaced (and records replaced)."""
+    torch.save({"w": torch.ones(2)} if base is None else base, tmp_path / "base.pt")
+    with zipfile.ZipFile(tmp_path / "base.pt") as zin, zipfile.ZipFile(tmp_path / "src.pt", "w") as zout:
+        for info in zin.infolist():
+            name = info.filename.split("/", 1)[1]
+            data = pickle_bytes if name == "data.pkl" else (records or {}).get(name, zin.read(info.filename))
+            zout.writestr(info.filename, data)
+    return tmp_path / "src.pt"
+
+
+@pytest.mark.parametrize("what,data", [
+    ("a string longer than the pickle", b"\x80\x02X\xff\xff\xff\x7fab."),
+    ("an unknown opcode", b"\x80\x02}\x8f."),
+    ("BINBYTES (protocol 3)", b"\x80\x03C\x03abc."),
+    ("protocol 4", b"\x80\x04}."),
+    ("a never-called blocked global", b"\x80\x02cos\nsystem\n0}."),
+    ("SETITEM on a list", b"\x80\x02]K\x01K\x02s."),
+    ("no STOP", b"\x80\x02}"),
+])
+def test_hostile_or_odd_pickles_are_declined(tmp_path, what, data):
+    src = _rewritten(tmp_path, data)
+    with pytest.raises(NotPlain):
+        load_plain(src)
+    assert _lane(src, tmp_path / "out.safetensors") is None
+
+
+def test_a_memo_index_near_2_to_the_32_costs_nothing(tmp_path):
+    """LONG_BINPUT 2**32-1: torch's memo is a dict, and so is this one (Python's C unpickler would size a table)."""
+    src = _rewritten(tmp_path, b"\x80\x02}r\xff\xff\xff\xffh\x00.".replace(b"h\x00", b"j\xff\xff\xff\xff"))
+    assert load_plain(src) == torch.load(src, weights_only=True) == {}
+
+
+@pytest.mark.parametrize("record,value", [("byteorder", b"big"), ("version", b"99\n"), (".format_version", b"2"),
+                                          ("extra_record", b"x")])
+def test_records_torch_reads_otherwise_are_declined(tmp_path, record, value):
+    torch.save({"w": torch.ones(2)}, tmp_path / "base.pt")
+    data = zipfile.ZipFile(tmp_path / "base.pt").read("base/data.pkl")
+    src = _rewritten(tmp_path, data, {record: value})
+    if record == "extra_record":  # _rewritten replaces records only: add one
+        with zipfile.ZipFile(src, "a") as z:
+            z.writestr("base/extra_record", value)
+    with pytest.raises(NotPlain):
+        load_plain(src)
+
+
+def test_a_deflated_archive_is_declined(tmp_path):
+    torch.save({"w": torch.ones(2)}, tmp_path / "plain.pt")
+    with zipfile.ZipFile(tmp_path / "plain.pt") as zin, \
+            zipfile.ZipFile(tmp_path / "src.pt", "w", zipfile.ZIP_DEFLATED) as zout:
+        for info in zin.infolist():
+            zout.writestr(info.filename, zin.read(info.filename))
+    with pytest.raises(NotPlain, match="compressed"):
+        load_plain(tmp_path / "src.pt")
+
+
+def test_a_tensor_past_its_storage_is_declined(tmp_path):
+    """torch refuses a tensor whose view runs past its storage; the lane must not build it."""
+    torch.save({"w": torch.ones(4)}, tmp_path / "base.pt")
+    data = zipfile.ZipFile(tmp_path / "base.pt").read("base/data.pkl")
+    bad = data.replace(b"K\x04\x85", b"K\x05\x85", 1)  # size (4,) -> (5,) over a 4-element storage
+    assert bad != data
+    src = _rewritten(tmp_path, bad, base={"w": torch.ones(4)})
+    with pytest.raises(NotPlain, match="past the end"):
+        load_plain(src)
+    with pytest.raises(Exception):  # noqa: B017 - torch's own refusal, whatever its type
+        torch.load(src, weights_only=True)
+
+
+def test_the_cli_converts_a_plain_checkpoint_without_importing_torch(tmp_path):
+    obj = {"model": {"w": torch.randn(4, 3), "b": torch.zeros(3)}, "step": 7, "names": ["a", "b"]}
+    torch.save(obj, tmp_path / "src.pt")
+    code = ("import sys; from fsdp_restore.cli import main; rc = main(['convert', sys.argv[1], sys.argv[2]]);"
+            " assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)")
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "src.pt"), str(tmp_path / "cli.safetensors")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    convert(tmp_path / "src.pt", tmp_path / "torch.safetensors")
+    assert (tmp_path / "cli.safetensors").read_bytes() == (tmp_path / "torch.safetensors").read_bytes()
+
+
+class _Storage:
+    """Pickled as torch.save pickles a storage: a persistent id naming a record (see `_crafted`)."""
+
+    def __init__(self, key: str, numel: int) -> None:
+        self.key, self.numel = key, numel
+
+
+class _Rebuild:
+    """Pickled as a call of torch's tensor rebuild with the given arguments, whatever they are."""
+
+    def __init__(self, *args) -> None:
+        self.args = args
+
+    def __reduce__(self):
+        return torch._utils._rebuild_tensor_v2, self.args
+
+
+def _crafted(tmp_path, obj):
+    """src.pt: a torch.save of {"w": 4 floats} whose pickle is ``obj`` pickled as torch.save pickles (protocol 2,
+    storages as persistent ids), so that arguments torch.save never writes can be given."""
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, value):
+            if isinstance(value, _Storage):
+                return ("storage", torch.FloatStorage, value.key, "cpu", value.numel)
+            return None
+
+    buffer = io.BytesIO()
+    Pickler(buffer, protocol=2).dump(obj)
+    return _rewritten(tmp_path, buffer.getvalue(), base={"w": torch.ones(4)})
+
+
+@pytest.mark.parametrize("what,obj", [
+    ("a size past int64", {"w": _Rebuild(_Storage("0", 4), 0, (2**63, 0), (1, 1), False, OrderedDict())}),
+    ("a stride past int64", {"w": _Rebuild(_Storage("0", 4), 0, (1,), (2**64,), False, OrderedDict())}),
+    ("an offset past int64", {"w": _Rebuild(_Storage("0", 4), 2**64, (0,), (1,), False, OrderedDict())}),
+    ("an element count past int64", {"w": _Rebuild(_Storage("0", 4), 0, (2**62, 2**62), (0, 0), False,
+                                                    OrderedDict())}),
+    ("one key as an empty and a full storage", {"a": _Rebuild(_Storage("0", 0), 0, (0,), (1,), False, OrderedDict()),
+                                                "b": _Rebuild(_Storage("0", 4), 0, (4,), (1,), False, OrderedDict())}),
+])
+def test_tensors_torch_refuses_are_declined(tmp_path, what, obj):
+    src = _crafted(tmp_path, obj)
+    with pytest.raises(Exception):  # noqa: B017 - torch's own refusal, whatever its type
+        torch.load(src, weights_only=True, mmap=True)
+    with pytest.raises(NotPlain):
+        load_plain(src)
+
+
+def test_a_crafted_pickle_of_an_ordinary_tensor_loads_as_torch_loads_it(tmp_path):
+    """The crafting above is faithful: the same arguments torch.save writes load alike."""
+    src = _crafted(tmp_path, {"w": _Rebuild(_Storage("0", 4), 1, (3,), (1,), False, OrderedDict())})
+    _check_against_torch(src)
+
+
+def test_bytes_before_the_archive_are_declined(tmp_path):
+    """Python's zip reader takes an archive after other bytes; torch's reader does not."""
+    torch.save({"w": torch.ones(2)}, tmp_path / "plain.pt")
+    (tmp_path / "src.pt").write_bytes(b"#!/bin/sh\nexit 0\n" + (tmp_path / "plain.pt").read_bytes())
+    with pytest.raises(NotPlain):
+        load_plain(tmp_path / "src.pt")
+
+
+def test_record_names_that_differ_only_in_case_are_declined(tmp_path):
+    """torch's zip reader finds records without regard to case: which of two it reads is its own choice."""
+    torch.save({"w": torch.ones(2)}, tmp_path / "src.pt")
+    with zipfile.ZipFile(tmp_path / "src.pt", "a") as z:
+        z.writestr("src/DATA/0", b"\0" * 8)
+    with pytest.raises(NotPlain, match="record names"):
+        load_plain(tmp_path / "src.pt")
+
+
+def test_a_list_that_holds_itself_is_declined_at_once(tmp_path):
+    """[L, L] where L holds itself: the walk visits each container once (it looped, or grew without bound)."""
+    src = _rewritten(tmp_path, b"\x80\x02}X\x04\x00\x00\x00loop]q\x00h\x00h\x00\x86as.")
+    assert _lane(src, tmp_path / "out.safetensors") is None
+    assert not (tmp_path / "out.safetensors").exists()
