@@ -348,6 +348,21 @@ def _convert_directory(src: str | os.PathLike[str], dst: str | os.PathLike[str],
                          checksums=result.checksums)
 
 
+def _truncated(src: str | os.PathLike[str], e: EOFError) -> FormatError:
+    """A tensor's bytes read at their offset ran past the end: the file is shorter than its pickle says."""
+    return FormatError(src, f"{str(e).removeprefix('the file ')}; was it truncated or rewritten while it was being"
+                       " converted? Convert it again from a complete copy")
+
+
+def _report(src: str | os.PathLike[str], dst: str | os.PathLike[str], result: Any, casts: dict[str, tuple[str, str]],
+            *, seconds: float, peak: int, threads: int) -> ConvertReport:
+    """The `ConvertReport` of a conversion of one file written as ``result`` (write_converted's)."""
+    return ConvertReport(src=str(src), dst=str(dst), files=[str(p) for p in result.paths],
+                         tensors=len(result.checksums), nbytes=result.nbytes, cast_tensors=len(casts),
+                         cast=cast_groups(casts), seconds=seconds, peak_anon_bytes=peak, threads=threads,
+                         checksums=result.checksums)
+
+
 def _convert_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, select: str | None,
                    on_unsupported: str, threads: int, max_shard_size: int | str | None, force: bool,
                    progress: Callable[[int, int], None] | None) -> ConvertReport | None:
@@ -387,15 +402,11 @@ def _convert_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, 
                                             metadata={META_SOURCE: json.dumps(identity)}, locations=locations,
                                             share=Share(0, 1))
         except EOFError as e:  # as the torch path says it
-            raise FormatError(src, f"{str(e).removeprefix('the file ')}; was it truncated or rewritten while it was"
-                              " being converted? Convert it again from a complete copy") from None
+            raise _truncated(src, e) from None
         finally:
             os.close(fd)
         del obj, tensors
-    return ConvertReport(src=str(src), dst=str(dst), files=[str(p) for p in result.paths],
-                         tensors=len(result.checksums), nbytes=result.nbytes, cast_tensors=len(casts),
-                         cast=cast_groups(casts), seconds=clock.seconds, peak_anon_bytes=mem.peak, threads=threads,
-                         checksums=result.checksums)
+    return _report(src, dst, result, casts, seconds=clock.seconds, peak=mem.peak, threads=threads)
 
 
 def _only_plain_values(obj: Any) -> bool:
@@ -539,13 +550,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
                                             metadata={META_SOURCE: json.dumps(identity)}, locations=locations,
                                             share=one)
         except EOFError as e:  # a tensor's bytes read at their offset: the file is shorter than its pickle says
-            raise FormatError(src, f"{str(e).removeprefix('the file ')}; was it truncated or rewritten while it was"
-                              " being converted? Convert it again from a complete copy") from None
+            raise _truncated(src, e) from None
         finally:
             os.close(fd)
         del obj, tensors
-    return ConvertReport(src=str(src), dst=str(dst), files=[str(p) for p in result.paths],
-                         tensors=len(result.checksums), nbytes=result.nbytes,
-                         cast_tensors=len(casts), cast=cast_groups(casts),
-                         seconds=clock.seconds, peak_anon_bytes=mem.peak, threads=threads,
-                         checksums=result.checksums)
+    return _report(src, dst, result, casts, seconds=clock.seconds, peak=mem.peak, threads=threads)
