@@ -376,26 +376,29 @@ def _convert_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, 
         if not Path(src).is_file():
             return None
         check_destination(dst, force=force, sources=[src])  # first, as the torch path checks it
-        try:
-            st = os.stat(src)  # before reading, as the torch path takes the identity
-            loaded, members = load_plain_archive(src)
-            identity = source_identity(src, members=members)
-            if (identity["size"], identity["mtime_ns"]) != (st.st_size, st.st_mtime_ns):
-                return None  # rewritten while it was read: the torch path reads it again
-            obj = select_subtree(loaded, select, source=src)
-            if not _only_plain_values(obj):
-                return None
-            with warnings.catch_warnings(record=True) as said:
-                warnings.simplefilter("always")
-                tensors, structure = flatten(obj, on_unsupported=on_unsupported)  # type: ignore[arg-type]
-            if not all(t.is_contiguous() for t in tensors.values()):
-                return None  # a tensor whose elements are not one run of its storage: torch copies it
-        except Exception:  # noqa: BLE001 - the torch path reads the file again and says what is wrong with it
-            return None
-        for warning in said:  # flatten's warnings (skipped values), said once, now that this path goes on
-            warnings.warn(warning.message, warning.category, stacklevel=3)
+        # one descriptor for the archive, the identity and the tensors' bytes: a source replaced (renamed over)
+        # meanwhile is not read half from each file
         fd = os.open(src, os.O_RDONLY)
         try:
+            try:
+                before = os.fstat(fd)
+                loaded, members = load_plain_archive(fd)
+                st = os.fstat(fd)
+                if (st.st_size, st.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
+                    return None  # rewritten while it was read: the torch path reads it again
+                identity = source_identity(src, members=members, stat=st)
+                obj = select_subtree(loaded, select, source=src)
+                if not _only_plain_values(obj):
+                    return None
+                with warnings.catch_warnings(record=True) as said:
+                    warnings.simplefilter("always")
+                    tensors, structure = flatten(obj, on_unsupported=on_unsupported)  # type: ignore[arg-type]
+                if not all(t.is_contiguous() for t in tensors.values()):
+                    return None  # a tensor whose elements are not one run of its storage: torch copies it
+            except Exception:  # noqa: BLE001 - the torch path reads the file again and says what is wrong with it
+                return None
+            for warning in said:  # flatten's warnings (skipped values), said once, now that this path goes on
+                warnings.warn(warning.message, warning.category, stacklevel=3)
             locations = {key: (fd, t.file_offset) for key, t in tensors.items()}
             result, casts = write_converted(tensors, structure, dst, max_shard_size=max_shard_size, threads=threads,
                                             force=force, progress=progress,
@@ -407,6 +410,15 @@ def _convert_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, 
             os.close(fd)
         del obj, tensors
     return _report(src, dst, result, casts, seconds=clock.seconds, peak=mem.peak, threads=threads)
+
+
+def _same_file(src: str | os.PathLike[str], before: os.stat_result, now: os.stat_result) -> None:
+    """The file whose bytes are about to be copied (``now``, its descriptor's) is the one whose pickle was read
+    (``before``): not another renamed over it meanwhile, nor rewritten."""
+    if (before.st_ino, before.st_dev, before.st_size, before.st_mtime_ns) != (
+            now.st_ino, now.st_dev, now.st_size, now.st_mtime_ns):
+        raise FormatError(src, "was replaced or rewritten while it was being read; convert it again once it is"
+                               " complete")
 
 
 def _only_plain_values(obj: Any) -> bool:
@@ -527,11 +539,13 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
         if not Path(src).is_file():
             raise FormatError(src, "no such file")
         check_destination(dst, force=force, sources=[src])
-        identity = source_identity(src)  # before reading: a source rewritten meanwhile will not match it
+        before = os.stat(src)
+        identity = source_identity(src, stat=before)  # before reading: a source rewritten meanwhile won't match it
         obj = select_subtree(load_pt(src, trust_pickle=trust_pickle, allow_globals=allow_globals), select, source=src)
         tensors, structure = flatten(obj, on_unsupported=on_unsupported)  # type: ignore[arg-type]
         mapping, fd = mapped.MappedFile(src), os.open(src, os.O_RDONLY)
         try:
+            _same_file(src, before, os.fstat(fd))
             locations = {key: (fd, offset) for key, t in tensors.items()
                          if (offset := mapping.offset_of(t)) is not None}
         except BaseException:

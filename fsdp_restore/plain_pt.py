@@ -22,15 +22,21 @@ from __future__ import annotations
 import os
 import struct
 import sys
-import zipfile
 from collections import OrderedDict
 from math import prod
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 MAX_PICKLE_BYTES = 64 * 2**20  # a checkpoint's pickle is kilobytes to a few megabytes
 _INT64 = 2**63  # torch's sizes, strides, offsets and element counts are int64: anything past it, torch refuses
-_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # zip local file header: 30 bytes, then the name and extra field
+MAX_DIRECTORY_BYTES = 256 * 2**20  # a zip central directory of millions of records (such a pickle is past its cap)
+_LOCAL = struct.Struct("<4sHHHHHIIIHH")  # zip local file header: 30 bytes, then the name and extra field
+_CENTRAL = struct.Struct("<4sHHHHHHIIIHHHHHII")  # zip central directory entry: 46 bytes, then name, extra, comment
+_END = struct.Struct("<4sHHHHIIH")  # zip end of central directory record (torch.save writes no comment)
+_ZIP64_LOCATOR = struct.Struct("<4sIQI")  # zip64 end of central directory locator, just before the end record
+_ZIP64_END = struct.Struct("<4sQHHIIQQQQ")  # zip64 end of central directory record, just before its locator
+_FLAGS = {0, 0x8, 0x800, 0x808}  # general purpose bits torch.save's writer may set: a data descriptor, UTF-8 names
+_SATURATED = 0xFFFFFFFF  # a 32-bit zip field whose value is in the zip64 extra field
 _KNOWN_RECORDS = {  # the records other than data.pkl and storages that torch.save writes, with their only values
     "version": {b"3\n", b"3"}, ".format_version": {b"1"}, ".storage_alignment": {b"64"}, "byteorder": {b"little"}}
 
@@ -128,85 +134,187 @@ _GLOBALS.update({("torch", storage): dtype for storage, dtype in _DTYPES.items()
 def load_plain(path: str | os.PathLike[str]) -> Any:
     """What ``torch.load(path, weights_only=True, map_location="cpu")`` returns for a plain checkpoint, tensors as
     `StoredTensor`s; `NotPlain` for any file it does not read exactly as torch would (load that one with torch)."""
-    return load_plain_archive(path)[0]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return load_plain_archive(fd)[0]
+    finally:
+        os.close(fd)
 
 
-def load_plain_archive(path: str | os.PathLike[str]) -> tuple[Any, list[zipfile.ZipInfo]]:
-    """`load_plain`, and the archive's members as read from its central directory (for its fingerprint,
-    `provenance.members_fingerprint`, without reading the directory again)."""
+def load_plain_archive(fd: int) -> tuple[Any, list[ZipMember]]:
+    """`load_plain` of the file open as ``fd`` (read with ``pread`` only: the caller reads the tensors' bytes
+    through the same descriptor, so from the same file, whatever its path names meanwhile), and the archive's
+    members as its central directory lists them (for its fingerprint, `provenance.members_fingerprint`)."""
     if sys.byteorder != "little":
         raise NotPlain("a big-endian host")
-    path = Path(path)
+    archive = _Archive(fd)
+    members = archive.members
+    names = [m.filename for m in members]
+    # names as torch's zip reader (miniz) sees them: told apart without case; the archive at the start of the file
+    if len({n.lower() for n in names}) != len(names) or min(m.header_offset for m in members) != 0:
+        raise NotPlain("record names or a layout torch's zip reader may read otherwise")
+    pickles = [n for n in names if n.endswith("/data.pkl") and n.count("/") == 1]
+    if len(pickles) != 1:
+        raise NotPlain("not one data.pkl at the top of one archive folder")
+    prefix = pickles[0][:-len("data.pkl")]
+    if not all(n.startswith(prefix) for n in names):
+        raise NotPlain("records outside the archive's folder")
+    records = {n[len(prefix):]: m for n, m in zip(names, members)}
+    for name, member in records.items():
+        if name == "data.pkl" or name.startswith("data/"):
+            continue  # read as the pickle asks for them
+        if name == ".data/serialization_id":
+            try:  # torch.load reads it as a str: where it lies must be sound, and it UTF-8, whatever its value
+                archive.read(member, 64).decode("utf-8")
+            except UnicodeDecodeError:
+                raise NotPlain("a serialization id torch.load cannot decode") from None
+            continue
+        if name not in _KNOWN_RECORDS or archive.read(member) not in _KNOWN_RECORDS[name]:
+            raise NotPlain(f"record '{name}' is not one torch.save writes with that value")
+    if "version" not in records:
+        raise NotPlain("no version record")
+    data = archive.read(records["data.pkl"], MAX_PICKLE_BYTES)
+    if data[:2] != b"\x80\x02":
+        raise NotPlain("a pickle protocol other than 2")
+
+    def storage(key: str, dtype: StoredDtype, numel: int) -> StoredStorage:
+        member = records.get(f"data/{key}")
+        if member is None:
+            raise NotPlain(f"no record for storage '{key}'")
+        if numel * dtype.itemsize > member.file_size:
+            raise NotPlain(f"storage '{key}' is shorter than the pickle says")
+        return StoredStorage(key, dtype, numel, archive.data_at(member))
+
     try:
-        archive = zipfile.ZipFile(path)
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
-        raise NotPlain(f"not a zip archive this reader opens ({e})") from None
-    with archive, open(path, "rb") as f:
-        infos = archive.infolist()
-        names = [i.filename for i in infos]
-        # names as torch's zip reader (miniz) sees them: whole (Python cuts one at a NUL), ASCII, told apart
-        # without case; the archive at the start of the file (Python's reader also takes one after other bytes)
-        if (any(i.orig_filename != i.filename or not i.filename.isascii() for i in infos)
-                or len({n.lower() for n in names}) != len(names) or not infos
-                or min(i.header_offset for i in infos) != 0 or f.read(4) != b"PK\x03\x04"):
-            raise NotPlain("record names or a layout torch's zip reader may read otherwise")
-        pickles = [n for n in names if n.endswith("/data.pkl") and n.count("/") == 1]
-        if len(pickles) != 1:
-            raise NotPlain("not one data.pkl at the top of one archive folder")
-        prefix = pickles[0][:-len("data.pkl")]
-        if not all(n.startswith(prefix) for n in names):
-            raise NotPlain("records outside the archive's folder")
-        records = {n[len(prefix):]: i for n, i in zip(names, infos)}
-        for name, info in records.items():
-            if name == "data.pkl" or name.startswith("data/") or name == ".data/serialization_id":
-                continue
-            if name not in _KNOWN_RECORDS or _read(f, info) not in _KNOWN_RECORDS[name]:
-                raise NotPlain(f"record '{name}' is not one torch.save writes with that value")
-        if "version" not in records:
-            raise NotPlain("no version record")
-        data = _read(f, records["data.pkl"], MAX_PICKLE_BYTES)
-        if data[:2] != b"\x80\x02":
-            raise NotPlain("a pickle protocol other than 2")
-
-        def storage(key: str, dtype: StoredDtype, numel: int) -> StoredStorage:
-            info = records.get(f"data/{key}")
-            if info is None:
-                raise NotPlain(f"no record for storage '{key}'")
-            data_at = _data_at(f, info)
-            if numel * dtype.itemsize > info.file_size:
-                raise NotPlain(f"storage '{key}' is shorter than the pickle says")
-            return StoredStorage(key, dtype, numel, data_at)
-
-        try:
-            return _Unpickler(data, storage).load(), infos
-        except NotPlain:
-            raise
-        except Exception as e:  # noqa: BLE001 - whatever torch's unpickler would say of it, it says it
-            raise NotPlain(f"{type(e).__name__}: {e}") from None
+        return _Unpickler(data, storage).load(), members
+    except NotPlain:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever torch's unpickler would say of it, it says it
+        raise NotPlain(f"{type(e).__name__}: {e}") from None
 
 
-def _data_at(f: Any, info: zipfile.ZipInfo) -> int:
-    """Where a stored, unencrypted record's data starts (after its local header's name and extra field). One
-    ``pread`` of the header and the name (a buffered file would read 8 KB per record)."""
-    if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 0x1:
-        raise NotPlain(f"record '{info.filename}' is compressed or encrypted")
-    name = info.filename.encode("utf-8")
-    head = os.pread(f.fileno(), _LOCAL_HEADER.size + len(name), info.header_offset)
-    if len(head) < _LOCAL_HEADER.size + len(name):
-        raise NotPlain("a truncated local header")
-    signature, *_, name_len, extra_len = _LOCAL_HEADER.unpack_from(head)
-    if signature != b"PK\x03\x04" or name_len != len(name) or head[_LOCAL_HEADER.size:] != name:
-        raise NotPlain(f"record '{info.filename}': its local header does not match")
-    return info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+class ZipMember(NamedTuple):
+    """One record of the archive as its central directory lists it (the names `zipfile.ZipInfo` gives them)."""
+
+    filename: str
+    CRC: int
+    file_size: int
+    header_offset: int
 
 
-def _read(f: Any, info: zipfile.ZipInfo, most: int = 1024) -> bytes:
-    if info.file_size > most:
-        raise NotPlain(f"record '{info.filename}' is larger than expected")
-    data = os.pread(f.fileno(), info.file_size, _data_at(f, info))
-    if len(data) != info.file_size:
-        raise NotPlain(f"record '{info.filename}' is truncated")
-    return data
+class _Archive:
+    """The zip archive ``torch.save`` writes, read only where it is exactly as torch's writer (miniz) lays it out.
+
+    Why not `zipfile`: Python's reader accepts archives torch's refuses (flag bits, sizes that differ, disk
+    numbers, end-record counts, directory entries, a version it does not know) and reads some otherwise; a
+    conversion of a file torch calls corrupt must not succeed. Every field a zip reader may act on is checked
+    against the one value torch writes (the version, time, date and crc32 fields, which neither reader acts on,
+    are not), and anything else is `NotPlain`, so torch's path decides."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        size = os.fstat(fd).st_size
+        tail_size = _ZIP64_END.size + _ZIP64_LOCATOR.size + _END.size
+        tail = os.pread(fd, tail_size, max(0, size - tail_size))
+        if len(tail) < _END.size:
+            raise NotPlain("too short for a zip archive")
+        signature, disk, directory_disk, here, total, directory_size, directory_at, comment = _END.unpack_from(
+            tail, len(tail) - _END.size)
+        if signature != b"PK\x05\x06" or disk or directory_disk or here != total or comment:
+            raise NotPlain("a zip end record (at the file's last 22 bytes) other than torch.save's")
+        directory_end = size - _END.size
+        if len(tail) == tail_size and tail[_ZIP64_END.size:_ZIP64_END.size + 4] == b"PK\x06\x07":
+            _, end_disk, end_at, disks = _ZIP64_LOCATOR.unpack_from(tail, _ZIP64_END.size)
+            (end_signature, end_size, _, _, disk64, directory_disk64, here64, total64, directory_size64,
+             directory_at64) = _ZIP64_END.unpack_from(tail)
+            # miniz takes the zip64 record's values; the 16- and 32-bit ones must be the same, saturated
+            if (end_disk or disks != 1 or end_at != size - tail_size or end_signature != b"PK\x06\x06"
+                    or end_size != _ZIP64_END.size - 12 or disk64 or directory_disk64 or here64 != total64
+                    or (total, directory_size, directory_at) != (min(total64, 0xFFFF),
+                                                                 min(directory_size64, _SATURATED),
+                                                                 min(directory_at64, _SATURATED))):
+                raise NotPlain("zip64 end records other than torch.save's")
+            total, directory_size, directory_at, directory_end = total64, directory_size64, directory_at64, end_at
+        elif _SATURATED in (directory_size, directory_at) or total == 0xFFFF:
+            raise NotPlain("a saturated zip end record without its zip64 record")
+        if (directory_at + directory_size != directory_end or not 0 < total * _CENTRAL.size <= directory_size
+                or directory_size > MAX_DIRECTORY_BYTES):
+            raise NotPlain("a zip central directory that is not where, or the size, its end record says")
+        directory = os.pread(fd, directory_size, directory_at)
+        if len(directory) != directory_size:
+            raise NotPlain("a truncated zip central directory")
+        self.directory_at = directory_at
+        self.members = _central_directory(directory, total, directory_at)
+
+    def data_at(self, member: ZipMember) -> int:
+        """Where a record's data starts (after its local header's name and extra field, which holds torch's
+        alignment padding): one ``pread`` of the header and the name (a buffered file would read 8 KB per
+        record)."""
+        name = member.filename.encode("ascii")
+        head = os.pread(self.fd, _LOCAL.size + len(name), member.header_offset)
+        if len(head) < _LOCAL.size + len(name):
+            raise NotPlain("a truncated local header")
+        signature, _, flags, method, *_, name_len, extra_len = _LOCAL.unpack_from(head)
+        if (signature != b"PK\x03\x04" or flags not in _FLAGS or method or name_len != len(name)
+                or head[_LOCAL.size:] != name):
+            raise NotPlain(f"record '{member.filename}': its local header is not the central directory's")
+        data_at = member.header_offset + _LOCAL.size + name_len + extra_len
+        if data_at + member.file_size > self.directory_at:
+            raise NotPlain(f"record '{member.filename}' runs into the central directory")
+        return data_at
+
+    def read(self, member: ZipMember, most: int = 1024) -> bytes:
+        """A small record's bytes (at most ``most``)."""
+        if member.file_size > most:
+            raise NotPlain(f"record '{member.filename}' is larger than expected")
+        data = os.pread(self.fd, member.file_size, self.data_at(member))
+        if len(data) != member.file_size:
+            raise NotPlain(f"record '{member.filename}' is truncated")
+        return data
+
+
+def _central_directory(directory: bytes, total: int, directory_at: int) -> list[ZipMember]:
+    """The ``total`` entries of a central directory that holds exactly those, each as torch.save writes it:
+    stored (method 0), flag bits for a data descriptor and UTF-8 names only, no comment, disk 0, no attributes
+    (miniz takes an attribute bit for a directory, read as empty), compressed size = size, a name of 1 to 511
+    bytes (miniz cuts longer ones) of ASCII without NUL or a trailing slash, and no extra field but the zip64
+    one holding exactly the fields saturated to 0xFFFFFFFF (sizes, then the offset)."""
+    members: list[ZipMember] = []
+    at = 0
+    while at < len(directory):
+        if at + _CENTRAL.size > len(directory):
+            raise NotPlain("a truncated zip central directory entry")
+        (signature, _, _, flags, method, _, _, crc, packed, size, name_len, extra_len, comment_len, disk, _,
+         attributes, header_offset) = _CENTRAL.unpack_from(directory, at)
+        name = directory[at + _CENTRAL.size:at + _CENTRAL.size + name_len]
+        extra = directory[at + _CENTRAL.size + name_len:at + _CENTRAL.size + name_len + extra_len]
+        at += _CENTRAL.size + name_len + extra_len + comment_len
+        if method or flags & 0x1:
+            raise NotPlain(f"record '{name.decode('utf-8', 'replace')}' is compressed or encrypted")
+        if (signature != b"PK\x01\x02" or flags not in _FLAGS or comment_len or disk or attributes
+                or packed != size or not 0 < name_len < 512 or at > len(directory) or not name.isascii()
+                or b"\0" in name or name.endswith(b"/")):
+            raise NotPlain(f"zip central directory entry {len(members)} is not one torch.save writes")
+        saturated = [size == _SATURATED, size == _SATURATED, header_offset == _SATURATED]
+        if any(saturated):
+            count = sum(saturated)
+            if len(extra) != 4 + 8 * count or extra[:4] != struct.pack("<HH", 1, 8 * count):
+                raise NotPlain(f"zip central directory entry {len(members)}: not torch.save's zip64 field")
+            values = struct.unpack_from(f"<{count}Q", extra, 4)
+            if size == _SATURATED:
+                size, packed = values[:2]
+            if header_offset == _SATURATED:
+                header_offset = values[-1]
+            if packed != size or not all(_SATURATED <= value < _INT64 for value in values):
+                raise NotPlain(f"zip central directory entry {len(members)}: zip64 values torch.save would not write")
+        elif extra:
+            raise NotPlain(f"zip central directory entry {len(members)}: an extra field torch.save does not write")
+        if header_offset + _LOCAL.size + size > directory_at:
+            raise NotPlain(f"zip central directory entry {len(members)}: its record runs past the directory")
+        members.append(ZipMember(name.decode("ascii"), crc, size, header_offset))
+    if len(members) != total:
+        raise NotPlain("a zip central directory holding other than the entries its end record counts")
+    return members
 
 
 class _Unpickler:

@@ -14,6 +14,7 @@ import os
 import zipfile
 import zlib
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 from .errors import FormatError
@@ -41,18 +42,20 @@ def fingerprint(path: str | os.PathLike[str]) -> str:
     return f"{crc:08x}"
 
 
-def members_fingerprint(infos: list[zipfile.ZipInfo]) -> str:
-    """`fingerprint` of a zip archive from its members (as ``zipfile.ZipFile.infolist()`` gives them)."""
+def members_fingerprint(infos: Iterable[Any]) -> str:
+    """`fingerprint` of a zip archive from its members (as ``zipfile.ZipFile.infolist()`` gives them, or anything
+    with their ``filename``, ``CRC`` and ``file_size``)."""
     crc = 0
     for info in infos:
         crc = zlib.crc32(f"{info.filename}:{info.CRC:08x}:{info.file_size}\n".encode(), crc)
     return f"{crc:08x}"
 
 
-def source_identity(path: str | os.PathLike[str], *, members: list[zipfile.ZipInfo] | None = None) -> dict[str, Any]:
+def source_identity(path: str | os.PathLike[str], *, members: Iterable[Any] | None = None,
+                    stat: os.stat_result | None = None) -> dict[str, Any]:
     """What the conversion records about its source (``members``: its zip members, when the caller has read them
-    already, for the fingerprint)."""
-    st = os.stat(path)
+    already, for the fingerprint; ``stat``: the ``fstat`` of the descriptor it reads, where it has one)."""
+    st = stat if stat is not None else os.stat(path)
     digest = members_fingerprint(members) if members is not None else fingerprint(path)
     return {"name": Path(path).name, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "fingerprint": digest}
 

@@ -86,3 +86,25 @@ def raw_safetensors(header_json: bytes | str, data: bytes = b"") -> bytes:
     text = header_json.encode() if isinstance(header_json, str) else header_json
     text += b" " * (-len(text) % 8)
     return len(text).to_bytes(8, "little") + text + data
+
+
+def torch_archive(path: Any, records: dict[str, bytes]) -> Any:
+    """A zip archive at ``path`` written by torch's own writer (the one torch.save uses, so laid out exactly as
+    torch.save lays out its files) holding ``records`` in order, plus what the writer adds itself (``version``,
+    ``byteorder`` and ``.data/serialization_id`` where not given); the archive's folder is the file's stem."""
+    writer = torch._C.PyTorchFileWriter(str(path))
+    for name, data in records.items():
+        writer.write_record(name, data, len(data))
+    writer.write_end_of_file()
+    del writer  # closes the file
+    return path
+
+
+def archive_records(path: Any) -> dict[str, bytes]:
+    """The records of a torch.save file, by name within its folder, in order (without the serialization id,
+    which a writer makes anew)."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        return {info.filename.split("/", 1)[1]: archive.read(info) for info in archive.infolist()
+                if not info.filename.endswith("/.data/serialization_id")}
