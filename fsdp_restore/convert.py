@@ -421,6 +421,52 @@ def _same_file(src: str | os.PathLike[str], before: os.stat_result, now: os.stat
                                " complete")
 
 
+def _convert_zero_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, select: str, tag: str | None,
+                        on_unsupported: str, threads: int, max_shard_size: int | str | None, force: bool,
+                        progress: Callable[[int, int], None] | None) -> ConvertReport | None:
+    """`convert` of a ZeRO checkpoint's weights (``select``: ``model`` or within it) without torch (`zero_plain`):
+    the same file, byte for byte, as the conversion through torch writes (the tests compare them). None, with
+    nothing written, where `zero_plain` does not read the checkpoint exactly as that path would, or anything
+    before the write fails: the caller then converts through torch, which reports what is wrong."""
+    from .zero_plain import read_model
+
+    with PeakAnonMemory() as mem, Stopwatch() as clock, _gc_paused():
+        if not is_zero_checkpoint(src):
+            return None
+        check_destination(dst, force=force, sources=[src])  # first, as the torch path checks it
+        try:
+            read = read_model(src, tag)
+        except Exception:  # noqa: BLE001 - the torch path reads the checkpoint again and says what is wrong with it
+            return None
+        label = str(read.tag_dir)
+        try:
+            try:
+                obj = select_subtree({"model": read.model}, select, source=label)
+                if not _only_plain_values(obj):
+                    return None
+                with warnings.catch_warnings(record=True) as said:
+                    warnings.simplefilter("always")
+                    tensors, structure = flatten(obj, on_unsupported=on_unsupported)  # type: ignore[arg-type]
+                locations: dict[str, Any] = {}
+                for key, t in tensors.items():
+                    if t.storage.extents is None and not t.is_contiguous():
+                        return None  # a tensor whose elements are not one run of its storage: torch copies it
+                    extents = t.storage.extents
+                    locations[key] = extents if extents is not None else (t.storage.fd, t.file_offset)
+            except Exception:  # noqa: BLE001 - as above
+                return None
+            for warning in said:  # flatten's warnings (skipped values), said once, now that this path goes on
+                warnings.warn(warning.message, warning.category, stacklevel=3)
+            result, casts = write_converted(tensors, structure, dst, max_shard_size=max_shard_size, threads=threads,
+                                            force=force, progress=progress, locations=locations, share=Share(0, 1))
+        except EOFError as e:  # as the torch path says it
+            raise _truncated(label, e) from None
+        finally:
+            read.close()
+        del obj, tensors
+    return _report(label, dst, result, casts, seconds=clock.seconds, peak=mem.peak, threads=threads)
+
+
 def _only_plain_values(obj: Any) -> bool:
     """Whether ``obj`` holds nothing but what a plain checkpoint's pickle builds: dicts, lists, tuples, Python
     scalars and strings, and `plain_pt.StoredTensor`s (not a global the pickle named as a value, which torch
@@ -519,15 +565,22 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
 
     # alone, a bad argument raises as it is; with several ranks, as the same ConvertError on every rank
     thread_count, dtype = one.step("check the arguments", check_arguments)  # type: ignore[misc]
+    lane = (process_group is None and dtype is None and cast_include is None and not cast_exclude and not trust_pickle
+            and not allow_globals and "torch" not in sys.modules)  # a same-dtype copy, torch not imported yet
     if Path(src).is_dir():
+        if lane and select is not None and (select == "model" or select.startswith("model.")):
+            # the weights of a ZeRO checkpoint: without torch, where its files allow (zero_plain)
+            report = _convert_zero_plain(src, dst, select=select, tag=tag, on_unsupported=on_unsupported,
+                                         threads=thread_count or default_io_threads(), max_shard_size=max_shard_size,
+                                         force=force, progress=progress)
+            if report is not None:
+                return report
         return _convert_directory(src, dst, dtype=dtype, cast_include=cast_include, cast_exclude=cast_exclude,
                                   max_shard_size=max_shard_size, select=select, threads=thread_count, force=force,
                                   on_unsupported=on_unsupported, progress=progress, tag=tag, share=one,
                                   trust_pickle=trust_pickle, allow_globals=allow_globals)
     threads = thread_count or default_io_threads()
-    if (process_group is None and dtype is None and cast_include is None and not cast_exclude and not trust_pickle
-            and not allow_globals and "torch" not in sys.modules):
-        # a same-dtype copy in a process that has not imported torch: without it, where the file allows (plain_pt)
+    if lane:  # without torch, where the file allows (plain_pt)
         report = _convert_plain(src, dst, select=select, on_unsupported=on_unsupported, threads=threads,
                                 max_shard_size=max_shard_size, force=force, progress=progress)
         if report is not None:

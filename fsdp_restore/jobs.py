@@ -150,10 +150,11 @@ def write_converted(tensors: dict[str, torch.Tensor], structure: dict[str, Any],
                     max_shard_size: int | str | None = None, threads: int, force: bool = False,
                     progress: Callable[[int, int], None] | None = None,
                     metadata: dict[str, str] | None = None,
-                    locations: dict[str, tuple[int, int]] | None = None,
+                    locations: dict[str, tuple[int, int] | list[tuple[int, int, int]]] | None = None,
                     share: Share | None = None) -> tuple[Any, dict[str, tuple[str, str]]]:
     """Cast (policy above) and write ``tensors`` with ``structure``; ``readers[key]`` supplies the
-    elements of a tensor held in pieces (its ``tensors`` entry then only gives shape and dtype).
+    elements of a tensor held in pieces (its ``tensors`` entry then only gives shape and dtype); ``locations[key]``
+    says where a tensor's bytes lie in open files (`write.TensorJob.location`), read there when it is not cast.
     Returns the writer's result and ``{key: (dtype before, dtype after)}`` of every cast."""
     jobs = plan_jobs(tensors, structure, dtype, cast_include, cast_exclude)
     for job in jobs:

@@ -24,7 +24,6 @@ import struct
 import sys
 from collections import OrderedDict
 from math import prod
-from pathlib import Path
 from typing import Any, NamedTuple
 
 MAX_PICKLE_BYTES = 64 * 2**20  # a checkpoint's pickle is kilobytes to a few megabytes
@@ -67,10 +66,13 @@ _DTYPES = {storage: StoredDtype(name, st_name, size, floating) for storage, name
 
 
 class StoredStorage:
-    """One storage record of the archive: ``numel`` elements of ``dtype`` at byte ``data_at`` of the file."""
+    """One storage record of the archive: ``numel`` elements of ``dtype`` at byte ``data_at`` of the file open as
+    ``fd``; or, with ``extents``, a storage held in pieces (`zero_plain`): its bytes are those runs, in turn."""
 
-    def __init__(self, key: str, dtype: StoredDtype, numel: int, data_at: int) -> None:
+    def __init__(self, key: str, dtype: StoredDtype, numel: int, data_at: int, fd: int = -1,
+                 extents: list[tuple[int, int, int]] | None = None) -> None:
         self.key, self.dtype, self.numel, self.data_at = key, dtype, numel, data_at
+        self.fd, self.extents = fd, extents
 
 
 class StoredTensor:
@@ -131,6 +133,40 @@ _GLOBALS: dict[tuple[str, str], Any] = {("torch._utils", "_rebuild_tensor_v2"): 
 _GLOBALS.update({("torch", storage): dtype for storage, dtype in _DTYPES.items()})
 
 
+class StandIn:
+    """An object of one of the classes DeepSpeed's pickles name (`zero.STAND_INS`), as the conversion's torch path
+    builds it: its class name and the attributes its pickle set, nothing run."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.state = name, {}
+
+
+class StoredSize(tuple):
+    """A ``torch.Size`` as the pickle gives it: its sizes, of a type of its own (nothing takes it for a tuple)."""
+
+
+class StoredZeroStage(int):
+    """DeepSpeed's ``ZeroStageEnum`` as the torch path's stand-in builds it: the stage, an int of a type of its own."""
+
+
+class _StandInClass(_Global):
+    """A DeepSpeed class the torch path takes as a stand-in whose instances only restore their attributes."""
+
+
+_SIZE, _TENSOR, _REBUILD_FROM_TYPE, _ZERO_STAGE = (_Global("torch.Size"), _Global("torch.Tensor"),
+                                                   _Global("torch._tensor._rebuild_from_type_v2"),
+                                                   _Global("deepspeed.runtime.zero.config.ZeroStageEnum"))
+# what the conversion's torch path adds to torch's defaults for a ZeRO directory's files (`zero.STAND_INS`), and the
+# defaults those files use beyond a plain checkpoint's
+_DEEPSPEED_GLOBALS: dict[tuple[str, str], Any] = {
+    **_GLOBALS, ("torch", "Size"): _SIZE, ("torch", "Tensor"): _TENSOR,
+    ("torch._tensor", "_rebuild_from_type_v2"): _REBUILD_FROM_TYPE,
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"): _ZERO_STAGE,
+    **{(module, name): _StandInClass(f"{module}.{name}") for module, name in [
+        ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"), ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+        ("deepspeed.utils.tensor_fragment", "fragment_address")]}}
+
+
 def load_plain(path: str | os.PathLike[str]) -> Any:
     """What ``torch.load(path, weights_only=True, map_location="cpu")`` returns for a plain checkpoint, tensors as
     `StoredTensor`s; `NotPlain` for any file it does not read exactly as torch would (load that one with torch)."""
@@ -141,10 +177,15 @@ def load_plain(path: str | os.PathLike[str]) -> Any:
         os.close(fd)
 
 
-def load_plain_archive(fd: int) -> tuple[Any, list[ZipMember]]:
+def load_plain_archive(fd: int, *, deepspeed: bool = False) -> tuple[Any, list[ZipMember]]:
     """`load_plain` of the file open as ``fd`` (read with ``pread`` only: the caller reads the tensors' bytes
     through the same descriptor, so from the same file, whatever its path names meanwhile), and the archive's
-    members as its central directory lists them (for its fingerprint, `provenance.members_fingerprint`)."""
+    members as its central directory lists them (for its fingerprint, `provenance.members_fingerprint`).
+
+    ``deepspeed``: a file of a DeepSpeed ZeRO checkpoint, read as the conversion's torch path reads one (`zero`):
+    also ``torch.Size`` (`StoredSize`), tensors rebuilt through ``_rebuild_from_type_v2`` as plain tensors (with
+    no attribute but DeepSpeed's ``ds_id``), ``ZeroStageEnum`` (`StoredZeroStage`) and DeepSpeed's loss scalers
+    and fragment addresses (`StandIn`s)."""
     if sys.byteorder != "little":
         raise NotPlain("a big-endian host")
     archive = _Archive(fd)
@@ -183,10 +224,10 @@ def load_plain_archive(fd: int) -> tuple[Any, list[ZipMember]]:
             raise NotPlain(f"no record for storage '{key}'")
         if numel * dtype.itemsize > member.file_size:
             raise NotPlain(f"storage '{key}' is shorter than the pickle says")
-        return StoredStorage(key, dtype, numel, archive.data_at(member))
+        return StoredStorage(key, dtype, numel, archive.data_at(member), fd)
 
     try:
-        return _Unpickler(data, storage).load(), members
+        return _Unpickler(data, storage, _DEEPSPEED_GLOBALS if deepspeed else _GLOBALS).load(), members
     except NotPlain:
         raise
     except Exception as e:  # noqa: BLE001 - whatever torch's unpickler would say of it, it says it
@@ -321,9 +362,10 @@ class _Unpickler:
     """The opcodes ``torch.save`` writes for a plain checkpoint, each as torch's weights-only unpickler runs it
     (torch/_weights_only_unpickler.py), on `StoredTensor`s; every other opcode is `NotPlain`."""
 
-    def __init__(self, data: bytes, storage: Any) -> None:
+    def __init__(self, data: bytes, storage: Any, known: dict[tuple[str, str], Any]) -> None:
         self.data = data
         self.storage = storage
+        self.known = known
         self.storages: dict[str, StoredStorage] = {}
         self.memo: dict[int, Any] = {}
 
@@ -430,15 +472,25 @@ class _Unpickler:
                     raise NotPlain("a truncated GLOBAL")
                 module, name = data[pos:first].decode("utf-8"), data[first + 1:second].decode("utf-8")
                 pos = second + 1
-                found = _GLOBALS.get((module, name))
+                found = self.known.get((module, name))
                 if found is None:
                     raise NotPlain(f"global {module}.{name}")
                 stack.append(found)
             elif op == 0x62:  # BUILD: torch's rule for an OrderedDict (a state_dict's _metadata): attributes only
                 state = stack.pop()
-                if type(stack[-1]) is not OrderedDict or type(state) is not dict:
-                    raise NotPlain("BUILD of anything but an OrderedDict's attributes")
-                stack[-1].__dict__.update(state)
+                if type(state) is not dict or not all(type(k) is str for k in state):
+                    raise NotPlain("BUILD with other than a dict of attributes")
+                if type(stack[-1]) is OrderedDict:
+                    stack[-1].__dict__.update(state)
+                elif type(stack[-1]) is StandIn:  # the stand-in's __setstate__: its attributes, nothing run
+                    stack[-1].state.update(state)
+                else:
+                    raise NotPlain("BUILD of anything but an OrderedDict's or a stand-in's attributes")
+            elif op == 0x81:  # NEWOBJ: a stand-in class's object, made without arguments (what DeepSpeed pickles)
+                args, cls = stack.pop(), stack.pop()
+                if type(cls) is not _StandInClass or args != ():
+                    raise NotPlain("NEWOBJ of anything but a stand-in class, without arguments")
+                stack.append(StandIn(cls.name))
             elif op == 0x80:  # PROTO
                 pos += 1
             elif op == 0x2E:  # STOP
@@ -489,6 +541,17 @@ class _Unpickler:
             if requires_grad and not data.dtype.floating:
                 raise NotPlain("requires_grad on a parameter that is not floating (torch refuses it)")
             return StoredTensor(data.storage, data.offset, data.shape, data.strides, requires_grad, param=True)
+        if func is _SIZE and len(args) == 1 and type(args[0]) is tuple and all(map(_index, args[0])):
+            return StoredSize(args[0])
+        if func is _ZERO_STAGE and len(args) == 1 and type(args[0]) is int:
+            return StoredZeroStage(args[0])
+        if func is _REBUILD_FROM_TYPE and len(args) == 4:
+            rebuild, new_type, rebuild_args, state = args
+            # a plain tensor (no subclass), with at most DeepSpeed's id as an attribute (torch sets it on the tensor)
+            if (rebuild is not _REBUILD_TENSOR or new_type is not _TENSOR or type(rebuild_args) is not tuple
+                    or type(state) is not dict or not set(state) <= {"ds_id"}):
+                raise NotPlain("a tensor rebuilt as a subclass, or with attributes")
+            return self.reduce(_REBUILD_TENSOR, rebuild_args)
         raise NotPlain("a call torch.save does not write for a plain checkpoint")
 
 

@@ -81,7 +81,9 @@ class TensorJob:
     source: torch.Tensor
     dtype: torch.dtype
     reader: Reader | None = None
-    location: tuple[int, int] | None = None  # (open file, offset) holding ``source``'s bytes, when it is mapped
+    # where ``source``'s bytes lie: (open file, offset), or the (open file, offset, length) runs that hold them in
+    # turn (a tensor held in pieces by several files: `zero_plain`)
+    location: tuple[int, int] | list[tuple[int, int, int]] | None = None
 
     @functools.cached_property
     def nbytes(self) -> int:  # asked for several times per tensor while a file is laid out
@@ -300,8 +302,7 @@ class _FileWriter:
         for piece in block.pieces:
             job = piece.job
             if job.location is not None and job.dtype == job.source.dtype:
-                pread_exactly(job.location[0], memoryview(memory)[piece.at:piece.at + piece.nbytes],
-                              job.location[1] + piece.first)
+                _read_location(job.location, memoryview(memory)[piece.at:piece.at + piece.nbytes], piece.first)
             else:
                 overflowed, rounded = _copy_piece(piece, memory)
                 if overflowed or rounded:
@@ -379,6 +380,24 @@ class _FileWriter:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def _read_location(location: tuple[int, int] | list[tuple[int, int, int]], out: memoryview, first: int) -> None:
+    """Fill ``out`` with the bytes from ``first`` on of a tensor that lies at ``location`` (`TensorJob.location`)."""
+    if type(location) is tuple:  # one run
+        pread_exactly(location[0], out, location[1] + first)
+        return
+    at = 0
+    for fd, offset, nbytes in location:  # type: ignore[misc]
+        if first >= nbytes:
+            first -= nbytes
+            continue
+        n = min(nbytes - first, len(out) - at)
+        pread_exactly(fd, out[at:at + n], offset + first)
+        at, first = at + n, 0
+        if at == len(out):
+            return
+    raise EOFError(f"the tensor's runs hold {at} of the {len(out)} bytes asked for")
 
 
 def _copy_piece(piece: _Piece, memory: mmap.mmap) -> tuple[int, bool]:

@@ -26,11 +26,7 @@ masters follow Adam's ``exp_avg_sq`` in the file, so a weights-only conversion a
 megabytes (up to 8 MB per rank file: up to 1.35x the masters' bytes at 12M parameters, 1.06x at 80M). The
 few tensors stored whole (buffers, frozen parameters of stages 1/2) are still copied from the mapping.
 
-Layouts (DeepSpeed 0.19): stages 1/2 concatenate each parameter group's parameters (in
-``param_shapes`` order, plus ``param_alignment_paddings``) into one flat vector, cut into one
-contiguous partition per rank (``single_partition_of_fp32_groups``, the optimizer state alike);
-stage 3 gives each parameter ceil(numel / world) elements on every rank (zero padded), one after
-the other in each rank's ``fp32_flat_groups``.
+Layouts: `fsdp_restore.zero_layout` (shared with `fsdp_restore.zero_plain`, which reads the weights without torch).
 """
 
 from __future__ import annotations
@@ -38,7 +34,6 @@ from __future__ import annotations
 import math
 import os
 import pickle
-import re
 import threading
 import types
 import zipfile
@@ -53,7 +48,8 @@ from .errors import FormatError, first_line, refused_global
 from .format import SNIFF_BYTES, is_legacy_torch_save
 from .mapped import MappedFile, pread_exactly
 from .write import HeldInPieces, Reader, scratch, stand_in
-from .zero_files import STAGE_1_2_MASTERS, STAGE_3_MASTERS, is_zero_checkpoint, optim_files, resolve_tag
+from .zero_layout import INTERNAL, model_dict, stage_1_2_offsets, stage_3_spans
+from .zero_files import MP_RANK, STAGE_1_2_MASTERS, STAGE_3_MASTERS, is_zero_checkpoint, optim_files, resolve_tag
 
 __all__ = ["ZeroLayout", "is_zero_checkpoint", "read_zero", "resolve_tag"]
 
@@ -88,12 +84,6 @@ LossScaler.__module__ = DynamicLossScaler.__module__ = "deepspeed.runtime.fp16.l
 fragment_address.__module__ = "deepspeed.utils.tensor_fragment"
 ZeroStageEnum.__module__ = "deepspeed.runtime.zero.config"
 STAND_INS = [LossScaler, DynamicLossScaler, fragment_address, ZeroStageEnum]
-
-_INTERNAL = {"module", "optimizer", "param_shapes", "frozen_param_shapes", "frozen_param_fragments", "shared_params",
-             "buffer_names"}
-
-
-_MP_RANK = re.compile(r"(?:^|_)mp_rank_(\d+)_.*\.pt$")  # a file of model-parallel rank N (data-parallel runs: 0)
 
 AHEAD_BYTES = 4 * 1024 * 1024  # what a thread asks the kernel to read beyond its read, inside the same part
 
@@ -303,7 +293,7 @@ def read_zero(path: str | os.PathLike[str], *, tag: str | None = None, safe_glob
     holds numpy RNG states, argparse Namespaces); ``trust_pickle``: run the pickles instead."""
     tag_dir = resolve_tag(path, tag)
     model_parallel = sorted(p.name for p in tag_dir.iterdir()
-                            if (m := _MP_RANK.search(p.name)) is not None and int(m.group(1)) != 0)
+                            if (m := MP_RANK.search(p.name)) is not None and int(m.group(1)) != 0)
     if model_parallel:
         raise FormatError(tag_dir, f"holds files of model-parallel ranks other than 0 ({', '.join(model_parallel[:3])}"
                           f"{', ...' if len(model_parallel) > 3 else ''}): a tensor- or pipeline-parallel ZeRO"
@@ -347,12 +337,8 @@ def read_zero(path: str | os.PathLike[str], *, tag: str | None = None, safe_glob
     else:
         obj, readers, trainable = _stage_3(head, optims, optim_sources)
     model, frozen = _model_dict(head, models, model_sources, trainable, stage, readers)
-    obj = {"model": model, "optim": obj, **{k: v for k, v in head.items() if k not in _INTERNAL}}
+    obj = {"model": model, "optim": obj, **{k: v for k, v in head.items() if k not in INTERNAL}}
     return obj, readers, ZeroLayout(tag_dir, stage, world, dtype, len(trainable), frozen)
-
-
-def _shape(value: Any) -> tuple[int, ...]:
-    return tuple(int(d) for d in value)
 
 
 def _group_optimizer_state(optim: dict[str, Any], stage: int) -> dict[str, Any]:
@@ -402,15 +388,13 @@ def _stages_1_2(head: dict[str, Any], optims: list[dict[str, Any]], files: list[
     offsets: dict[tuple[int, str], int] = {}
     weights = [[_Pieces([t], f) for t in o[STAGE_1_2_MASTERS]] for o, f in zip(optims, files)]
     paddings = optims[0].get("param_alignment_paddings")
-    for g, group_shapes in enumerate(head["param_shapes"]):
-        group_names, at = [], 0
+    for g, (entries, at) in enumerate(stage_1_2_offsets(head["param_shapes"], paddings)):
+        group_names = []
         ranks = [w[g] for w in weights]
-        for i, (name, shape) in enumerate(group_shapes.items()):
-            shape = _shape(shape)
-            shapes[name], offsets[(g, name)] = shape, at
-            trainable[name] = stand_in(readers, shape, ranks[0].parts[0].dtype, _contiguous_reader(ranks, at))
+        for name, shape, first in entries:
+            shapes[name], offsets[(g, name)] = shape, first
+            trainable[name] = stand_in(readers, shape, ranks[0].parts[0].dtype, _contiguous_reader(ranks, first))
             group_names.append(name)
-            at += math.prod(shape) + (int(paddings[g][i]) if paddings else 0)
         total = sum(r.numel for r in ranks)
         if at > total:
             raise FormatError("<optimizer files>", f"param group {g}: the parameters need {at} elements but the ranks'"
@@ -442,17 +426,14 @@ def _stage_3(head: dict[str, Any], optims: list[dict[str, Any]], files: list[_Fi
     names: list[list[str]] = []
     shapes: dict[str, tuple[int, ...]] = {}
     spans: dict[str, tuple[int, int]] = {}  # name -> (offset in every rank's flat vector, elements per rank)
-    at = 0
-    for group_shapes in head["param_shapes"]:
+    groups, at = stage_3_spans(head["param_shapes"], world)
+    for entries in groups:
         group_names = []
-        for name, shape in group_shapes.items():
-            shape = _shape(shape)
-            per_rank = math.ceil(math.prod(shape) / world)
-            shapes[name], spans[name] = shape, (at, per_rank)
+        for name, shape, first, per_rank in entries:
+            shapes[name], spans[name] = shape, (first, per_rank)
             trainable[name] = stand_in(readers, shape, weights[0].parts[0].dtype,
-                                           _striped_reader(weights, at, per_rank))
+                                       _striped_reader(weights, first, per_rank))
             group_names.append(name)
-            at += per_rank
         names.append(group_names)
     if at > weights[0].numel:
         raise FormatError("<optimizer files>", f"the parameters need {at} elements per rank, the flat groups hold"
@@ -502,34 +483,11 @@ def _param_groups_of_sub_groups(sub_groups: list[list[str]], base: dict[str, Any
 
 def _model_dict(head: dict[str, Any], models: list[dict[str, Any]], files: list[_File],
                 trainable: dict[str, torch.Tensor], stage: int, readers: dict[int, Any]) -> tuple[dict[str, Any], int]:
-    """The model's state dict in the module's own order: trainable parameters (fp32 masters), frozen ones
-    (from the module, or their fragments), buffers, and tied names as the very same tensor."""
-    module = head["module"]
-    buffers = set(head.get("buffer_names") or [])
-    shared = head.get("shared_params") or {}
-    frozen_shapes = head.get("frozen_param_shapes") or {}
-    out: dict[str, Any] = {}
-    frozen = 0
-    for name, value in module.items():
-        if name in shared:
-            continue
-        if name in trainable:
-            out[name] = trainable[name]
-        elif name in buffers:
-            out[name] = value
-        elif name in frozen_shapes and stage == 3:
-            shape = _shape(frozen_shapes[name])
-            per_rank = math.ceil(math.prod(shape) / len(models))
-            ranks = [_Pieces([m["frozen_param_fragments"][name]], f) for m, f in zip(models, files)]
-            out[name] = stand_in(readers, shape, ranks[0].parts[0].dtype, _striped_reader(ranks, 0, per_rank))
-            frozen += 1
-        elif name in frozen_shapes:
-            out[name] = head["frozen_param_fragments"][name]
-            frozen += 1
-        else:  # stage 1 records no frozen parameters: their values are the module's own
-            out[name] = value
-            frozen += 1
-    for alias, owner in shared.items():
-        if owner in out:
-            out[alias] = out[owner]
-    return {k: out[k] for k in module if k in out}, frozen
+    """`zero_layout.model_dict`, stage 3's frozen parameters read from every rank's fragment."""
+
+    def striped_frozen(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        per_rank = math.ceil(math.prod(shape) / len(models))
+        ranks = [_Pieces([m["frozen_param_fragments"][name]], f) for m, f in zip(models, files)]
+        return stand_in(readers, shape, ranks[0].parts[0].dtype, _striped_reader(ranks, 0, per_rank))
+
+    return model_dict(head, trainable, stage, striped_frozen)

@@ -12,6 +12,7 @@ from .errors import FormatError
 # Where each rank's fp32 master weights lie in its optimizer file's ``optimizer_state_dict`` (DeepSpeed's names):
 STAGE_1_2_MASTERS = "single_partition_of_fp32_groups"  # one flat partition per parameter group
 STAGE_3_MASTERS = "fp32_flat_groups"  # one flat group per parameter group
+MP_RANK = re.compile(r"(?:^|_)mp_rank_(\d+)_.*\.pt$")  # a file of model-parallel rank N (data-parallel runs: 0)
 
 
 def optim_files(tag_dir: Path) -> list[Path]:

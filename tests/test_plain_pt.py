@@ -366,15 +366,23 @@ def test_a_list_that_holds_itself_is_declined_at_once(tmp_path):
     assert not (tmp_path / "out.safetensors").exists()
 
 
-def _declined_or_as_torch_reads(path) -> str | None:
+def _declined_or_as_torch_reads(path, deepspeed: bool = False) -> str | None:
     """None where the lane declines ``path`` or reads what torch.load reads from it (every tensor the
-    conversion would copy, at the bytes torch.load gives it); else what differs."""
+    conversion would copy, at the bytes torch.load gives it); else what differs. ``deepspeed``: a file of a ZeRO
+    checkpoint, against torch.load with the stand-ins the conversion's torch path allows (`zero.STAND_INS`)."""
+    from fsdp_restore.plain_pt import StandIn, StoredSize, StoredZeroStage, load_plain_archive
+    from fsdp_restore.zero import STAND_INS
+
+    fd = os.open(path, os.O_RDONLY)
     try:
-        ours = load_plain(path)
+        ours = load_plain_archive(fd, deepspeed=deepspeed)[0]
     except NotPlain:
         return None
+    finally:
+        os.close(fd)
     try:
-        theirs = torch.load(path, weights_only=True, map_location="cpu")
+        with torch.serialization.safe_globals(STAND_INS if deepspeed else []):
+            theirs = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as e:  # noqa: BLE001 - any refusal of torch's
         return f"the lane reads a file torch.load refuses ({type(e).__name__}: {e})"
     data = path.read_bytes()
@@ -388,6 +396,13 @@ def _declined_or_as_torch_reads(path) -> str | None:
             if (str(a.dtype), a.shape) != (str(b.dtype), tuple(b.shape)) or \
                     data[a.file_offset:a.file_offset + len(raw)] != raw:
                 return f"{where}: the lane's tensor is not torch.load's"
+        elif type(a) is StandIn:  # torch's path: the stand-in class, its attributes set
+            if f"{type(b).__module__}.{type(b).__name__}" != a.name or list(a.state) != list(vars(b)):
+                return f"{where}: {a.name} with {list(a.state)} is not {type(b)} with {list(vars(b))}"
+            stack += [(a.state[k], vars(b)[k], f"{where}.{k}") for k in a.state]
+        elif type(a) is StoredSize or type(a) is StoredZeroStage:
+            if type(b).__name__ != {StoredSize: "Size", StoredZeroStage: "ZeroStageEnum"}[type(a)] or a != b:
+                return f"{where}: {a!r} is not {b!r}"
         elif isinstance(a, dict):
             if not isinstance(b, dict) or list(a) != list(b):
                 return f"{where}: keys"
@@ -489,3 +504,65 @@ def test_the_torch_path_refuses_a_source_renamed_over_while_it_is_read(tmp_path,
     with pytest.raises(FormatError, match="replaced or rewritten while it was being read"):
         convert(tmp_path / "src.pt", tmp_path / "out.safetensors")
     assert not (tmp_path / "out.safetensors").exists()
+
+
+def _deepspeed_like(path) -> None:
+    """A file as DeepSpeed saves a ZeRO rank's: its stage enum, loss scaler, ``torch.Size`` shapes and flat groups
+    that carry its ``ds_id`` (pickled through ``_rebuild_from_type_v2``); DeepSpeed's own classes."""
+    deepspeed = pytest.importorskip("deepspeed")  # noqa: F841 - its classes, pickled as DeepSpeed pickles them
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    flat = torch.arange(12.0)
+    flat.ds_id = "0_141"
+    torch.save({"optimizer_state_dict": {"zero_stage": ZeroStageEnum(3), "loss_scaler": LossScaler(2.0),
+                                         "fp32_flat_groups": [flat], "partition_count": 2},
+                "param_shapes": [OrderedDict(w=torch.Size([3, 4]))], "ds_version": "0.19.8"}, path)
+
+
+def test_a_deepspeed_file_is_read_as_the_torch_path_reads_it(tmp_path):
+    _deepspeed_like(tmp_path / "rank.pt")
+    assert _declined_or_as_torch_reads(tmp_path / "rank.pt", deepspeed=True) is None
+    fd = os.open(tmp_path / "rank.pt", os.O_RDONLY)
+    try:
+        read = plain_pt_module.load_plain_archive(fd, deepspeed=True)[0]
+        with pytest.raises(NotPlain, match="global deepspeed"):  # a plain checkpoint's lane takes none of it
+            plain_pt_module.load_plain_archive(fd)
+    finally:
+        os.close(fd)
+    assert read["optimizer_state_dict"]["loss_scaler"].state == {"cur_scale": 2.0, "dynamic": False}
+    assert not convert_module._only_plain_values(read)  # not flattened as tuples and ints
+
+
+@pytest.mark.parametrize("what,old,new", [
+    ("a tensor rebuilt as another type", b"ctorch\nTensor\n", b"ctorch\nSize\n"),
+    ("an attribute other than ds_id", b"ds_id", b"ds_xx"),
+    ("a stand-in made with arguments", b")\x81", b"N\x85\x81"),
+])
+def test_what_the_deepspeed_reader_declines(tmp_path, what, old, new):
+    _deepspeed_like(tmp_path / "base.pt")
+    data = archive_records(tmp_path / "base.pt")["data.pkl"]
+    assert old in data, what
+    src = torch_archive(tmp_path / "src.pt", {**archive_records(tmp_path / "base.pt"),
+                                              "data.pkl": data.replace(old, new, 1)})
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        with pytest.raises(NotPlain):
+            plain_pt_module.load_plain_archive(fd, deepspeed=True)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.slow
+def test_every_bit_flip_of_a_deepspeed_file_is_declined_or_read_as_the_torch_path_reads_it(tmp_path):
+    _deepspeed_like(tmp_path / "base.pt")
+    base = (tmp_path / "base.pt").read_bytes()
+    path, wrong = tmp_path / "flipped.pt", []
+    for at in range(len(base)):
+        for bit in range(8):
+            flipped = bytearray(base)
+            flipped[at] ^= 1 << bit
+            path.write_bytes(flipped)
+            if (why := _declined_or_as_torch_reads(path, deepspeed=True)) is not None:
+                wrong.append((at, bit, why))
+    assert not wrong, f"{len(wrong)} flips, e.g. {wrong[:3]}"

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -377,18 +378,22 @@ def wide_root(tmp_path_factory):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="posix_fadvise and mincore: Linux")
+@pytest.mark.parametrize("how", ["through torch", "without torch"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_select_model_reads_the_masters_and_not_the_moments(wide_root, tmp_path, stage):
+def test_select_model_reads_the_masters_and_not_the_moments(wide_root, tmp_path, stage, how):
     """--select model needs the fp32 masters, a third of each optimizer file: Adam's moments, stored just
     before them, stay on disk (they were read when the masters were copied out of the mapping: the kernel's
-    read-around of each page fault pulled in the end of exp_avg_sq)."""
+    read-around of each page fault pulled in the end of exp_avg_sq); and so without torch (`zero_plain`)."""
     tag = wide_root / f"wide-z{stage}" / "global_step1"
     files = sorted(tag.glob("*.pt"))
     for f in files:
         _evict(f)
     if any(any(_resident_pages(f)) for f in files):
         pytest.skip("this file system keeps the pages cached despite POSIX_FADV_DONTNEED")
-    fsdp_restore.convert(tag.parent, tmp_path / "m.safetensors", select="model")
+    if how == "through torch":
+        fsdp_restore.convert(tag.parent, tmp_path / "m.safetensors", select="model")
+    else:
+        assert _lane(tag.parent, tmp_path / "m.safetensors") is not None, "declined"
     resident = {f: _resident_pages(f) for f in files}
     optim_files = [f for f in files if f.name.endswith("optim_states.pt")]
     assert len(optim_files) == 2
@@ -446,3 +451,86 @@ def test_the_cli_reads_ahead_what_the_conversion_reads(wide_root, stage, select)
             for lo, hi in where[f]["moments"]:
                 inner = pages[-(-lo // PAGE):hi // PAGE]
                 assert not any(inner[1:-1]), f"{f.name}: {sum(inner)} pages of Adam's moments read ahead"
+
+
+def _lane(src, dst, select="model", tag=None, max_shard_size=None):
+    """The conversion of a ZeRO checkpoint's weights without torch (`zero_plain`), as the CLI runs it."""
+    import importlib
+
+    convert_module = importlib.import_module("fsdp_restore.convert")
+    return convert_module._convert_zero_plain(src, dst, select=select, tag=tag, on_unsupported="error", threads=3,
+                                              max_shard_size=max_shard_size, force=False, progress=None)
+
+
+@pytest.mark.parametrize("world_size,stage,dtype", _params(2) + _params(3))
+def test_the_weights_without_torch_are_the_torch_paths_file(zero_root, tmp_path, world_size, stage, dtype):
+    """`--select model` read without torch (the ZeRO layout as byte runs of the rank files, written by pread): the
+    torch path's file byte for byte, for every stage, both dtypes, even and uneven partitions, in shards too."""
+    src = _checkpoint(zero_root, world_size, stage, dtype)
+    assert _lane(src, tmp_path / "lane.safetensors") is not None, "declined"
+    fsdp_restore.convert(src, tmp_path / "torch.safetensors", select="model")
+    assert (tmp_path / "lane.safetensors").read_bytes() == (tmp_path / "torch.safetensors").read_bytes()
+    oracle = _oracles(src, world_size)[0]  # and the weights are DeepSpeed's own
+    back = fsdp_restore.load(tmp_path / "lane.safetensors")
+    assert all(torch.equal(back[name], w) for name, w in oracle["weights"].items())
+    lane = _lane(src, tmp_path / "lane-shards", max_shard_size=300)
+    theirs = fsdp_restore.convert(src, tmp_path / "torch-shards", select="model", max_shard_size=300)
+    assert len(lane.files) == len(theirs.files) > 2
+    for a, b in zip(lane.files, theirs.files):  # the same but for each set's own id (and the header's crc32)
+        ours, expected = Path(a).read_bytes(), Path(b).read_bytes()
+        for field in (b'"fsdp_restore.set_id":"', b'"fsdp_restore.header_crc32":"'):
+            at, their_at = ours.index(field) + len(field), expected.index(field) + len(field)
+            end = ours.index(b'"', at)
+            ours = ours[:at] + expected[their_at:their_at + end - at] + ours[end:]
+        assert Path(a).name == Path(b).name and ours == expected, Path(a).name
+
+
+def test_the_weights_of_stage_3_sub_groups_without_torch(zero_root, tmp_path):
+    """Several flat groups per rank (sub_group_size): a parameter's bytes in each rank are found across them."""
+    from zero_checkpoints import generate
+
+    src = zero_root / "z3-fp32-ws2-sub40"
+    if not src.exists():
+        generate(zero_root, 2, [(3, "fp32")], sub_group_size=40)
+    assert _lane(src, tmp_path / "lane.safetensors") is not None, "declined"
+    fsdp_restore.convert(src, tmp_path / "torch.safetensors", select="model")
+    assert (tmp_path / "lane.safetensors").read_bytes() == (tmp_path / "torch.safetensors").read_bytes()
+
+
+def test_the_cli_converts_the_weights_without_importing_torch(zero_root, tmp_path):
+    src = _checkpoint(zero_root, 3, 3, "bf16")
+    code = ("import sys; from fsdp_restore.cli import main; rc = main(['convert', sys.argv[1], sys.argv[2],"
+            " '--select', 'model']); assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)")
+    run = subprocess.run([sys.executable, "-c", code, str(src), str(tmp_path / "cli.safetensors")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    fsdp_restore.convert(src, tmp_path / "torch.safetensors", select="model")
+    assert (tmp_path / "cli.safetensors").read_bytes() == (tmp_path / "torch.safetensors").read_bytes()
+
+
+def test_what_the_torch_path_must_decide_is_left_to_it(zero_root, tmp_path):
+    """The lane declines, writing nothing, what torch's path refuses or builds otherwise: a run's own classes in its
+    state, a rank file of another run, model-parallel files, a truncated rank file; the torch path then decides."""
+    import argparse
+    import shutil
+
+    src = _checkpoint(zero_root, 2, 2, "fp32")
+    cases = {}
+    ck = cases["a run's own class"] = tmp_path / "own"
+    shutil.copytree(src, ck)
+    states = ck / "global_step2" / "mp_rank_00_model_states.pt"
+    head = torch.load(states, weights_only=False)
+    head["args"] = argparse.Namespace(lr=0.1)
+    torch.save(head, states)
+    cases["another run's rank file"] = _mixed_tag(zero_root, tmp_path, 3, 2, 2, "fp32")
+    ck = cases["model-parallel files"] = tmp_path / "mp"
+    shutil.copytree(src, ck)
+    for f in list((ck / "global_step2").glob("*mp_rank_00*")):
+        shutil.copy(f, f.with_name(f.name.replace("mp_rank_00", "mp_rank_01")))
+    ck = cases["a truncated rank file"] = tmp_path / "cut"
+    shutil.copytree(src, ck)
+    optim_file = next((ck / "global_step2").glob("*rank_1_*optim_states.pt"))
+    os.truncate(optim_file, optim_file.stat().st_size - 300)  # its data intact, the zip directory cut
+    for what, ck in cases.items():
+        assert _lane(ck, tmp_path / "x.safetensors") is None, what
+        assert not (tmp_path / "x.safetensors").exists(), what

@@ -1,0 +1,89 @@
+"""Where a DeepSpeed ZeRO checkpoint keeps each parameter, as arithmetic on its model states: shared by the reader
+that loads the files with torch (`fsdp_restore.zero`) and the one that does not (`fsdp_restore.zero_plain`), so
+that both assemble every tensor from the same elements. Imports nothing heavy.
+
+Layouts (DeepSpeed 0.19): stages 1/2 concatenate each parameter group's parameters (in ``param_shapes`` order,
+plus ``param_alignment_paddings``) into one flat vector, cut into one contiguous partition per rank; stage 3 gives
+each parameter ceil(numel / world) elements on every rank (zero padded), one after the other in each rank's flat
+groups, and stores its frozen parameters the same way, each from element 0 of its own fragment.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+Shape = tuple[int, ...]
+
+# the model states' entries the consolidated checkpoint puts under ``model`` (or drops), not beside it
+INTERNAL = {"module", "optimizer", "param_shapes", "frozen_param_shapes", "frozen_param_fragments", "shared_params",
+            "buffer_names"}
+
+
+def shape_of(value: Any) -> Shape:
+    """A ``param_shapes`` entry (a ``torch.Size``, or its sizes) as a tuple of ints."""
+    return tuple(int(d) for d in value)
+
+
+def stage_1_2_offsets(param_shapes: list[dict[str, Any]], paddings: list[list[int]] | None
+                      ) -> list[tuple[list[tuple[str, Shape, int]], int]]:
+    """Per parameter group: each parameter's name, shape and first element in the group's flat vector (the
+    ranks' partitions one after the other), and the elements the group needs."""
+    groups = []
+    for g, group_shapes in enumerate(param_shapes):
+        entries, at = [], 0
+        for i, (name, shape) in enumerate(group_shapes.items()):
+            shape = shape_of(shape)
+            entries.append((name, shape, at))
+            at += math.prod(shape) + (int(paddings[g][i]) if paddings else 0)
+        groups.append((entries, at))
+    return groups
+
+
+def stage_3_spans(param_shapes: list[dict[str, Any]], world: int) -> tuple[list[list[tuple[str, Shape, int, int]]], int]:
+    """Per flat sub-group: each parameter's name, shape, first element in every rank's flat vector and elements per
+    rank; and the elements per rank they need."""
+    groups, at = [], 0
+    for group_shapes in param_shapes:
+        entries = []
+        for name, shape in group_shapes.items():
+            shape = shape_of(shape)
+            per_rank = math.ceil(math.prod(shape) / world)
+            entries.append((name, shape, at, per_rank))
+            at += per_rank
+        groups.append(entries)
+    return groups, at
+
+
+def model_dict(head: dict[str, Any], trainable: dict[str, Any], stage: int,
+               striped_frozen: Callable[[str, Shape], Any]) -> tuple[dict[str, Any], int]:
+    """The model's state dict in the module's own order: trainable parameters (``trainable``: the fp32 masters),
+    frozen ones (from the module, or their fragments: ``striped_frozen(name, shape)`` assembles stage 3's from every
+    rank's), buffers, and tied names as the very same object; and how many parameters are frozen."""
+    module = head["module"]
+    buffers = set(head.get("buffer_names") or [])
+    shared = head.get("shared_params") or {}
+    frozen_shapes = head.get("frozen_param_shapes") or {}
+    out: dict[str, Any] = {}
+    frozen = 0
+    for name, value in module.items():
+        if name in shared:
+            continue
+        if name in trainable:
+            out[name] = trainable[name]
+        elif name in buffers:
+            out[name] = value
+        elif name in frozen_shapes and stage == 3:
+            out[name] = striped_frozen(name, shape_of(frozen_shapes[name]))
+            frozen += 1
+        elif name in frozen_shapes:
+            out[name] = head["frozen_param_fragments"][name]
+            frozen += 1
+        else:  # stage 1 records no frozen parameters: their values are the module's own
+            out[name] = value
+            frozen += 1
+    for alias, owner in shared.items():
+        if owner in out:
+            out[alias] = out[owner]
+    return {k: out[k] for k in module if k in out}, frozen

@@ -1,0 +1,169 @@
+"""The weights of a DeepSpeed ZeRO checkpoint (``--select model``) read without torch: what `zero.read_zero` puts
+under ``model`` (the fp32 master weights, frozen parameters and buffers, tied names as one object), with every
+tensor a `plain_pt.StoredTensor`. A tensor held in pieces by several ranks' files is one whose storage lists its
+``extents``: the (descriptor, offset, length) runs of the files whose bytes, one after the other, are its bytes.
+
+Why: the weights of a ZeRO checkpoint are a copy of byte ranges of its optimizer files; importing torch to find
+them takes longer than copying them (BENCHMARKS.md, "ZeRO `--select model` without torch").
+
+Each file is read by `plain_pt` as the torch path's loader reads it (torch's weights-only unpickler with
+`zero.STAND_INS`), and the layout is `zero_layout`'s, shared with `zero`. Anything this reader does not take
+exactly as that path would (another global, a tensor that is not one run of its file, parts of two dtypes, a
+partition shorter than its layout, files of several model-parallel ranks or of two runs) raises `NotPlain`
+before anything is written, and the caller converts through torch, which reads or refuses it as it always did.
+One difference: the optimizer's own state (moments, param groups) is not read here, so a checkpoint whose
+weights are whole converts even where that state is malformed, which the torch path, building it, refuses.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from .plain_pt import NotPlain, StoredStorage, StoredTensor, StoredZeroStage, load_plain_archive
+from .zero_files import MP_RANK, STAGE_1_2_MASTERS, STAGE_3_MASTERS, optim_files, resolve_tag
+from .zero_layout import model_dict, stage_1_2_offsets, stage_3_spans
+
+Extent = tuple[int, int, int]  # (open file, byte offset, bytes)
+
+
+class ZeroModel:
+    """The ``model`` entry of a ZeRO checkpoint read by `read_model`, and its files, open until `close`."""
+
+    def __init__(self) -> None:
+        self.model: dict[str, Any] = {}
+        self.tag_dir: Path | None = None
+        self.fds: list[int] = []
+
+    def load(self, path: Path) -> dict[str, Any]:
+        fd = os.open(path, os.O_RDONLY)
+        self.fds.append(fd)
+        obj, _ = load_plain_archive(fd, deepspeed=True)
+        if type(obj) is not dict:
+            raise NotPlain(f"{path.name}: no dict at the top")
+        return obj
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+
+def read_model(path: str | os.PathLike[str], tag: str | None = None) -> ZeroModel:
+    """The ``model`` entry `zero.read_zero` consolidates from the ZeRO checkpoint ``path`` (``tag``: as there),
+    every tensor a `StoredTensor` (see the module's doc); `NotPlain` where torch's path should read it."""
+    read = ZeroModel()
+    try:
+        read.tag_dir = tag_dir = resolve_tag(path, tag)
+        if any(MP_RANK.search(p.name) and int(MP_RANK.search(p.name).group(1)) != 0  # type: ignore[union-attr]
+               for p in tag_dir.iterdir()):
+            raise NotPlain("files of several model-parallel ranks")
+        optims = [read.load(f).get("optimizer_state_dict") for f in optim_files(tag_dir)]
+        if not all(type(o) is dict and type(o.get("zero_stage")) in (int, StoredZeroStage) for o in optims):
+            raise NotPlain("an optimizer file without its ZeRO stage")
+        stage, world = int(optims[0]["zero_stage"]), len(optims)
+        for o in optims:
+            counts = o.get("partition_count")
+            declared = max(counts) if type(counts) in (list, tuple) and counts else counts
+            if o["zero_stage"] != stage or (declared is not None and (type(declared) is not int or declared != world)):
+                raise NotPlain("optimizer files of two runs, or of another number of ranks")
+        names = (["mp_rank_00_model_states.pt"] if stage <= 2 else
+                 [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world)])
+        models = [read.load(tag_dir / name) for name in names]
+        head = models[0]
+        if not all(key in head for key in ("module", "param_shapes", "buffer_names")):
+            raise NotPlain("model states without their module, shapes or buffer names")
+        trainable = _masters_1_2(head, optims) if stage <= 2 else _masters_3(head, optims)
+
+        def striped_frozen(name: str, shape: tuple[int, ...]) -> StoredTensor:
+            per_rank = math.ceil(math.prod(shape) / len(models))
+            fragments = [[_run(m["frozen_param_fragments"][name])] for m in models]
+            return _pieced(name, shape, [run for rank in fragments for run in rank],
+                           _striped(fragments, 0, per_rank, math.prod(shape)))
+
+        read.model = model_dict(head, trainable, stage, striped_frozen)[0]
+    except BaseException:
+        read.close()
+        raise
+    return read
+
+
+def _masters_1_2(head: dict[str, Any], optims: list[dict[str, Any]]) -> dict[str, StoredTensor]:
+    """Stages 1/2: a parameter group's flat vector is the ranks' partitions one after the other."""
+    partitions = [o[STAGE_1_2_MASTERS] for o in optims]
+    trainable = {}
+    for g, (entries, needed) in enumerate(stage_1_2_offsets(head["param_shapes"],
+                                                            optims[0].get("param_alignment_paddings"))):
+        ranks = [[_run(p[g])] for p in partitions]
+        if needed > sum(extent[2] for rank in ranks for extent in rank) // ranks[0][0][3].itemsize:
+            raise NotPlain(f"param group {g}: partitions shorter than the parameters")
+        for name, shape, first in entries:
+            runs = [run for rank in ranks for run in rank]
+            trainable[name] = _pieced(name, shape, runs, _extents(runs, first, math.prod(shape)))
+    return trainable
+
+
+def _masters_3(head: dict[str, Any], optims: list[dict[str, Any]]) -> dict[str, StoredTensor]:
+    """Stage 3: a parameter's elements ``[r * per_rank, (r + 1) * per_rank)`` are at its offset in rank r."""
+    ranks = [[_run(t) for t in o[STAGE_3_MASTERS]] for o in optims]
+    groups, needed = stage_3_spans(head["param_shapes"], len(optims))
+    if not ranks[0] or needed > sum(run[2] for run in ranks[0]) // ranks[0][0][3].itemsize:
+        raise NotPlain("flat groups shorter than the parameters")
+    trainable = {}
+    for entries in groups:
+        for name, shape, first, per_rank in entries:
+            trainable[name] = _pieced(name, shape, [run for rank in ranks for run in rank],
+                                      _striped(ranks, first, per_rank, math.prod(shape)))
+    return trainable
+
+
+def _run(t: Any) -> tuple[int, int, int, Any]:
+    """A tensor of a file as one run of its bytes: (descriptor, offset, bytes, dtype)."""
+    if type(t) is not StoredTensor or not t.is_contiguous():
+        raise NotPlain("a tensor that is not one run of its file")
+    return t.storage.fd, t.file_offset, t.numel() * t.dtype.itemsize, t.dtype
+
+
+def _extents(runs: list[tuple[int, int, int, Any]], first: int, count: int) -> list[Extent]:
+    """The byte runs of elements ``[first, first + count)`` of the runs one after the other."""
+    itemsize = runs[0][3].itemsize
+    lo, hi, at, out = first * itemsize, (first + count) * itemsize, 0, []
+    for fd, offset, nbytes, _ in runs:
+        if at < hi and at + nbytes > lo:
+            start = max(lo, at)
+            out.append((fd, offset + start - at, min(hi, at + nbytes) - start))
+        at += nbytes
+    if sum(extent[2] for extent in out) != hi - lo:
+        raise NotPlain("a partition shorter than its layout")
+    return out
+
+
+def _striped(ranks: list[list[tuple[int, int, int, Any]]], first: int, per_rank: int, numel: int) -> list[Extent]:
+    """Stage 3's elements: ``per_rank`` of them from ``first`` in each rank in turn, ``numel`` in all."""
+    out: list[Extent] = []
+    for r, runs in enumerate(ranks):
+        count = min(per_rank, numel - r * per_rank)
+        if count <= 0:
+            break
+        out += _extents(runs, first, count)
+    if sum(extent[2] for extent in out) != numel * ranks[0][0][3].itemsize:
+        raise NotPlain("fewer ranks than the layout needs")
+    return out
+
+
+def _pieced(name: str, shape: tuple[int, ...], runs: list[tuple[int, int, int, Any]], extents: list[Extent]
+            ) -> StoredTensor:
+    """A tensor of ``shape`` whose bytes are ``extents``, parts of ``runs`` (all of one dtype: torch's path would
+    cast the others to the first's)."""
+    dtypes = {run[3] for run in runs}
+    if len(dtypes) != 1:
+        raise NotPlain("parts of several dtypes")
+    (dtype,) = dtypes
+    storage = StoredStorage(f"zero:{name}", dtype, math.prod(shape), -1, extents=extents)
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return StoredTensor(storage, 0, shape, tuple(reversed(strides)), False)
