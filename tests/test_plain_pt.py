@@ -509,7 +509,7 @@ def test_the_torch_path_refuses_a_source_renamed_over_while_it_is_read(tmp_path,
 def _deepspeed_like(path) -> None:
     """A file as DeepSpeed saves a ZeRO rank's: its stage enum, loss scaler, ``torch.Size`` shapes and flat groups
     that carry its ``ds_id`` (pickled through ``_rebuild_from_type_v2``); DeepSpeed's own classes."""
-    deepspeed = pytest.importorskip("deepspeed")  # noqa: F841 - its classes, pickled as DeepSpeed pickles them
+    pytest.importorskip("deepspeed")  # its classes, pickled as DeepSpeed pickles them
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
