@@ -15,6 +15,7 @@ import json
 import os
 import pathlib
 import pickle
+import stat
 import sys
 import warnings
 import zipfile
@@ -378,10 +379,12 @@ def _convert_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, 
         check_destination(dst, force=force, sources=[src])  # first, as the torch path checks it
         # one descriptor for the archive, the identity and the tensors' bytes: a source replaced (renamed over)
         # meanwhile is not read half from each file
-        fd = os.open(src, os.O_RDONLY)
+        fd = os.open(src, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO put in its place meanwhile opens at once
         try:
             try:
                 before = os.fstat(fd)
+                if not stat.S_ISREG(before.st_mode):
+                    return None
                 loaded, members = load_plain_archive(fd)
                 st = os.fstat(fd)
                 if (st.st_size, st.st_mtime_ns) != (before.st_size, before.st_mtime_ns):

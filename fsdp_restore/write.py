@@ -388,6 +388,8 @@ def _read_location(location: tuple[int, int] | list[tuple[int, int, int]], out: 
         pread_exactly(location[0], out, location[1] + first)
         return
     at = 0
+    if not out:
+        return
     for fd, offset, nbytes in location:  # type: ignore[misc]
         if first >= nbytes:
             first -= nbytes

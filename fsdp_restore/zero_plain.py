@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +39,10 @@ class ZeroModel:
         self.fds: list[int] = []
 
     def load(self, path: Path) -> dict[str, Any]:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO in a file's place opens at once (and is declined)
         self.fds.append(fd)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotPlain(f"{path.name}: not a regular file")
         obj, _ = load_plain_archive(fd, deepspeed=True)
         if type(obj) is not dict:
             raise NotPlain(f"{path.name}: no dict at the top")
@@ -92,11 +95,12 @@ def read_model(path: str | os.PathLike[str], tag: str | None = None) -> ZeroMode
 
 def _masters_1_2(head: dict[str, Any], optims: list[dict[str, Any]]) -> dict[str, StoredTensor]:
     """Stages 1/2: a parameter group's flat vector is the ranks' partitions one after the other."""
-    partitions = [o[STAGE_1_2_MASTERS] for o in optims]
+    # every rank's partitions, each a tensor of its file, as the torch path takes every one of them
+    partitions = [[_run(t) for t in _list(o[STAGE_1_2_MASTERS])] for o in optims]
     trainable = {}
     for g, (entries, needed) in enumerate(stage_1_2_offsets(head["param_shapes"],
                                                             optims[0].get("param_alignment_paddings"))):
-        ranks = [[_run(p[g])] for p in partitions]
+        ranks = [[p[g]] for p in partitions]
         if needed > sum(extent[2] for rank in ranks for extent in rank) // ranks[0][0][3].itemsize:
             raise NotPlain(f"param group {g}: partitions shorter than the parameters")
         for name, shape, first in entries:
@@ -107,7 +111,7 @@ def _masters_1_2(head: dict[str, Any], optims: list[dict[str, Any]]) -> dict[str
 
 def _masters_3(head: dict[str, Any], optims: list[dict[str, Any]]) -> dict[str, StoredTensor]:
     """Stage 3: a parameter's elements ``[r * per_rank, (r + 1) * per_rank)`` are at its offset in rank r."""
-    ranks = [[_run(t) for t in o[STAGE_3_MASTERS]] for o in optims]
+    ranks = [[_run(t) for t in _list(o[STAGE_3_MASTERS])] for o in optims]
     groups, needed = stage_3_spans(head["param_shapes"], len(optims))
     if not ranks[0] or needed > sum(run[2] for run in ranks[0]) // ranks[0][0][3].itemsize:
         raise NotPlain("flat groups shorter than the parameters")
@@ -117,6 +121,12 @@ def _masters_3(head: dict[str, Any], optims: list[dict[str, Any]]) -> dict[str, 
             trainable[name] = _pieced(name, shape, [run for rank in ranks for run in rank],
                                       _striped(ranks, first, per_rank, math.prod(shape)))
     return trainable
+
+
+def _list(value: Any) -> list[Any]:
+    if type(value) is not list:
+        raise NotPlain("flat partitions that are not a list")
+    return value
 
 
 def _run(t: Any) -> tuple[int, int, int, Any]:
@@ -160,6 +170,8 @@ def _pieced(name: str, shape: tuple[int, ...], runs: list[tuple[int, int, int, A
     dtypes = {run[3] for run in runs}
     if len(dtypes) != 1:
         raise NotPlain("parts of several dtypes")
+    if math.prod(shape) == 0:
+        raise NotPlain("an empty parameter held in pieces (the torch path cannot assemble one)")
     (dtype,) = dtypes
     storage = StoredStorage(f"zero:{name}", dtype, math.prod(shape), -1, extents=extents)
     strides, step = [], 1

@@ -566,3 +566,28 @@ def test_every_bit_flip_of_a_deepspeed_file_is_declined_or_read_as_the_torch_pat
             if (why := _declined_or_as_torch_reads(path, deepspeed=True)) is not None:
                 wrong.append((at, bit, why))
     assert not wrong, f"{len(wrong)} flips, e.g. {wrong[:3]}"
+
+
+def test_a_fifo_put_in_the_sources_place_is_declined_at_once(tmp_path, monkeypatch):
+    """The source replaced by a FIFO after the lane saw a file there: its open blocked until a writer came."""
+    import threading
+
+    torch.save({"w": torch.ones(2)}, tmp_path / "src.pt")
+    real = convert_module.check_destination
+
+    def replaced(*args, **kwargs):  # called between the lane's is_file() and its open
+        (tmp_path / "src.pt").unlink()
+        os.mkfifo(tmp_path / "src.pt")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(convert_module, "check_destination", replaced)
+    result = []
+    thread = threading.Thread(target=lambda: result.append(_lane(tmp_path / "src.pt", tmp_path / "out.safetensors")),
+                              daemon=True)
+    thread.start()
+    thread.join(20)
+    if thread.is_alive():
+        os.close(os.open(tmp_path / "src.pt", os.O_WRONLY | os.O_NONBLOCK))  # let the blocked open go
+        thread.join(20)
+        pytest.fail("the lane blocked on the FIFO")
+    assert result == [None]

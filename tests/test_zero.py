@@ -534,3 +534,74 @@ def test_what_the_torch_path_must_decide_is_left_to_it(zero_root, tmp_path):
     for what, ck in cases.items():
         assert _lane(ck, tmp_path / "x.safetensors") is None, what
         assert not (tmp_path / "x.safetensors").exists(), what
+
+
+def _rewritten_optim_files(src, dst, change):
+    """A copy of the tag ``src`` with ``change(optimizer_state_dict)`` applied to every rank's optimizer file."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    for f in (dst / "global_step2").glob("*optim_states.pt"):
+        state = torch.load(f, weights_only=False)
+        change(state["optimizer_state_dict"])
+        torch.save(state, f)
+    return dst
+
+
+@pytest.mark.parametrize("shape", ["an extra entry", "a dict"])
+def test_partitions_the_torch_path_cannot_read_are_declined(zero_root, tmp_path, shape):
+    """Stage 1/2 masters with an entry past the param groups (None), or as a dict {0: t0, ...}: the torch path
+    reads every entry (and fails), so the lane must not convert them (it read only the entries it indexed)."""
+    def change(optim):
+        parts = optim["single_partition_of_fp32_groups"]
+        optim["single_partition_of_fp32_groups"] = parts + [None] if shape == "an extra entry" else dict(enumerate(parts))
+
+    ck = _rewritten_optim_files(_checkpoint(zero_root, 2, 2, "fp32"), tmp_path / "ck", change)
+    assert _lane(ck, tmp_path / "x.safetensors") is None
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_an_empty_parameter_held_in_pieces_is_declined(zero_root, tmp_path):
+    """A trainable parameter of no elements (not something DeepSpeed saves; the torch path fails on it): declined,
+    not reported as a truncated file (an empty piece ran past the runs' loop as an EOFError)."""
+    import shutil
+
+    ck = tmp_path / "ck"
+    shutil.copytree(_checkpoint(zero_root, 2, 2, "fp32"), ck)
+    states = ck / "global_step2" / "mp_rank_00_model_states.pt"
+    head = torch.load(states, weights_only=False)
+    head["module"]["empty"] = torch.zeros(0)
+    head["param_shapes"][-1]["empty"] = torch.Size([0])
+    torch.save(head, states)
+    for f in (ck / "global_step2").glob("*optim_states.pt"):
+        state = torch.load(f, weights_only=False)
+        paddings = state["optimizer_state_dict"].get("param_alignment_paddings")
+        if paddings:
+            paddings[-1].append(0)
+        torch.save(state, f)
+    assert _lane(ck, tmp_path / "x.safetensors") is None
+
+
+def test_a_fifo_in_a_files_place_is_declined_at_once(zero_root, tmp_path):
+    """The model states replaced by a FIFO: the lane's open blocked until a writer came (the CLI hung where the
+    API says the file is missing); it now declines, and the torch path says what is wrong."""
+    import shutil
+
+    ck = tmp_path / "ck"
+    shutil.copytree(_checkpoint(zero_root, 2, 2, "fp32"), ck)
+    states = ck / "global_step2" / "mp_rank_00_model_states.pt"
+    states.unlink()
+    os.mkfifo(states)
+    code = ("import sys, importlib; c = importlib.import_module('fsdp_restore.convert'); print(c._convert_zero_plain("
+            "sys.argv[1], sys.argv[2], select='model', tag=None, on_unsupported='error', threads=2,"
+            " max_shard_size=None, force=False, progress=None))")
+    try:
+        run = subprocess.run([sys.executable, "-c", code, str(ck), str(tmp_path / "x.safetensors")],
+                             capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        fd = os.open(states, os.O_WRONLY | os.O_NONBLOCK)  # let the blocked open go, so the child ends
+        os.close(fd)
+        pytest.fail("the lane blocked on the FIFO")
+    assert run.returncode == 0 and run.stdout.strip() == "None", run.stderr[-2000:]
+    with pytest.raises(FormatError, match="model_states.pt"):
+        fsdp_restore.convert(ck, tmp_path / "x.safetensors", select="model")
