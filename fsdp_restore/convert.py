@@ -599,9 +599,10 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
         identity = source_identity(src, stat=before)  # before reading: a source rewritten meanwhile won't match it
         obj = select_subtree(load_pt(src, trust_pickle=trust_pickle, allow_globals=allow_globals), select, source=src)
         tensors, structure = flatten(obj, on_unsupported=on_unsupported)  # type: ignore[arg-type]
-        mapping, fd = mapped.MappedFile(src), os.open(src, os.O_RDONLY)
+        fd = os.open(src, os.O_RDONLY)
         try:
             _same_file(src, before, os.fstat(fd))
+            mapping = mapped.MappedFile(src, fd)
             locations = {key: (fd, offset) for key, t in tensors.items()
                          if (offset := mapping.offset_of(t)) is not None}
         except BaseException:

@@ -21,16 +21,19 @@ if TYPE_CHECKING:  # a MappedFile exists only where torch.load mapped a file; pr
 class MappedFile:
     """The mappings of one file in this process: ``offset_of(t)`` is the file offset of ``t``'s first byte."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], fd: int | None = None) -> None:
+        """``fd``: the descriptor the caller reads the file through: only mappings of that very file are taken
+        (a file renamed over ``path`` meanwhile is not another's)."""
         from .torch_zip import bytes_as_loaded
 
         self.path = Path(path).resolve()
-        st = os.stat(self.path)
+        st = os.fstat(fd) if fd is not None else os.stat(self.path)
         self._ranges: list[tuple[int, int, int]] = []  # (start address, end address, file offset), sorted
         try:
             with open("/proc/self/maps") as maps:
                 for line in maps:
                     fields = line.split(maxsplit=5)
+                    # (a mapping of a file renamed over since is listed as "path (deleted)")
                     if len(fields) < 6 or int(fields[4]) != st.st_ino or fields[5].strip() != str(self.path):
                         continue
                     start, end = (int(a, 16) for a in fields[0].split("-"))

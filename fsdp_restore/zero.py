@@ -94,8 +94,8 @@ class _File:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.mapped = MappedFile(path)  # after torch.load mapped it
-        self.fd = os.open(path, os.O_RDONLY)
+        self.fd = os.open(path, os.O_RDONLY)  # first: the mappings found are this file's, whatever is renamed over it
+        self.mapped = MappedFile(path, self.fd)  # after torch.load mapped it
         self.advise = hasattr(os, "posix_fadvise")
         if self.advise:  # the kernel reads exactly what is asked (below), no readahead past or around it
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)

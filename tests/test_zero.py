@@ -605,3 +605,35 @@ def test_a_fifo_in_a_files_place_is_declined_at_once(zero_root, tmp_path):
     assert run.returncode == 0 and run.stdout.strip() == "None", run.stderr[-2000:]
     with pytest.raises(FormatError, match="model_states.pt"):
         fsdp_restore.convert(ck, tmp_path / "x.safetensors", select="model")
+
+
+def test_a_rank_file_renamed_over_while_it_is_read_is_not_read_at_its_offsets(zero_root, tmp_path, monkeypatch):
+    """The torch reader found torch.load's mapping of a rank file, then opened the path again for its reads: a file
+    renamed over it in between (the same layout, other values) was read at the first file's offsets."""
+    import shutil
+
+    import importlib
+
+    zero_module = importlib.import_module("fsdp_restore.zero")
+    src = _checkpoint(zero_root, 2, 3, "fp32")
+    ck = tmp_path / "ck"
+    shutil.copytree(src, ck)
+    target = next((ck / "global_step2").glob("*rank_0_*optim_states.pt"))
+    other = tmp_path / "other.pt"
+    state = torch.load(target, weights_only=False)
+    for group in state["optimizer_state_dict"]["fp32_flat_groups"]:
+        group.data.neg_()
+    torch.save(state, other)
+    real = zero_module.MappedFile
+
+    def racing(path, *args, **kwargs):
+        found = real(path, *args, **kwargs)
+        if Path(path).resolve() == target.resolve() and other.exists():
+            os.replace(other, target)
+        return found
+
+    monkeypatch.setattr(zero_module, "MappedFile", racing)
+    fsdp_restore.convert(ck, tmp_path / "c.safetensors", select="model")
+    back = fsdp_restore.load(tmp_path / "c.safetensors")
+    oracle = _oracles(src, 2)[0]
+    assert all(torch.equal(back[name], w) for name, w in oracle["weights"].items())
