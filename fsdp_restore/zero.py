@@ -216,7 +216,7 @@ class _Pieces:
 _Segment = tuple[torch.Tensor, "tuple[_File, int, int] | None"]  # a view; its file, offset and part's end there
 
 
-def _gather(segments: list[_Segment], count: int) -> torch.Tensor:
+def _gather(segments: list[_Segment], count: int, dtype: torch.dtype) -> torch.Tensor:
     """The segments' elements one after the other: read from their files into this thread's scratch buffer
     (a view of the mapping is returned as it is only when there is no file to read it from)."""
     if sum(v.numel() for v, _ in segments) != count:
@@ -224,7 +224,7 @@ def _gather(segments: list[_Segment], count: int) -> torch.Tensor:
                           f" {count} (a partition shorter than its layout)")
     if len(segments) == 1 and segments[0][1] is None:
         return segments[0][0]
-    out = scratch(segments[0][0].dtype, count)
+    out = scratch(dtype, count)  # (no segment at all for a parameter of no elements)
     at = 0
     for view, where in segments:
         n = view.numel()
@@ -249,7 +249,7 @@ def _contiguous_reader(ranks: list[_Pieces], base: int) -> Reader:
         for r, (a, b) in enumerate(zip(starts, starts[1:])):
             if b > lo and a < hi:
                 ranks[r].read(max(lo, a) - a, min(hi, b) - max(lo, a), views)
-        return _gather(views, count)
+        return _gather(views, count, ranks[0].parts[0].dtype)
 
     return read
 
@@ -265,7 +265,7 @@ def _striped_reader(ranks: list[_Pieces], offset: int, per_rank: int) -> Reader:
             n = min(end - at, per_rank - i)
             ranks[r].read(offset + i, n, views)
             at += n
-        return _gather(views, count)
+        return _gather(views, count, ranks[0].parts[0].dtype)
 
     return read
 

@@ -562,8 +562,9 @@ def test_partitions_the_torch_path_cannot_read_are_declined(zero_root, tmp_path,
 
 
 def test_an_empty_parameter_held_in_pieces_is_declined(zero_root, tmp_path):
-    """A trainable parameter of no elements (not something DeepSpeed saves; the torch path fails on it): declined,
-    not reported as a truncated file (an empty piece ran past the runs' loop as an EOFError)."""
+    """A trainable parameter of no elements (not something DeepSpeed saves): declined by the lane, not reported as a
+    truncated file (an empty piece ran past the runs' loop as an EOFError); the torch path, which failed on it
+    (an IndexError: no piece to take the dtype from), converts it as an empty tensor."""
     import shutil
 
     ck = tmp_path / "ck"
@@ -580,6 +581,11 @@ def test_an_empty_parameter_held_in_pieces_is_declined(zero_root, tmp_path):
             paddings[-1].append(0)
         torch.save(state, f)
     assert _lane(ck, tmp_path / "x.safetensors") is None
+    fsdp_restore.convert(ck, tmp_path / "x.safetensors", select="model")
+    back = fsdp_restore.load(tmp_path / "x.safetensors")
+    assert back["empty"].shape == (0,) and back["empty"].dtype == torch.float32
+    oracle = _oracles(_checkpoint(zero_root, 2, 2, "fp32"), 2)[0]
+    assert all(torch.equal(back[name], w) for name, w in oracle["weights"].items())
 
 
 def test_a_fifo_in_a_files_place_is_declined_at_once(zero_root, tmp_path):
