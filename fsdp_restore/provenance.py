@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 import zipfile
 import zlib
-from pathlib import Path
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from .errors import FormatError
