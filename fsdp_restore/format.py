@@ -16,7 +16,6 @@ from math import prod
 from pathlib import Path
 from typing import Any, NamedTuple
 
-
 from .errors import FormatError
 
 # 2: headers and indexes carry their own crc32 (META_HEADER_CRC); shards of a set carry its id (META_SET_ID).
@@ -259,11 +258,12 @@ def _validate_header(path: Path, header: dict[str, Any], data_start: int, file_s
     result = FileHeader(path=path, data_start=data_start, file_size=file_size, metadata=metadata)
     spans: list[tuple[int, int, str]] = []
     entries = result.entries
+    name_to_dtype = _torch_tables()[1]
     for key, info in header.items():  # once per tensor each time a file is opened: kept to plain type tests
         if type(info) is not dict:
             raise FormatError(path, f"tensor '{key}': entry is not a JSON object")
         name = info.get("dtype")
-        dtype = _torch_tables()[1].get(name) if type(name) is str else None
+        dtype = name_to_dtype.get(name) if type(name) is str else None
         if dtype is None:
             raise FormatError(path, f"tensor '{key}': unknown dtype {str(name)[:40]!r}")
         shape, offsets = info.get("shape"), info.get("data_offsets")

@@ -119,9 +119,10 @@ def plan_jobs(tensors: dict[str, torch.Tensor], structure: dict[str, Any], dtype
         return [TensorJob(key, t, t.dtype) for key, t in tensors.items()]
     tensor_keys = {node["key"] for _, node in iter_nodes_with_keys(structure["root"]) if node["type"] == "tensor"}
     include = list(cast_include) if cast_include is not None else default_cast_scope(structure)
+    castable = _castable()
 
     def out_dtype(key: str, t: torch.Tensor) -> torch.dtype:
-        if dtype is None or t.dtype not in _castable() or key not in tensor_keys:
+        if t.dtype not in castable or key not in tensor_keys:
             return t.dtype
         if any(fnmatch.fnmatchcase(key, p) for p in cast_exclude):
             return t.dtype

@@ -39,7 +39,6 @@ from math import prod
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-
 from .checksum import combine_segments
 from .format import (DEFAULT_INDEX_NAME, FORMAT_VERSION, HEADER_SEAL_PREFIX, META_CAST, META_CHECKSUMS, META_FORMAT,
                      META_SET_ID, META_STRUCTURE, META_VERSION, build_header, build_index, seal, torch_dtype_name)
@@ -239,7 +238,18 @@ class _BlockBuffer(threading.local):
         if getattr(self, "memory", None) is None:
             self.memory = mmap.mmap(-1, BLOCK_BYTES)
             self.view = memoryview(self.memory)
+            self.tensor = None
         return self.memory, self.view
+
+    def as_tensor(self, memory: mmap.mmap) -> torch.Tensor:
+        """``memory`` as a uint8 tensor: for this thread's buffer made once per thread (only a cast needs torch)."""
+        import torch
+
+        if memory is not getattr(self, "memory", None):
+            return torch.frombuffer(memory, dtype=torch.uint8)
+        if self.tensor is None:
+            self.tensor = torch.frombuffer(memory, dtype=torch.uint8)
+        return self.tensor
 
 
 _BUFFERS = _BlockBuffer()
@@ -387,9 +397,9 @@ def _read_location(location: tuple[int, int] | list[tuple[int, int, int]], out: 
     if type(location) is tuple:  # one run
         pread_exactly(location[0], out, location[1] + first)
         return
-    at = 0
     if not out:
         return
+    at = 0
     for fd, offset, nbytes in location:  # type: ignore[misc]
         if first >= nbytes:
             first -= nbytes
@@ -410,10 +420,11 @@ def _copy_piece(piece: _Piece, memory: mmap.mmap) -> tuple[int, bool]:
     import torch
 
     with torch.no_grad():
-        return _copy_piece_into(piece, torch.frombuffer(memory, dtype=torch.uint8))
+        return _copy_piece_into(piece, _BUFFERS.as_tensor(memory))
 
 
 def _copy_piece_into(piece: _Piece, buffer: torch.Tensor) -> tuple[int, bool]:
+    """`_copy_piece`, into ``buffer``, the block buffer as a uint8 tensor."""
     import torch
 
     job, size = piece.job, piece.job.dtype.itemsize

@@ -100,11 +100,10 @@ def _masters_1_2(head: dict[str, Any], optims: list[dict[str, Any]]) -> dict[str
     trainable = {}
     for g, (entries, needed) in enumerate(stage_1_2_offsets(head["param_shapes"],
                                                             optims[0].get("param_alignment_paddings"))):
-        ranks = [[p[g]] for p in partitions]
-        if needed > sum(extent[2] for rank in ranks for extent in rank) // ranks[0][0][3].itemsize:
+        runs = [p[g] for p in partitions]  # the group's flat vector: each rank's partition in turn
+        if needed > sum(run[2] for run in runs) // runs[0][3].itemsize:
             raise NotPlain(f"param group {g}: partitions shorter than the parameters")
         for name, shape, first in entries:
-            runs = [run for rank in ranks for run in rank]
             trainable[name] = _pieced(name, shape, runs, _extents(runs, first, math.prod(shape)))
     return trainable
 
@@ -115,11 +114,11 @@ def _masters_3(head: dict[str, Any], optims: list[dict[str, Any]]) -> dict[str, 
     groups, needed = stage_3_spans(head["param_shapes"], len(optims))
     if not ranks[0] or needed > sum(run[2] for run in ranks[0]) // ranks[0][0][3].itemsize:
         raise NotPlain("flat groups shorter than the parameters")
+    every_run = [run for rank in ranks for run in rank]
     trainable = {}
     for entries in groups:
         for name, shape, first, per_rank in entries:
-            trainable[name] = _pieced(name, shape, [run for rank in ranks for run in rank],
-                                      _striped(ranks, first, per_rank, math.prod(shape)))
+            trainable[name] = _pieced(name, shape, every_run, _striped(ranks, first, per_rank, math.prod(shape)))
     return trainable
 
 
