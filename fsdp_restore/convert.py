@@ -366,7 +366,9 @@ def _report(src: str | os.PathLike[str], dst: str | os.PathLike[str], result: An
 
 def _convert_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, select: str | None,
                    on_unsupported: str, threads: int, max_shard_size: int | str | None, force: bool,
-                   progress: Callable[[int, int], None] | None) -> ConvertReport | None:
+                   progress: Callable[[int, int], None] | None, dtype: torch.dtype | None = None,
+                   cast_include: Sequence[str] | None = None,
+                   cast_exclude: Sequence[str] = ()) -> ConvertReport | None:
     """`convert` of a plain checkpoint without torch (`plain_pt`): the same file, byte for byte, as the conversion
     through torch.load writes (the tests compare them). None, with nothing written, where `plain_pt` does not read
     the file exactly as torch would, or anything before the write fails: the caller then converts through torch,
@@ -403,7 +405,8 @@ def _convert_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, 
             for warning in said:  # flatten's warnings (skipped values), said once, now that this path goes on
                 warnings.warn(warning.message, warning.category, stacklevel=3)
             locations = {key: (fd, t.file_offset) for key, t in tensors.items()}
-            result, casts = write_converted(tensors, structure, dst, max_shard_size=max_shard_size, threads=threads,
+            result, casts = write_converted(tensors, structure, dst, dtype=dtype, cast_include=cast_include,
+                                            cast_exclude=cast_exclude, max_shard_size=max_shard_size, threads=threads,
                                             force=force, progress=progress,
                                             metadata={META_SOURCE: json.dumps(identity)}, locations=locations,
                                             share=Share(0, 1))
@@ -426,7 +429,9 @@ def _same_file(src: str | os.PathLike[str], before: os.stat_result, now: os.stat
 
 def _convert_zero_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, select: str, tag: str | None,
                         on_unsupported: str, threads: int, max_shard_size: int | str | None, force: bool,
-                        progress: Callable[[int, int], None] | None) -> ConvertReport | None:
+                        progress: Callable[[int, int], None] | None, dtype: torch.dtype | None = None,
+                        cast_include: Sequence[str] | None = None,
+                        cast_exclude: Sequence[str] = ()) -> ConvertReport | None:
     """`convert` of a ZeRO checkpoint's weights (``select``: ``model`` or within it) without torch (`zero_plain`):
     the same file, byte for byte, as the conversion through torch writes (the tests compare them). None, with
     nothing written, where `zero_plain` does not read the checkpoint exactly as that path would, or anything
@@ -460,7 +465,8 @@ def _convert_zero_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str]
                 return None
             for warning in said:  # flatten's warnings (skipped values), said once, now that this path goes on
                 warnings.warn(warning.message, warning.category, stacklevel=3)
-            result, casts = write_converted(tensors, structure, dst, max_shard_size=max_shard_size, threads=threads,
+            result, casts = write_converted(tensors, structure, dst, dtype=dtype, cast_include=cast_include,
+                                            cast_exclude=cast_exclude, max_shard_size=max_shard_size, threads=threads,
                                             force=force, progress=progress, locations=locations, share=Share(0, 1))
         except EOFError as e:  # as the torch path says it
             raise _truncated(label, e) from None
@@ -468,6 +474,11 @@ def _convert_zero_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str]
             read.close()
         del obj, tensors
     return _report(label, dst, result, casts, seconds=clock.seconds, peak=mem.peak, threads=threads)
+
+
+# Whether `convert` reads a plain checkpoint or a ZeRO checkpoint's weights without torch's unpickler where it can
+# (`plain_pt`, `zero_plain`: the same file as through torch, faster): the tests turn it off to compare the two paths
+_TORCH_FREE_READS = True
 
 
 def _only_plain_values(obj: Any) -> bool:
@@ -518,11 +529,12 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
             process_group: dist.ProcessGroup | None = None) -> ConvertReport:
     """Stream a ``torch.save`` file into our safetensors format and report what it cost.
 
-    The input is memory-mapped (``torch.load(mmap=True, weights_only=True)``) to read its structure; in a
-    process that has not imported torch (the CLI), a plain checkpoint of dicts, lists, tuples, Python scalars
-    and tensors copied as they are (no ``dtype``, one process) is read without torch instead (`plain_pt`: a
-    subset of what torch's weights-only unpickler takes, built as it builds it; anything else is read through
-    torch as before), with the same file as the result. The tensors' bytes are read with ``pread`` at their offsets into 32 MB blocks of the output, one per
+    A plain checkpoint of dicts, lists, tuples, Python scalars and tensors (one process, no ``trust_pickle`` or
+    ``allow_globals``) is read without torch's unpickler (`plain_pt`: a subset of what torch's weights-only
+    unpickler takes, built as it builds it; torch is imported only to cast, so a same-dtype conversion in a process
+    that has not imported it never does); anything else is memory-mapped (``torch.load(mmap=True,
+    weights_only=True)``) to read its structure. Either way the result is the same file, byte for byte. The
+    tensors' bytes are read with ``pread`` at their offsets into 32 MB blocks of the output, one per
     thread at a time (``thread_count``, default: every core, at least 4 and at most 16), cast if asked and
     written with ``O_DIRECT`` where the file system allows it, so anonymous memory stays near
     ``thread_count x 32 MB``. ``select`` keeps one subtree (``"model"`` writes the weights
@@ -566,16 +578,17 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
         shard_size_argument(max_shard_size)  # a bad size: here, not after the source was read
         return thread_count_argument(thread_count, threads, stacklevel=5), cast_target(dtype)
 
+    # read without torch's unpickler where it can be (one process, nothing but torch's weights-only globals)
+    lane = process_group is None and not trust_pickle and not allow_globals and _TORCH_FREE_READS
     # alone, a bad argument raises as it is; with several ranks, as the same ConvertError on every rank
     thread_count, dtype = one.step("check the arguments", check_arguments)  # type: ignore[misc]
-    lane = (process_group is None and dtype is None and cast_include is None and not cast_exclude and not trust_pickle
-            and not allow_globals and "torch" not in sys.modules)  # a same-dtype copy, torch not imported yet
+    casting = {"dtype": dtype, "cast_include": cast_include, "cast_exclude": cast_exclude}
     if Path(src).is_dir():
         if lane and select is not None and (select == "model" or select.startswith("model.")):
             # the weights of a ZeRO checkpoint: without torch, where its files allow (zero_plain)
             report = _convert_zero_plain(src, dst, select=select, tag=tag, on_unsupported=on_unsupported,
                                          threads=thread_count or default_io_threads(), max_shard_size=max_shard_size,
-                                         force=force, progress=progress)
+                                         force=force, progress=progress, **casting)
             if report is not None:
                 return report
         return _convert_directory(src, dst, dtype=dtype, cast_include=cast_include, cast_exclude=cast_exclude,
@@ -585,7 +598,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
     threads = thread_count or default_io_threads()
     if lane:  # without torch, where the file allows (plain_pt)
         report = _convert_plain(src, dst, select=select, on_unsupported=on_unsupported, threads=threads,
-                                max_shard_size=max_shard_size, force=force, progress=progress)
+                                max_shard_size=max_shard_size, force=force, progress=progress, **casting)
         if report is not None:
             return report
 

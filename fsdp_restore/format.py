@@ -87,6 +87,13 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise ValueError(f"dtype {dtype} cannot be stored in safetensors") from None
 
 
+def as_torch_dtype(dtype: Any) -> torch.dtype:
+    """The torch dtype of ``dtype``: itself, or the one a dtype described without torch (anything with a
+    ``safetensors_name``, as `fsdp_restore.plain_pt` gives) stands for (imports torch: only a cast asks)."""
+    plain = getattr(dtype, "safetensors_name", None)
+    return dtype if plain is None else _torch_tables()[1][plain]
+
+
 def torch_dtype_from_string(text: str) -> torch.dtype:
     """Parse ``"bf16"``, ``"bfloat16"``, ``"torch.bfloat16"`` or ``"BF16"`` into a torch dtype."""
     import torch

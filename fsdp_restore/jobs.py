@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .flatten import holds_model_subtree, iter_nodes_with_keys
-from .format import torch_dtype_from_string, torch_dtype_name
+from .format import as_torch_dtype, torch_dtype_from_string, torch_dtype_name
 from .share import Share
-from .write import Reader, TensorJob, write_safetensors
+from .write import Location, Reader, TensorJob, write_safetensors
 
 if TYPE_CHECKING:
     import torch
@@ -122,7 +122,8 @@ def plan_jobs(tensors: dict[str, torch.Tensor], structure: dict[str, Any], dtype
     castable = _castable()
 
     def out_dtype(key: str, t: torch.Tensor) -> torch.dtype:
-        if t.dtype not in castable or key not in tensor_keys:
+        source = as_torch_dtype(t.dtype)  # a torch-free path's dtype stands for torch's; kept where no cast is made
+        if source not in castable or source == dtype or key not in tensor_keys:
             return t.dtype
         if any(fnmatch.fnmatchcase(key, p) for p in cast_exclude):
             return t.dtype
@@ -151,7 +152,7 @@ def write_converted(tensors: dict[str, torch.Tensor], structure: dict[str, Any],
                     max_shard_size: int | str | None = None, threads: int, force: bool = False,
                     progress: Callable[[int, int], None] | None = None,
                     metadata: dict[str, str] | None = None,
-                    locations: dict[str, tuple[int, int] | list[tuple[int, int, int]]] | None = None,
+                    locations: dict[str, Location] | None = None,
                     share: Share | None = None) -> tuple[Any, dict[str, tuple[str, str]]]:
     """Cast (policy above) and write ``tensors`` with ``structure``; ``readers[key]`` supplies the
     elements of a tensor held in pieces (its ``tensors`` entry then only gives shape and dtype); ``locations[key]``

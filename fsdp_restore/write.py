@@ -41,12 +41,14 @@ from typing import TYPE_CHECKING, Any
 
 from .checksum import combine_segments
 from .format import (DEFAULT_INDEX_NAME, FORMAT_VERSION, HEADER_SEAL_PREFIX, META_CAST, META_CHECKSUMS, META_FORMAT,
-                     META_SET_ID, META_STRUCTURE, META_VERSION, build_header, build_index, seal, torch_dtype_name)
+                     META_SET_ID, META_STRUCTURE, META_VERSION, as_torch_dtype, build_header, build_index, seal,
+                     torch_dtype_name)
 from .errors import ConvertError
 from .mapped import pread_exactly
 from .share import DIED_NOTE, Share
 
 CHUNK_BYTES = 16 * 1024 * 1024  # per-thread working set when casting or copying non-contiguous data
+CAST_STAGING_BYTES = 4 * 1024 * 1024  # source bytes per step of `_cast_located`: they and their cast stay in cache
 _PLACEHOLDER = "0" * 8
 
 ProgressFn = Callable[[int], None]
@@ -70,6 +72,9 @@ def stand_in(held: HeldInPieces, shape: tuple[int, ...], dtype: torch.dtype, rea
     return t
 
 
+Location = tuple[int, int] | list[tuple[int, int, int]]  # `TensorJob.location`
+
+
 @dataclass
 class TensorJob:
     """One tensor to write: ``source`` (any CPU tensor, typically memory-mapped) stored as ``dtype``.
@@ -82,11 +87,16 @@ class TensorJob:
     reader: Reader | None = None
     # where ``source``'s bytes lie: (open file, offset), or the (open file, offset, length) runs that hold them in
     # turn (a tensor held in pieces by several files: `zero_plain`)
-    location: tuple[int, int] | list[tuple[int, int, int]] | None = None
+    location: Location | None = None
 
     @functools.cached_property
     def nbytes(self) -> int:  # asked for several times per tensor while a file is laid out
         return prod(self.source.shape) * self.dtype.itemsize
+
+    @functools.cached_property
+    def source_dtype(self) -> torch.dtype:
+        """``source``'s dtype as torch's (a torch-free reader's stands for one; asked only where a cast is made)."""
+        return as_torch_dtype(self.source.dtype)
 
 
 @dataclass
@@ -199,7 +209,18 @@ def _source_elements(job: TensorJob, first: int, stop: int) -> list[torch.Tensor
     """The source's elements ``[first, stop)`` of one job (its own dtype), as a few tensors in order."""
     if job.reader is not None:
         return [job.reader(first, stop - first).reshape(-1)]
+    if job.location is not None and _described(job):  # read where they lie: there is no tensor to view
+        import torch
+
+        data = bytearray((stop - first) * job.source_dtype.itemsize)
+        _read_location(job.location, memoryview(data), first * job.source_dtype.itemsize)
+        return [torch.frombuffer(data, dtype=job.source_dtype) if data else torch.empty(0, dtype=job.source_dtype)]
     return flat_range(job.source, first, stop)
+
+
+def _described(job: TensorJob) -> bool:
+    """Whether ``job.source`` is described rather than a tensor (by a torch-free reader: `plain_pt`, `zero_plain`)."""
+    return hasattr(job.source.dtype, "safetensors_name")
 
 
 def _copy_elements(dst: torch.Tensor, parts: list[torch.Tensor]) -> None:
@@ -314,7 +335,8 @@ class _FileWriter:
             if job.location is not None and job.dtype == job.source.dtype:
                 _read_location(job.location, memoryview(memory)[piece.at:piece.at + piece.nbytes], piece.first)
             else:
-                overflowed, rounded = _copy_piece(piece, memory)
+                cast = _cast_located if job.location is not None and _described(job) else _copy_piece
+                overflowed, rounded = cast(piece, memory)
                 if overflowed or rounded:
                     with self._lock:
                         self.overflowed[job.key] += overflowed
@@ -392,7 +414,7 @@ class _FileWriter:
             self.fd = -1
 
 
-def _read_location(location: tuple[int, int] | list[tuple[int, int, int]], out: memoryview, first: int) -> None:
+def _read_location(location: Location, out: memoryview, first: int) -> None:
     """Fill ``out`` with the bytes from ``first`` on of a tensor that lies at ``location`` (`TensorJob.location`)."""
     if type(location) is tuple:  # one run
         pread_exactly(location[0], out, location[1] + first)
@@ -423,6 +445,64 @@ def _copy_piece(piece: _Piece, memory: mmap.mmap) -> tuple[int, bool]:
         return _copy_piece_into(piece, _BUFFERS.as_tensor(memory))
 
 
+class _CastStaging(threading.local):
+    """This thread's buffer for the source bytes of a cast (`_cast_located`), as a uint8 tensor and a view."""
+
+    def get(self) -> tuple[torch.Tensor, memoryview]:
+        if getattr(self, "tensor", None) is None:
+            import torch
+
+            self.memory = mmap.mmap(-1, CAST_STAGING_BYTES + mmap.PAGESIZE)
+            self.tensor, self.view = torch.frombuffer(self.memory, dtype=torch.uint8), memoryview(self.memory)
+        return self.tensor, self.view
+
+
+_CAST_STAGING = _CastStaging()
+
+
+def _cast_located(piece: _Piece, memory: mmap.mmap) -> tuple[int, bool]:
+    """`_copy_piece` of a tensor a torch-free reader described (`_described`), so from the file where its bytes lie
+    (``job.location``): read with ``pread`` a few MB at a time into this thread's staging buffer (placed as the
+    bytes lie in their page: the kernel's copy is fastest so) and cast from there into the block."""
+    import torch
+
+    job = piece.job
+    source_dtype, size = job.source_dtype, job.dtype.itemsize
+    if piece.first % size or piece.nbytes % size or piece.at % size:
+        return _copy_piece(piece, memory)  # the tensor does not start at a multiple of its element size
+    staging, view = _CAST_STAGING.get()
+    buffer = _BUFFERS.as_tensor(memory)
+    step = CAST_STAGING_BYTES // source_dtype.itemsize
+    overflowed, large, at = 0, False, piece.at
+    with torch.no_grad():
+        for first in range(piece.first // size, (piece.first + piece.nbytes) // size, step):
+            n = min(step, (piece.first + piece.nbytes) // size - first)
+            nbytes = n * source_dtype.itemsize
+            shift = _placement(job.location, first * source_dtype.itemsize, source_dtype.itemsize)
+            _read_location(job.location, view[shift:shift + nbytes], first * source_dtype.itemsize)
+            source = staging[shift:shift + nbytes].view(source_dtype)
+            out = buffer[at:at + n * size].view(job.dtype)
+            out.copy_(source)
+            block_overflowed, block_large = cast_screen(source_dtype, out, lambda: source)
+            overflowed, large, at = overflowed + block_overflowed, large or block_large, at + n * size
+    rounded = job.source.dim() == 0 or (large and rounds_whole_numbers(source_dtype, job.dtype))
+    return overflowed, rounded
+
+
+def _placement(location: Location, first: int, itemsize: int) -> int:
+    """Where in a page-aligned buffer to read a tensor's bytes from ``first`` on: at the file offset's place in its
+    page (where the kernel's copy runs at full speed), rounded down to a multiple of the dtype's size."""
+    if type(location) is tuple:
+        offset = location[1] + first
+    else:  # the run that holds byte ``first``
+        for _, start, nbytes in location:  # type: ignore[misc]
+            if first < nbytes:
+                break
+            first -= nbytes
+        offset = start + first
+    return offset % mmap.PAGESIZE // itemsize * itemsize
+
+
 def _copy_piece_into(piece: _Piece, buffer: torch.Tensor) -> tuple[int, bool]:
     """`_copy_piece`, into ``buffer``, the block buffer as a uint8 tensor."""
     import torch
@@ -438,7 +518,7 @@ def _copy_piece_into(piece: _Piece, buffer: torch.Tensor) -> tuple[int, bool]:
         _copy_elements(out, parts)
         skip = piece.first - first * size
         buffer[piece.at:piece.at + piece.nbytes].copy_(out.view(torch.uint8)[skip:skip + piece.nbytes])
-    source_dtype = job.source.dtype
+    source_dtype = job.source_dtype
     overflowed, large = cast_screen(source_dtype, out, lambda: torch.cat([p.reshape(-1) for p in parts]))
     rounded = job.dtype != source_dtype and (job.source.dim() == 0 or (large and rounds_whole_numbers(
         source_dtype, job.dtype)))
@@ -610,7 +690,7 @@ def cast_error(overflowed: Mapping[str, int], changed: Mapping[str, float], jobs
                         f", ... ({len(listed) - 20} more)" if len(listed) > 20 else ""))
     wider = (f" or cast to bf16 (its range reaches +-{torch.finfo(torch.bfloat16).max:.3g}, but it keeps fewer"
              " digits: whole numbers past 256 change, which is refused too);" if overflowed and not changed
-             and target == torch.float16 and all(by_key[k].source.dtype in (torch.float32, torch.bfloat16)
+             and target == torch.float16 and all(by_key[k].source_dtype in (torch.float32, torch.bfloat16)
                                                  for k in keys) else "")
     advice = exclude_patterns(keys, [j.key for j in jobs if j.dtype != j.source.dtype])
     return ConvertError(f"the cast to {name} {'; and '.join(said)}; nothing was written. Keep them in their dtype"

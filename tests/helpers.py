@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import math
 import random
 from collections import OrderedDict
@@ -108,3 +110,15 @@ def archive_records(path: Any) -> dict[str, bytes]:
     with zipfile.ZipFile(path) as archive:
         return {info.filename.split("/", 1)[1]: archive.read(info) for info in archive.infolist()
                 if not info.filename.endswith("/.data/serialization_id")}
+
+
+@contextlib.contextmanager
+def through_torch():
+    """`fsdp_restore.convert` reads every source through torch's loader meanwhile, as it did before its torch-free
+    reads (`plain_pt`, `zero_plain`): the path the tests of those reads compare them with."""
+    module = importlib.import_module("fsdp_restore.convert")
+    before, module._TORCH_FREE_READS = module._TORCH_FREE_READS, False
+    try:
+        yield
+    finally:
+        module._TORCH_FREE_READS = before

@@ -3,8 +3,9 @@ conversion through torch writes, and the torch path for everything else.
 
 Oracles: torch.load (each tensor's dtype, shape, stride, offset, storage sharing and bytes; every other value), and
 the file the torch path writes (byte for byte), itself proven against torch.load by the rest of the suite. The
-lane is called directly here (this process has imported torch, so `convert` takes the torch path); the CLI test
-runs `fsdp-restore convert` in a fresh process, where the lane is taken, and checks torch was never imported.
+lane is called directly here and `convert` is switched to the torch path (`helpers.through_torch`); the CLI tests
+run `fsdp-restore convert` in a fresh process, where the lane is taken, and check torch was never imported (or,
+with a cast, that torch's loader was not).
 """
 
 from __future__ import annotations
@@ -28,15 +29,22 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fsdp_restore import FormatError, UnsafePickleError, convert
+from fsdp_restore import ConvertError, FormatError, UnsafePickleError, convert
 from fsdp_restore.plain_pt import NotPlain, StoredTensor, load_plain
-from helpers import archive_records, torch_archive
+from helpers import archive_records, through_torch, torch_archive
 
 convert_module = importlib.import_module("fsdp_restore.convert")
 plain_pt_module = importlib.import_module("fsdp_restore.plain_pt")  # the package's `convert` is the function
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool]
+
+
+@pytest.fixture(autouse=True)
+def _convert_through_torch():
+    """`convert` here is the torch path, the oracle; the lane is called directly (`_lane`)."""
+    with through_torch():
+        yield
 
 
 def _lane(src, dst, **options):
@@ -286,6 +294,67 @@ def test_the_cli_converts_a_plain_checkpoint_without_importing_torch(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     convert(tmp_path / "src.pt", tmp_path / "torch.safetensors")
+    assert (tmp_path / "cli.safetensors").read_bytes() == (tmp_path / "torch.safetensors").read_bytes()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("target", ["bf16", "fp16", "fp32", "fp64"])
+def test_a_cast_is_the_cast_torch_makes_of_what_torch_load_gives(tmp_path, target):
+    """``--dtype`` on the lane: each tensor as safetensors' own reader reads it is torch.load's tensor cast by
+    torch (floating tensors of one dimension or more; the rest as they were), bit for bit, and the file is the
+    torch path's. The tensors cover several steps of the cast's staging buffer, odd sizes, views that start
+    inside their storage (a read placed off the page's start), 0-dim and empty tensors and every source dtype."""
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(3000, generator=g)
+    obj = {"big": torch.randn(1_500_001, generator=g), "half": torch.randn(7, 5, generator=g).half(),
+           "bf": torch.randn(33, generator=g).bfloat16(), "double": torch.randn(4, 4, generator=g).double(),
+           "view": base[3:2003].view(40, 50), "scalar": torch.tensor(3.5), "empty": torch.zeros(0, 3),
+           "ints": torch.arange(5), "flags": torch.tensor([True, False]), "huge": torch.tensor([1e30, -2e-30])}
+    if target == "fp16":  # 1e30 is beyond fp16: refused (as the next test checks)
+        del obj["huge"]
+    _same_output(tmp_path, obj, dtype=target)
+    to = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}[target]
+    written = safetensors.torch.load_file(tmp_path / "lane.safetensors")
+    loaded = torch.load(tmp_path / "src.pt", weights_only=True)
+    assert set(written) == set(loaded)
+    for key, t in loaded.items():
+        expected = t.to(to) if t.is_floating_point() and t.dim() else t
+        assert written[key].dtype == expected.dtype and written[key].shape == expected.shape, key
+        assert torch.equal(_bits(written[key]), _bits(expected)), key
+
+
+@pytest.mark.parametrize("target,obj,include", [
+    ("fp16", {"model": {"w": torch.tensor([1.0, 1e6, -7e4]), "ok": torch.ones(3)}}, None),
+    ("bf16", {"model": {"w": torch.ones(3)}, "optim": {"step": torch.arange(300.0), "lr": torch.tensor(0.1)}},
+     ["model.*", "optim.step", "optim.lr"]),
+])
+def test_a_cast_the_lane_refuses_is_refused_as_the_torch_path_refuses_it(tmp_path, target, obj, include):
+    """Values a cast makes infinite, and whole numbers or 0-dim values it changes: the same error from the lane as
+    from the torch path, naming the same tensors, and nothing written."""
+    torch.save(obj, tmp_path / "src.pt")
+    with pytest.raises(ConvertError) as lane:
+        _lane(tmp_path / "src.pt", tmp_path / "lane.safetensors", dtype=target, cast_include=include)
+    with pytest.raises(ConvertError) as torch_path:
+        convert(tmp_path / "src.pt", tmp_path / "torch.safetensors", dtype=target, cast_include=include)
+    assert str(lane.value) == str(torch_path.value)
+    assert ("model.w" in str(lane.value)) if target == "fp16" else ("optim.step" in str(lane.value))
+    assert not any(p.name != "src.pt" for p in tmp_path.iterdir())
+
+
+def test_the_cli_casts_a_plain_checkpoint_without_torchs_unpickler(tmp_path):
+    """``--dtype`` imports torch for the cast only: the structure is read by the lane (torch's loader, `torch_zip`,
+    is never imported), and the file is the torch path's."""
+    obj = {"model": {"w": torch.randn(4, 3), "b": torch.zeros(3)}, "optim": {"m": torch.randn(4, 3)}, "step": 7}
+    torch.save(obj, tmp_path / "src.pt")
+    code = ("import sys; from fsdp_restore.cli import main; rc = main(['convert', sys.argv[1], sys.argv[2], '--dtype',"
+            " 'bf16']); assert 'fsdp_restore.torch_zip' not in sys.modules, 'torch.load was used'; sys.exit(rc)")
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "src.pt"), str(tmp_path / "cli.safetensors")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    convert(tmp_path / "src.pt", tmp_path / "torch.safetensors", dtype="bf16")
     assert (tmp_path / "cli.safetensors").read_bytes() == (tmp_path / "torch.safetensors").read_bytes()
 
 

@@ -12,8 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 from dist import run_ranks
+from helpers import through_torch
 
 import fsdp_restore
 from fsdp_restore import FormatError
@@ -21,6 +23,13 @@ from fsdp_restore import FormatError
 deepspeed = pytest.importorskip("deepspeed")
 
 COMBOS = [(stage, dtype) for stage in (1, 2, 3) for dtype in ("fp32", "bf16")]
+
+
+@pytest.fixture(autouse=True)
+def _convert_through_torch():
+    """`convert` here reads through torch, as the oracle of the torch-free reads (called directly: `_lane`)."""
+    with through_torch():
+        yield
 
 
 def _params(world_size):
@@ -453,13 +462,13 @@ def test_the_cli_reads_ahead_what_the_conversion_reads(wide_root, stage, select)
                 assert not any(inner[1:-1]), f"{f.name}: {sum(inner)} pages of Adam's moments read ahead"
 
 
-def _lane(src, dst, select="model", tag=None, max_shard_size=None):
+def _lane(src, dst, select="model", tag=None, max_shard_size=None, dtype=None):
     """The conversion of a ZeRO checkpoint's weights without torch (`zero_plain`), as the CLI runs it."""
     import importlib
 
     convert_module = importlib.import_module("fsdp_restore.convert")
     return convert_module._convert_zero_plain(src, dst, select=select, tag=tag, on_unsupported="error", threads=3,
-                                              max_shard_size=max_shard_size, force=False, progress=None)
+                                              max_shard_size=max_shard_size, force=False, progress=None, dtype=dtype)
 
 
 @pytest.mark.parametrize("world_size,stage,dtype", _params(2) + _params(3))
@@ -483,6 +492,26 @@ def test_the_weights_without_torch_are_the_torch_paths_file(zero_root, tmp_path,
             end = ours.index(b'"', at)
             ours = ours[:at] + expected[their_at:their_at + end - at] + ours[end:]
         assert Path(a).name == Path(b).name and ours == expected, Path(a).name
+
+
+@pytest.mark.parametrize("world_size,stage,dtype", [pytest.param(2, 3, "bf16", id="ws2-z3-bf16"),
+                                                     pytest.param(3, 2, "fp32", id="ws3-z2-fp32")])
+def test_a_cast_of_the_weights_without_torchs_unpickler(zero_root, tmp_path, world_size, stage, dtype):
+    """``--select model --dtype``: the weights read without torch's unpickler are cast from the rank files' byte runs
+    (a parameter's run may cross from one rank's file to the next) into DeepSpeed's own weights cast by torch, bit for
+    bit (as safetensors' reader reads them), and the file is the torch path's."""
+    src = _checkpoint(zero_root, world_size, stage, dtype)
+    for target in (torch.float16, torch.bfloat16):
+        for name in ("lane.safetensors", "torch.safetensors"):
+            (tmp_path / name).unlink(missing_ok=True)
+        assert _lane(src, tmp_path / "lane.safetensors", dtype=target) is not None, "declined"
+        fsdp_restore.convert(src, tmp_path / "torch.safetensors", select="model", dtype=target)
+        assert (tmp_path / "lane.safetensors").read_bytes() == (tmp_path / "torch.safetensors").read_bytes()
+        written = safetensors.torch.load_file(tmp_path / "lane.safetensors")
+        for name, w in _oracles(src, world_size)[0]["weights"].items():
+            expected = w.to(target) if w.is_floating_point() and w.dim() else w
+            assert written[name].dtype == expected.dtype, name
+            assert torch.equal(written[name].view(torch.int16), expected.view(torch.int16)), name
 
 
 def test_the_weights_of_stage_3_sub_groups_without_torch(zero_root, tmp_path):
