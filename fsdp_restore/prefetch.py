@@ -5,8 +5,8 @@ idle; asking the kernel to read the source meanwhile (``POSIX_FADV_WILLNEED``, f
 the call itself can block while it queues the reads) turns that time into reading time. At most a quarter of
 the memory the system has available is asked for, so a source larger than memory is not read twice.
 
-A file is read from its head. A DeepSpeed ZeRO directory is read where the conversion will read it: the
-optimizer files' storages (which ones, from an inert sketch of their pickles: `fsdp_restore.pickle_sketch`),
+A file is read from its head (torch.save's zip archive from its central directory, at its end, then its head).
+A DeepSpeed ZeRO directory is read where the conversion will read it: the optimizer files' storages (which ones, from an inert sketch of their pickles: `fsdp_restore.pickle_sketch`),
 and for a weights-only conversion (``select`` of ``model``) only the fp32 master partitions, a third of those
 files, so that the moments are no more read from disk than without this. Imports nothing heavy: it runs
 before torch is loaded.
@@ -124,10 +124,32 @@ def _isolated_zero_ranges(files: Sequence[Path], weights_only: bool) -> Iterator
             proc.stdout.close()  # else a ResourceWarning, which the CLI shows, when the pipe is collected
 
 
+def _file_ranges(path: Path) -> Ranges:
+    """A file from its head; a zip archive (``torch.save``'s) from its central directory, at its end, then from its
+    head: a conversion reads the directory before anything else, and asked for last it would come only after the
+    whole file (the disk serves the requests in turn). Only the first bytes and the end records are read here, a
+    hundred bytes; anything that does not begin and end as a zip archive does is read from the head."""
+    size = os.stat(path).st_size
+    fd = os.open(path, os.O_RDONLY)
+    try:  # the end read only for an archive: it brings that page in
+        tail = os.pread(fd, _ZIP_TAIL, max(0, size - _ZIP_TAIL)) if os.pread(fd, 4, 0) == b"PK\x03\x04" else b""
+    finally:
+        os.close(fd)
+    at = -1
+    if len(tail) >= 22 and tail[-22:-18] == b"PK\x05\x06":
+        at = int.from_bytes(tail[-6:-2], "little")  # the end record's directory offset
+        if at == 0xFFFFFFFF and len(tail) == _ZIP_TAIL and tail[:4] == b"PK\x06\x06":  # zip64's end record
+            at = int.from_bytes(tail[48:56], "little")
+    return [(at, size - at), (0, at)] if 0 < at < size else [(0, size)]
+
+
+_ZIP_TAIL = 56 + 20 + 22  # zip64's end record and its locator, then the end record: how torch.save's archive ends
+
+
 def _read_ahead(path: Path, select: str | None, tag: str | None, budget: list[int]) -> None:
     if path.is_file():
         with contextlib.suppress(OSError):  # gone meanwhile: the command itself reports it
-            _advise(path, [(0, os.stat(path).st_size)], budget)
+            _advise(path, _file_ranges(path), budget)
         return
     weights_only = select is not None and (select == "model" or select.startswith("model."))
     try:  # what a ZeRO conversion will read, file by file, each asked for as soon as its pickle is sketched

@@ -80,6 +80,47 @@ def test_a_head_larger_than_one_readahead_is_read_whole(tmp_path):
     assert _cached_pages(path, 0, nbytes) == nbytes // PAGE
 
 
+def test_a_zip_archives_directory_is_read_first(tmp_path):
+    """torch.save's archive ends with its central directory, which a conversion reads before anything else: it is
+    asked for first (asked for in file order it would come after the whole file), then the head."""
+    import torch
+
+    path = tmp_path / "src.pt"
+    torch.save({f"t{i}": torch.zeros(1024) for i in range(2000)}, path)  # 2,000 records of 4 KB: 8 MB
+    with open(path, "rb") as f:
+        f.seek(-22, os.SEEK_END)
+        directory_at = int.from_bytes(f.read(22)[16:20], "little")
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    if _cached_pages(path, 0, size):
+        pytest.skip("this file system keeps the pages cached despite POSIX_FADV_DONTNEED")
+    thread = start_prefetch(path, max_bytes=size - directory_at + 16 * PAGE)
+    assert thread is not None
+    thread.join(30)
+    assert _cached_pages(path, directory_at, size - directory_at) >= (size - directory_at) // PAGE  # all of it
+    assert _cached_pages(path, 0, 16 * PAGE) == 16  # then the head, as the budget allows
+    assert _cached_pages(path, size // 3, size // 3) == 0  # not the rest
+
+
+@pytest.mark.parametrize("tail,expected", [
+    (b"x" * 100, None),  # not a zip archive: from the head
+    (b"PK\x06\x06" + bytes(44) + (123).to_bytes(8, "little") + b"PK\x06\x07" + bytes(16)
+     + b"PK\x05\x06" + bytes(12) + b"\xff" * 4 + bytes(2), 123),  # zip64: the offset from its end record
+    (b"PK\x05\x06" + bytes(12) + (40).to_bytes(4, "little") + bytes(2), 40),
+    (b"PK\x05\x06" + bytes(12) + (10 ** 6).to_bytes(4, "little") + bytes(2), None),  # past the end: from the head
+])
+def test_where_the_directory_lies_is_read_from_the_end_records_alone(tmp_path, tail, expected):
+    from fsdp_restore.prefetch import _file_ranges
+
+    path = tmp_path / "f"
+    path.write_bytes(b"PK\x03\x04" + bytes(196) + tail)
+    size = path.stat().st_size
+    assert _file_ranges(path) == ([(0, size)] if expected is None else [(expected, size - expected), (0, expected)])
+
+
 def test_nothing_to_do_for_a_directory_or_a_missing_file(tmp_path):
     assert start_prefetch(tmp_path) is None
     assert start_prefetch(tmp_path / "missing.pt") is None
