@@ -16,7 +16,6 @@ import os
 import pathlib
 import pickle
 import stat
-import sys
 import warnings
 import zipfile
 from collections import OrderedDict
