@@ -16,6 +16,7 @@ import os
 import pathlib
 import pickle
 import stat
+import sys
 import warnings
 import zipfile
 from collections import OrderedDict
@@ -392,17 +393,12 @@ def _convert_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, 
                     return None  # rewritten while it was read: the torch path reads it again
                 identity = source_identity(src, members=members, stat=st)
                 obj = select_subtree(loaded, select, source=src)
-                if not _only_plain_values(obj):
+                if not _lane_values(obj):
                     return None
-                with warnings.catch_warnings(record=True) as said:
-                    warnings.simplefilter("always")
-                    tensors, structure = flatten(obj, on_unsupported=on_unsupported)  # type: ignore[arg-type]
-                if not all(t.is_contiguous() for t in tensors.values()):
-                    return None  # a tensor whose elements are not one run of its storage: torch copies it
+                # its warnings (skipped values) said as the torch path says them; said again only if it raises
+                tensors, structure = flatten(obj, on_unsupported=on_unsupported)  # type: ignore[arg-type]
             except Exception:  # noqa: BLE001 - the torch path reads the file again and says what is wrong with it
                 return None
-            for warning in said:  # flatten's warnings (skipped values), said once, now that this path goes on
-                warnings.warn(warning.message, warning.category, stacklevel=3)
             locations = {key: (fd, t.file_offset) for key, t in tensors.items()}
             result, casts = write_converted(tensors, structure, dst, dtype=dtype, cast_include=cast_include,
                                             cast_exclude=cast_exclude, max_shard_size=max_shard_size, threads=threads,
@@ -449,21 +445,13 @@ def _convert_zero_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str]
         try:
             try:
                 obj = select_subtree({"model": read.model}, select, source=label)
-                if not _only_plain_values(obj):
+                if not _lane_values(obj):
                     return None
-                with warnings.catch_warnings(record=True) as said:
-                    warnings.simplefilter("always")
-                    tensors, structure = flatten(obj, on_unsupported=on_unsupported)  # type: ignore[arg-type]
-                locations: dict[str, Any] = {}
-                for key, t in tensors.items():
-                    if t.storage.extents is None and not t.is_contiguous():
-                        return None  # a tensor whose elements are not one run of its storage: torch copies it
-                    extents = t.storage.extents
-                    locations[key] = extents if extents is not None else (t.storage.fd, t.file_offset)
+                tensors, structure = flatten(obj, on_unsupported=on_unsupported)  # type: ignore[arg-type]
+                locations: dict[str, Any] = {key: t.storage.extents if t.storage.extents is not None
+                                             else (t.storage.fd, t.file_offset) for key, t in tensors.items()}
             except Exception:  # noqa: BLE001 - as above
                 return None
-            for warning in said:  # flatten's warnings (skipped values), said once, now that this path goes on
-                warnings.warn(warning.message, warning.category, stacklevel=3)
             result, casts = write_converted(tensors, structure, dst, dtype=dtype, cast_include=cast_include,
                                             cast_exclude=cast_exclude, max_shard_size=max_shard_size, threads=threads,
                                             force=force, progress=progress, locations=locations, share=Share(0, 1))
@@ -475,15 +463,30 @@ def _convert_zero_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str]
     return _report(label, dst, result, casts, seconds=clock.seconds, peak=mem.peak, threads=threads)
 
 
+def _torch_loads_as_plain_pt_reads() -> bool:
+    """Whether torch.load in this process reads a plain checkpoint as `plain_pt` does: always where torch was not
+    imported; else unless a load endianness other than little (for files that do not say theirs), ``skip_data`` or
+    a fake tensor mode is in force, under which torch.load builds other storages, or none."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return True
+    serialization = torch.serialization
+    return (serialization.get_default_load_endianness() in (None, serialization.LoadEndianness.LITTLE)
+            and not getattr(getattr(serialization, "_serialization_tls", None), "skip_data", False)
+            and torch._guards.detect_fake_mode(None) is None)
+
+
 # Whether `convert` reads a plain checkpoint or a ZeRO checkpoint's weights without torch's unpickler where it can
 # (`plain_pt`, `zero_plain`: the same file as through torch, faster): the tests turn it off to compare the two paths
 _TORCH_FREE_READS = True
 
 
-def _only_plain_values(obj: Any) -> bool:
+def _lane_values(obj: Any) -> bool:
     """Whether ``obj`` holds nothing but what a plain checkpoint's pickle builds: dicts, lists, tuples, Python
     scalars and strings, and `plain_pt.StoredTensor`s (not a global the pickle named as a value, which torch
-    would give as the object itself)."""
+    would give as the object itself), each tensor's elements one run of its storage or a storage held in runs
+    (`zero_plain`): torch copies any other tensor, and so does its path. Decided before anything is flattened,
+    so that nothing the torch path would say again is said."""
     from .plain_pt import StoredTensor
 
     scalars = (type(None), bool, int, float, str, StoredTensor)
@@ -500,7 +503,7 @@ def _only_plain_values(obj: Any) -> bool:
                 stack.extend(node.values())
             else:
                 stack.extend(node)
-        elif t not in scalars:
+        elif t not in scalars or (t is StoredTensor and node.storage.extents is None and not node.is_contiguous()):
             return False
     return True
 
@@ -578,7 +581,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
         return thread_count_argument(thread_count, threads, stacklevel=5), cast_target(dtype)
 
     # read without torch's unpickler where it can be (one process, nothing but torch's weights-only globals)
-    lane = process_group is None and not trust_pickle and not allow_globals and _TORCH_FREE_READS
+    lane = (process_group is None and not trust_pickle and not allow_globals and _TORCH_FREE_READS
+            and _torch_loads_as_plain_pt_reads())
     # alone, a bad argument raises as it is; with several ranks, as the same ConvertError on every rank
     thread_count, dtype = one.step("check the arguments", check_arguments)  # type: ignore[misc]
     casting = {"dtype": dtype, "cast_include": cast_include, "cast_exclude": cast_exclude}

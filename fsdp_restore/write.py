@@ -77,7 +77,8 @@ Location = tuple[int, int] | list[tuple[int, int, int]]  # `TensorJob.location`
 
 @dataclass
 class TensorJob:
-    """One tensor to write: ``source`` (any CPU tensor, typically memory-mapped) stored as ``dtype``.
+    """One tensor to write: ``source`` (any CPU tensor, typically memory-mapped, or one a torch-free reader described:
+    `plain_pt.StoredTensor`, whose dtype is a `plain_pt.StoredDtype`) stored as ``dtype``.
     With a ``reader``, the elements come from it instead (a tensor held in pieces by several files, as
     in a ZeRO or DCP checkpoint), and ``source`` only gives the shape and dtype (a meta tensor)."""
 
@@ -468,7 +469,7 @@ def _cast_located(piece: _Piece, memory: mmap.mmap) -> tuple[int, bool]:
 
     job = piece.job
     source_dtype, size = job.source_dtype, job.dtype.itemsize
-    if piece.first % size or piece.nbytes % size or piece.at % size:
+    if piece.first % size or piece.nbytes % size or piece.at % size:  # never in our layout (`format.build_header`)
         return _copy_piece(piece, memory)  # the tensor does not start at a multiple of its element size
     staging, view = _CAST_STAGING.get()
     buffer = _BUFFERS.as_tensor(memory)
@@ -504,22 +505,28 @@ def _placement(location: Location, first: int, itemsize: int) -> int:
 
 
 def _copy_piece_into(piece: _Piece, buffer: torch.Tensor) -> tuple[int, bool]:
-    """`_copy_piece`, into ``buffer``, the block buffer as a uint8 tensor."""
+    """`_copy_piece`, into ``buffer``, the block buffer as a uint8 tensor: in the steps `_cast_located` takes (torch's
+    cast kernel writes a NaN one way or another by its place within a call, and the two paths write the same file)."""
     import torch
 
     job, size = piece.job, piece.job.dtype.itemsize
-    first, stop = piece.first // size, -(-(piece.first + piece.nbytes) // size)
-    parts = _source_elements(job, first, stop)
-    if piece.first % size == 0 and piece.nbytes % size == 0 and piece.at % size == 0:
-        out = buffer[piece.at:piece.at + piece.nbytes].view(job.dtype)
-        _copy_elements(out, parts)
-    else:  # the tensor does not start at a multiple of its element size (after an odd-length one)
-        out = torch.empty(stop - first, dtype=job.dtype)
-        _copy_elements(out, parts)
-        skip = piece.first - first * size
-        buffer[piece.at:piece.at + piece.nbytes].copy_(out.view(torch.uint8)[skip:skip + piece.nbytes])
     source_dtype = job.source_dtype
-    overflowed, large = cast_screen(source_dtype, out, lambda: torch.cat([p.reshape(-1) for p in parts]))
+    first, stop = piece.first // size, -(-(piece.first + piece.nbytes) // size)
+    aligned = piece.first % size == 0 and piece.nbytes % size == 0 and piece.at % size == 0
+    # else the tensor does not start at a multiple of its element size (after an odd-length one): cast aside
+    whole = (buffer[piece.at:piece.at + piece.nbytes].view(job.dtype) if aligned
+             else torch.empty(stop - first, dtype=job.dtype))
+    step = CAST_STAGING_BYTES // source_dtype.itemsize
+    overflowed, large = 0, False
+    for lo in range(first, stop, step):
+        parts = _source_elements(job, lo, min(stop, lo + step))
+        out = whole[lo - first:lo - first + step]
+        _copy_elements(out, parts)
+        step_overflowed, step_large = cast_screen(source_dtype, out, lambda: torch.cat([p.reshape(-1) for p in parts]))
+        overflowed, large = overflowed + step_overflowed, large or step_large
+    if not aligned:
+        skip = piece.first - first * size
+        buffer[piece.at:piece.at + piece.nbytes].copy_(whole.view(torch.uint8)[skip:skip + piece.nbytes])
     rounded = job.dtype != source_dtype and (job.source.dim() == 0 or (large and rounds_whole_numbers(
         source_dtype, job.dtype)))
     return overflowed, rounded

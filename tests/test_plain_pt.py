@@ -344,6 +344,39 @@ def test_a_cast_the_lane_refuses_is_refused_as_the_torch_path_refuses_it(tmp_pat
     assert not any(p.name != "src.pt" for p in tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("source,target,n", [(torch.float16, "fp32", 2 * 1024 * 1024 + 2),
+                                             (torch.float64, "bf16", 524_290)])
+def test_a_cast_of_nans_writes_the_torch_paths_bytes(tmp_path, source, target, n):
+    """torch's cast kernel writes a NaN one way in its vectorised loop and another in its scalar one (fp16 -> fp32,
+    fp64 -> bf16), so by the NaN's place within a call and within each thread's share of it (the suite runs torch
+    on one thread; a conversion runs it on every core): both paths cast in the same steps, several here."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _same_output(tmp_path, {"w": torch.full((n,), -float("nan"), dtype=source)}, dtype=target)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_load_endianness_torch_was_told_sends_the_conversion_through_torch(tmp_path, monkeypatch):
+    """In a process that set torch's load endianness to big, torch.load byte-swaps a file that does not say its
+    byte order (older torch.save files): `convert` then converts what torch.load gives, not the lane's reading."""
+    monkeypatch.setattr(convert_module, "_TORCH_FREE_READS", True)  # as outside these tests
+    torch.save({"w": torch.arange(8.0)}, tmp_path / "src.pt")
+    raw = (tmp_path / "src.pt").read_bytes()
+    assert raw.count(b"src/byteorder") == 2  # its local header and its directory entry: renamed, no longer read
+    (tmp_path / "src.pt").write_bytes(raw.replace(b"src/byteorder", b"src/data/9999"))
+    before = torch.serialization.get_default_load_endianness()
+    torch.serialization.set_default_load_endianness(torch.serialization.LoadEndianness.BIG)
+    try:
+        expected = torch.load(tmp_path / "src.pt", weights_only=True)["w"]
+        convert(tmp_path / "src.pt", tmp_path / "out.safetensors")
+    finally:
+        torch.serialization.set_default_load_endianness(before)
+    assert not torch.equal(expected, torch.arange(8.0))  # byte-swapped
+    assert torch.equal(_bits(safetensors.torch.load_file(tmp_path / "out.safetensors")["w"]), _bits(expected))
+
+
 def test_the_cli_casts_a_plain_checkpoint_without_torchs_unpickler(tmp_path):
     """``--dtype`` imports torch for the cast only: the structure is read by the lane (torch's loader, `torch_zip`,
     is never imported), and the file is the torch path's."""
@@ -600,7 +633,7 @@ def test_a_deepspeed_file_is_read_as_the_torch_path_reads_it(tmp_path):
     finally:
         os.close(fd)
     assert read["optimizer_state_dict"]["loss_scaler"].state == {"cur_scale": 2.0, "dynamic": False}
-    assert not convert_module._only_plain_values(read)  # not flattened as tuples and ints
+    assert not convert_module._lane_values(read)  # not flattened as tuples and ints
 
 
 @pytest.mark.parametrize("what,old,new", [
