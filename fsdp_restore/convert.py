@@ -485,8 +485,9 @@ def _lane_values(obj: Any) -> bool:
     """Whether ``obj`` holds nothing but what a plain checkpoint's pickle builds: dicts, lists, tuples, Python
     scalars and strings, and `plain_pt.StoredTensor`s (not a global the pickle named as a value, which torch
     would give as the object itself), each tensor's elements one run of its storage or a storage held in runs
-    (`zero_plain`): torch copies any other tensor, and so does its path. Decided before anything is flattened,
-    so that nothing the torch path would say again is said."""
+    (`zero_plain`): any other tensor goes to the torch path, which copies it (even one that another tensor of its
+    storage covers, which flatten then stores as a view of that one: rare, and only slower so). Decided before
+    anything is flattened, so that what flatten says is not said again by the torch path."""
     from .plain_pt import StoredTensor
 
     scalars = (type(None), bool, int, float, str, StoredTensor)

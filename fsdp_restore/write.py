@@ -517,9 +517,12 @@ def _copy_piece_into(piece: _Piece, buffer: torch.Tensor) -> tuple[int, bool]:
     whole = (buffer[piece.at:piece.at + piece.nbytes].view(job.dtype) if aligned
              else torch.empty(stop - first, dtype=job.dtype))
     step = CAST_STAGING_BYTES // source_dtype.itemsize
+    # a reader is asked once per piece (one of a DCP tensor split by columns reloads every chunk per call)
+    read = _source_elements(job, first, stop)[0] if job.reader is not None else None
     overflowed, large = 0, False
     for lo in range(first, stop, step):
-        parts = _source_elements(job, lo, min(stop, lo + step))
+        parts = ([read[lo - first:lo - first + step]] if read is not None
+                 else _source_elements(job, lo, min(stop, lo + step)))
         out = whole[lo - first:lo - first + step]
         _copy_elements(out, parts)
         step_overflowed, step_large = cast_screen(source_dtype, out, lambda: torch.cat([p.reshape(-1) for p in parts]))

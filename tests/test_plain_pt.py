@@ -285,15 +285,20 @@ def test_a_tensor_past_its_storage_is_declined(tmp_path):
         torch.load(src, weights_only=True)
 
 
-def test_the_cli_converts_a_plain_checkpoint_without_importing_torch(tmp_path):
-    obj = {"model": {"w": torch.randn(4, 3), "b": torch.zeros(3)}, "step": 7, "names": ["a", "b"]}
+@pytest.mark.parametrize("args,unused", [([], "torch"), (["--dtype", "bf16"], "fsdp_restore.torch_zip")],
+                         ids=["same dtype", "cast"])
+def test_the_cli_converts_a_plain_checkpoint_without_torch_or_its_loader(tmp_path, args, unused):
+    """The CLI in a fresh process: a same-dtype conversion never imports torch, and ``--dtype`` imports it for the
+    cast alone (torch's loader, `torch_zip`, never); either way the file is the torch path's."""
+    obj = {"model": {"w": torch.randn(4, 3), "b": torch.zeros(3)}, "optim": {"m": torch.randn(4, 3)}, "step": 7,
+           "names": ["a", "b"]}
     torch.save(obj, tmp_path / "src.pt")
-    code = ("import sys; from fsdp_restore.cli import main; rc = main(['convert', sys.argv[1], sys.argv[2]]);"
-            " assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)")
-    run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "src.pt"), str(tmp_path / "cli.safetensors")],
-                         capture_output=True, text=True, timeout=120)
+    code = ("import sys; from fsdp_restore.cli import main; rc = main(['convert', *sys.argv[1:]]);"
+            f" assert {unused!r} not in sys.modules, '{unused} was imported'; sys.exit(rc)")
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "src.pt"), str(tmp_path / "cli.safetensors"),
+                          *args], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
-    convert(tmp_path / "src.pt", tmp_path / "torch.safetensors")
+    convert(tmp_path / "src.pt", tmp_path / "torch.safetensors", dtype=args[1] if args else None)
     assert (tmp_path / "cli.safetensors").read_bytes() == (tmp_path / "torch.safetensors").read_bytes()
 
 
@@ -375,20 +380,6 @@ def test_a_load_endianness_torch_was_told_sends_the_conversion_through_torch(tmp
         torch.serialization.set_default_load_endianness(before)
     assert not torch.equal(expected, torch.arange(8.0))  # byte-swapped
     assert torch.equal(_bits(safetensors.torch.load_file(tmp_path / "out.safetensors")["w"]), _bits(expected))
-
-
-def test_the_cli_casts_a_plain_checkpoint_without_torchs_unpickler(tmp_path):
-    """``--dtype`` imports torch for the cast only: the structure is read by the lane (torch's loader, `torch_zip`,
-    is never imported), and the file is the torch path's."""
-    obj = {"model": {"w": torch.randn(4, 3), "b": torch.zeros(3)}, "optim": {"m": torch.randn(4, 3)}, "step": 7}
-    torch.save(obj, tmp_path / "src.pt")
-    code = ("import sys; from fsdp_restore.cli import main; rc = main(['convert', sys.argv[1], sys.argv[2], '--dtype',"
-            " 'bf16']); assert 'fsdp_restore.torch_zip' not in sys.modules, 'torch.load was used'; sys.exit(rc)")
-    run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "src.pt"), str(tmp_path / "cli.safetensors")],
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr[-2000:]
-    convert(tmp_path / "src.pt", tmp_path / "torch.safetensors", dtype="bf16")
-    assert (tmp_path / "cli.safetensors").read_bytes() == (tmp_path / "torch.safetensors").read_bytes()
 
 
 class _Storage:

@@ -185,3 +185,22 @@ def test_a_cast_into_float8_counts_what_leaves_its_range(dtype, fits, beyond):
     assert write.cast_overflow(src.dtype, out, lambda: src) == len(beyond)
     wide = torch.tensor([1.0, -2.0, 224.0]).to(torch.float8_e5m2)  # float8 into float8, all in range
     assert write.cast_overflow(wide.dtype, wide.to(dtype), lambda: wide) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_reader_is_asked_once_per_piece_whatever_the_cast_steps(monkeypatch, dtype):
+    """A cast runs in steps of `write.CAST_STAGING_BYTES`, but a tensor held in pieces is read once per piece: a DCP
+    tensor split by columns reloads every chunk on each read. Its bytes are the source's, cast by torch."""
+    monkeypatch.setattr(write, "CAST_STAGING_BYTES", 256)  # 64 fp32 elements per step: 8 steps of this piece
+    full = torch.arange(64 * 8, dtype=torch.float32)
+    calls = []
+
+    def reader(first: int, count: int) -> torch.Tensor:
+        calls.append((first, count))
+        return full[first:first + count].clone()
+
+    job = write.TensorJob("w", torch.empty((64, 8), device="meta"), dtype, reader=reader)
+    buffer = torch.zeros(4096, dtype=torch.uint8)
+    write._copy_piece_into(write._Piece(job, 0, job.nbytes, 0), buffer)
+    assert calls == [(0, 512)]
+    assert torch.equal(buffer[:job.nbytes].view(dtype), full.to(dtype))
