@@ -48,7 +48,7 @@ from .mapped import pread_exactly
 from .share import DIED_NOTE, Share
 
 CHUNK_BYTES = 16 * 1024 * 1024  # per-thread working set when casting or copying non-contiguous data
-CAST_STAGING_BYTES = 4 * 1024 * 1024  # source bytes per step of `_cast_located`: they and their cast stay in cache
+CAST_STAGING_BYTES = 4 * 1024 * 1024  # source bytes per step of a cast (`_copy_piece_into`): it stays in cache
 _PLACEHOLDER = "0" * 8
 
 ProgressFn = Callable[[int], None]
@@ -336,8 +336,7 @@ class _FileWriter:
             if job.location is not None and job.dtype == job.source.dtype:
                 _read_location(job.location, memoryview(memory)[piece.at:piece.at + piece.nbytes], piece.first)
             else:
-                cast = _cast_located if job.location is not None and _described(job) else _copy_piece
-                overflowed, rounded = cast(piece, memory)
+                overflowed, rounded = _copy_piece(piece, memory)
                 if overflowed or rounded:
                     with self._lock:
                         self.overflowed[job.key] += overflowed
@@ -447,7 +446,7 @@ def _copy_piece(piece: _Piece, memory: mmap.mmap) -> tuple[int, bool]:
 
 
 class _CastStaging(threading.local):
-    """This thread's buffer for the source bytes of a cast (`_cast_located`), as a uint8 tensor and a view."""
+    """This thread's buffer for the source bytes of a cast (`_staged`), as a uint8 tensor and a view."""
 
     def get(self) -> tuple[torch.Tensor, memoryview]:
         if getattr(self, "tensor", None) is None:
@@ -461,33 +460,17 @@ class _CastStaging(threading.local):
 _CAST_STAGING = _CastStaging()
 
 
-def _cast_located(piece: _Piece, memory: mmap.mmap) -> tuple[int, bool]:
-    """`_copy_piece` of a tensor a torch-free reader described (`_described`), so from the file where its bytes lie
-    (``job.location``): read with ``pread`` a few MB at a time into this thread's staging buffer (placed as the
-    bytes lie in their page: the kernel's copy is fastest so) and cast from there into the block."""
-    import torch
-
-    job = piece.job
-    source_dtype, size = job.source_dtype, job.dtype.itemsize
-    if piece.first % size or piece.nbytes % size or piece.at % size:  # never in our layout (`format.build_header`)
-        return _copy_piece(piece, memory)  # the tensor does not start at a multiple of its element size
+def _staged(job: TensorJob, first: int, stop: int) -> torch.Tensor:
+    """Elements ``[first, stop)`` of a tensor a torch-free reader described (`_described`), at most
+    `CAST_STAGING_BYTES` of them, read with ``pread`` from where they lie (``job.location``) into this thread's staging
+    buffer, placed as the bytes lie in their page (the kernel's copy is fastest so): valid until the thread's next
+    call."""
     staging, view = _CAST_STAGING.get()
-    buffer = _BUFFERS.as_tensor(memory)
-    step = CAST_STAGING_BYTES // source_dtype.itemsize
-    overflowed, large, at = 0, False, piece.at
-    with torch.no_grad():
-        for first in range(piece.first // size, (piece.first + piece.nbytes) // size, step):
-            n = min(step, (piece.first + piece.nbytes) // size - first)
-            nbytes = n * source_dtype.itemsize
-            shift = _placement(job.location, first * source_dtype.itemsize, source_dtype.itemsize)
-            _read_location(job.location, view[shift:shift + nbytes], first * source_dtype.itemsize)
-            source = staging[shift:shift + nbytes].view(source_dtype)
-            out = buffer[at:at + n * size].view(job.dtype)
-            out.copy_(source)
-            block_overflowed, block_large = cast_screen(source_dtype, out, lambda: source)
-            overflowed, large, at = overflowed + block_overflowed, large or block_large, at + n * size
-    rounded = job.source.dim() == 0 or (large and rounds_whole_numbers(source_dtype, job.dtype))
-    return overflowed, rounded
+    itemsize = job.source_dtype.itemsize
+    shift = _placement(job.location, first * itemsize, itemsize)  # type: ignore[arg-type]
+    nbytes = (stop - first) * itemsize
+    _read_location(job.location, view[shift:shift + nbytes], first * itemsize)  # type: ignore[arg-type]
+    return staging[shift:shift + nbytes].view(job.source_dtype)
 
 
 def _placement(location: Location, first: int, itemsize: int) -> int:
@@ -505,8 +488,10 @@ def _placement(location: Location, first: int, itemsize: int) -> int:
 
 
 def _copy_piece_into(piece: _Piece, buffer: torch.Tensor) -> tuple[int, bool]:
-    """`_copy_piece`, into ``buffer``, the block buffer as a uint8 tensor: in the steps `_cast_located` takes (torch's
-    cast kernel writes a NaN one way or another by its place within a call, and the two paths write the same file)."""
+    """`_copy_piece`, into ``buffer``, the block buffer as a uint8 tensor, in steps of `CAST_STAGING_BYTES` of source
+    whatever the source (torch's cast kernel writes a NaN one way or another by its place within a call: a tensor
+    read through torch and the same tensor read without it are cast alike). A described source is read step by step
+    into the staging buffer (`_staged`)."""
     import torch
 
     job, size = piece.job, piece.job.dtype.itemsize
@@ -519,11 +504,15 @@ def _copy_piece_into(piece: _Piece, buffer: torch.Tensor) -> tuple[int, bool]:
     step = CAST_STAGING_BYTES // source_dtype.itemsize
     # a reader is asked once per piece (one of a DCP tensor split by columns reloads every chunk per call)
     read = _source_elements(job, first, stop)[0] if job.reader is not None else None
+    described = job.location is not None and _described(job)
     overflowed, large = 0, False
     for lo in range(first, stop, step):
-        parts = ([read[lo - first:lo - first + step]] if read is not None
-                 else _source_elements(job, lo, min(stop, lo + step)))
-        out = whole[lo - first:lo - first + step]
+        hi = min(stop, lo + step)
+        if read is not None:
+            parts = [read[lo - first:hi - first]]
+        else:
+            parts = [_staged(job, lo, hi)] if described else _source_elements(job, lo, hi)
+        out = whole[lo - first:hi - first]
         _copy_elements(out, parts)
         step_overflowed, step_large = cast_screen(source_dtype, out, lambda: torch.cat([p.reshape(-1) for p in parts]))
         overflowed, large = overflowed + step_overflowed, large or step_large
