@@ -16,7 +16,6 @@ import os
 import pathlib
 import pickle
 import stat
-import sys
 import warnings
 import zipfile
 from collections import OrderedDict
@@ -464,16 +463,12 @@ def _convert_zero_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str]
 
 
 def _torch_loads_as_plain_pt_reads() -> bool:
-    """Whether torch.load in this process reads a plain checkpoint as `plain_pt` does: always where torch was not
-    imported; else unless a load endianness other than little (for files that do not say theirs), ``skip_data`` or
-    a fake tensor mode is in force, under which torch.load builds other storages, or none."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return True
-    serialization = torch.serialization
-    return (serialization.get_default_load_endianness() in (None, serialization.LoadEndianness.LITTLE)
-            and not getattr(getattr(serialization, "_serialization_tls", None), "skip_data", False)
-            and torch._guards.detect_fake_mode(None) is None)
+    """Whether torch.load in this process reads a plain checkpoint as `plain_pt` does: its storages built from the
+    records' bytes as they lie, a file that does not say its byte order read as little-endian (`plain_pt` reads
+    those too)."""
+    from .plain_pt import builds_storages_from_records, default_byte_order_little
+
+    return builds_storages_from_records() and default_byte_order_little()
 
 
 # Whether `convert` reads a plain checkpoint or a ZeRO checkpoint's weights without torch's unpickler where it can

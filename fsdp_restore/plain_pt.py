@@ -40,6 +40,27 @@ _KNOWN_RECORDS = {  # the records other than data.pkl and storages that torch.sa
     "version": {b"3\n", b"3"}, ".format_version": {b"1"}, ".storage_alignment": {b"64"}, "byteorder": {b"little"}}
 
 
+def builds_storages_from_records() -> bool:
+    """Whether torch.load in this process builds each storage of a zip-format file from its record's bytes as they
+    lie, as this module (and `fsdp_restore.torch_zip`) takes them: on a little-endian host, and, where torch is
+    imported, without ``skip_data`` or a fake tensor mode (under which it builds other storages, or none). The byte
+    order of a file that does not say its own: `default_byte_order_little`."""
+    torch = sys.modules.get("torch")
+    if torch is None or sys.byteorder != "little":
+        return sys.byteorder == "little"
+    tls = getattr(torch.serialization, "_serialization_tls", None)
+    return not getattr(tls, "skip_data", False) and torch._guards.detect_fake_mode(None) is None
+
+
+def default_byte_order_little() -> bool:
+    """Whether torch.load reads a file that does not say its byte order (no ``byteorder`` record) as little-endian:
+    unless the user set another load endianness (where torch is imported)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return True
+    return torch.serialization.get_default_load_endianness() in (None, torch.serialization.LoadEndianness.LITTLE)
+
+
 class NotPlain(Exception):
     """This file is not one this module reads exactly as torch's weights-only loader would: load it with torch."""
 
@@ -234,6 +255,22 @@ def load_plain_archive(fd: int, *, deepspeed: bool = False) -> tuple[Any, list[Z
         raise NotPlain(f"{type(e).__name__}: {e}") from None
 
 
+ZIP_TAIL_BYTES = _ZIP64_END.size + _ZIP64_LOCATOR.size + _END.size  # how torch.save's archive ends: zip64's records
+
+
+def end_records(tail: bytes) -> tuple[tuple[Any, ...], tuple[tuple[Any, ...], tuple[Any, ...]] | None] | None:
+    """The fields of the end record a file's last bytes ``tail`` (its last `ZIP_TAIL_BYTES`, or all of a shorter
+    file) end with, and of zip64's locator and end record where they precede it (a locator's signature there);
+    None where ``tail`` is too short for an end record. Unchecked: `_Archive` checks every field, the read-ahead
+    (`prefetch`) only asks where the directory lies."""
+    if len(tail) < _END.size:
+        return None
+    end = _END.unpack_from(tail, len(tail) - _END.size)
+    if len(tail) == ZIP_TAIL_BYTES and tail[_ZIP64_END.size:_ZIP64_END.size + 4] == b"PK\x06\x07":
+        return end, (_ZIP64_LOCATOR.unpack_from(tail, _ZIP64_END.size), _ZIP64_END.unpack_from(tail))
+    return end, None
+
+
 class ZipMember(NamedTuple):
     """One record of the archive as its central directory lists it (the names `zipfile.ZipInfo` gives them)."""
 
@@ -255,21 +292,19 @@ class _Archive:
     def __init__(self, fd: int) -> None:
         self.fd = fd
         size = os.fstat(fd).st_size
-        tail_size = _ZIP64_END.size + _ZIP64_LOCATOR.size + _END.size
-        tail = os.pread(fd, tail_size, max(0, size - tail_size))
-        if len(tail) < _END.size:
+        tail = os.pread(fd, ZIP_TAIL_BYTES, max(0, size - ZIP_TAIL_BYTES))
+        ends = end_records(tail)
+        if ends is None:
             raise NotPlain("too short for a zip archive")
-        signature, disk, directory_disk, here, total, directory_size, directory_at, comment = _END.unpack_from(
-            tail, len(tail) - _END.size)
+        (signature, disk, directory_disk, here, total, directory_size, directory_at, comment), zip64 = ends
         if signature != b"PK\x05\x06" or disk or directory_disk or here != total or comment:
             raise NotPlain("a zip end record (at the file's last 22 bytes) other than torch.save's")
         directory_end = size - _END.size
-        if len(tail) == tail_size and tail[_ZIP64_END.size:_ZIP64_END.size + 4] == b"PK\x06\x07":
-            _, end_disk, end_at, disks = _ZIP64_LOCATOR.unpack_from(tail, _ZIP64_END.size)
-            (end_signature, end_size, _, _, disk64, directory_disk64, here64, total64, directory_size64,
-             directory_at64) = _ZIP64_END.unpack_from(tail)
+        if zip64 is not None:
+            (_, end_disk, end_at, disks), (end_signature, end_size, _, _, disk64, directory_disk64, here64, total64,
+                                           directory_size64, directory_at64) = zip64
             # miniz takes the zip64 record's values; the 16- and 32-bit ones must be the same, saturated
-            if (end_disk or disks != 1 or end_at != size - tail_size or end_signature != b"PK\x06\x06"
+            if (end_disk or disks != 1 or end_at != size - ZIP_TAIL_BYTES or end_signature != b"PK\x06\x06"
                     or end_size != _ZIP64_END.size - 12 or disk64 or directory_disk64 or here64 != total64
                     or (total, directory_size, directory_at) != (min(total64, 0xFFFF),
                                                                  min(directory_size64, _SATURATED),

@@ -30,6 +30,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from .pickle_sketch import sketch, storage_range, storage_refs
+from .plain_pt import ZIP_TAIL_BYTES, end_records
 from .zero_files import STAGE_1_2_MASTERS, STAGE_3_MASTERS, is_zero_checkpoint, optim_files, resolve_tag
 
 # One readahead request per step, in file order, so that the first bytes are asked for first. Small: Linux reads
@@ -132,18 +133,17 @@ def _file_ranges(path: Path) -> Ranges:
     size = os.stat(path).st_size
     fd = os.open(path, os.O_RDONLY)
     try:  # the end read only for an archive: it brings that page in
-        tail = os.pread(fd, _ZIP_TAIL, max(0, size - _ZIP_TAIL)) if os.pread(fd, 4, 0) == b"PK\x03\x04" else b""
+        head = os.pread(fd, 4, 0)
+        tail = os.pread(fd, ZIP_TAIL_BYTES, max(0, size - ZIP_TAIL_BYTES)) if head == b"PK\x03\x04" else b""
     finally:
         os.close(fd)
     at = -1
-    if len(tail) >= 22 and tail[-22:-18] == b"PK\x05\x06":
-        at = int.from_bytes(tail[-6:-2], "little")  # the end record's directory offset
-        if at == 0xFFFFFFFF and len(tail) == _ZIP_TAIL and tail[:4] == b"PK\x06\x06":  # zip64's end record
-            at = int.from_bytes(tail[48:56], "little")
+    if (ends := end_records(tail)) is not None and ends[0][0] == b"PK\x05\x06":
+        end, zip64 = ends
+        at = end[6]  # the end record's directory offset; zip64's where that one is saturated
+        if at == 0xFFFFFFFF and zip64 is not None:
+            at = zip64[1][9]
     return [(at, size - at), (0, at)] if 0 < at < size else [(0, size)]
-
-
-_ZIP_TAIL = 56 + 20 + 22  # zip64's end record and its locator, then the end record: how torch.save's archive ends
 
 
 def _read_ahead(path: Path, select: str | None, tag: str | None, budget: list[int]) -> None:

@@ -36,6 +36,7 @@ import torch
 from torch._weights_only_unpickler import Unpickler as _TorchUnpickler
 
 from .errors import FormatError
+from .plain_pt import builds_storages_from_records, default_byte_order_little
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # zip local file header: 30 bytes, then name and extra field
 _LOCAL_SIGNATURE = b"PK\x03\x04"
@@ -63,7 +64,7 @@ def load(path: str | os.PathLike[str], safe_globals: Sequence[Any]) -> Any:
     if reader_type is None or tls is None or not all(
             hasattr(reader_type, call) for call in ("get_record_header_offset", "get_record_size")):
         raise NotHandled("this torch lacks the zip reader calls this loader uses")
-    if sys.byteorder != "little" or getattr(tls, "skip_data", False) or torch._guards.detect_fake_mode(None):
+    if not builds_storages_from_records():
         raise NotHandled("big-endian host, skip_data or fake tensor mode: torch.load builds those storages")
     try:
         reader = reader_type(os.fspath(path))  # torch's own checks: a torch archive, a format version it reads
@@ -126,9 +127,9 @@ def _check_byte_order(reader: Any, names: Collection[str]) -> None:
         if reader.get_record("byteorder") != b"little":
             raise NotHandled("the byteorder record is not 'little'")
         return
-    endianness = torch.serialization.get_default_load_endianness()
-    if endianness not in (None, torch.serialization.LoadEndianness.LITTLE):
+    if not default_byte_order_little():
         raise NotHandled("a load endianness other than little is set")
+
 
 
 class _LocalHeader(NamedTuple):
