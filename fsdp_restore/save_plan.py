@@ -157,6 +157,26 @@ def state_dict_names(model: nn.Module) -> list[str]:
     return names
 
 
+def _fsdp1_buffer_dtypes(model: nn.Module) -> dict[str, torch.dtype]:
+    """``{clean buffer name: dtype}`` of the buffers an FSDP1 unit with mixed precision for buffers holds in
+    ``buffer_dtype`` (cast so at the first forward): their dtype before that, which FSDP1's state dict casts them
+    back to (the outermost unit's record, taken at its construction)."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    except ImportError:  # pragma: no cover
+        return {}
+    top = ddp_prefix(model)
+    out: dict[str, torch.dtype] = {}
+    for mod_name, module in model.named_modules():
+        if not isinstance(module, FSDP) or getattr(getattr(module, "mixed_precision", None), "buffer_dtype",
+                                                    None) is None:
+            continue
+        prefix = clean_name(mod_name.removeprefix(top))
+        for buf_name, dtype in getattr(module, "_buffer_name_to_orig_dtype", {}).items():
+            out.setdefault(_join(prefix, clean_name(buf_name)), dtype)
+    return out
+
+
 def _replicas(model: nn.Module, targets: Sequence[Target], rank: int, world: int) -> dict[str, tuple[int, int]]:
     """``{target name: (replicas, this rank's replica index)}``: how many ranks hold the same pieces."""
     by_name: dict[str, torch.Tensor] = {}
@@ -308,12 +328,17 @@ def build_write_plan(model: nn.Module, *, optimizer: torch.optim.Optimizer | Non
         raise FsdpRestoreError(f"the model's state-dict names and its tensors differ: {', '.join(diff[:8])}")
     model_stand_ins: dict[str, torch.Tensor] = {}
     state: dict[str, torch.Tensor] = {}
+    buffer_dtypes = _fsdp1_buffer_dtypes(model)
     for name in names:
         canonical = aliases.get(name, name)
         if canonical not in model_stand_ins:
             target = by_name[canonical]
-            model_stand_ins[canonical] = shaped(target.global_shape, target.dtype,
-                                                [(p.dest, p) for p in target.pieces], replicas[canonical],
+            dtype, pieces = target.dtype, [(p.dest, p) for p in target.pieces]
+            if target.kind == "buffer" and buffer_dtypes.get(canonical, dtype) != dtype:
+                # as FSDP1's state dict gives it: in its dtype before mixed precision cast it (an exact cast back)
+                dtype = buffer_dtypes[canonical]
+                pieces = [(data.to(dtype), p) for data, p in pieces]
+            model_stand_ins[canonical] = shaped(target.global_shape, dtype, pieces, replicas[canonical],
                                                 first_replica_only=target.kind == "buffer")
         state[name] = model_stand_ins[canonical]
 

@@ -842,3 +842,40 @@ def test_extra_is_planned_from_what_travelled_and_an_unsaveable_value_is_named(t
 class _Local:
     def __reduce__(self):
         raise TypeError("cannot pickle this")
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 4) + 1e-3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+def _mixed_precision_buffers(rank, world_size, path):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import MixedPrecision
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    model = FSDP(_Scaled(), device_id=torch.device("cpu"), mixed_precision=MixedPrecision(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16))
+    model(torch.randn(2, 4)).sum().backward()  # the first forward casts the buffers to bfloat16
+    assert model._fsdp_wrapped_module.scale.dtype == torch.bfloat16
+    save_sharded(model, path)
+    expected = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    if rank == 0:
+        from safetensors import safe_open
+
+        with safe_open(path, "pt") as f:
+            for key, value in expected.items():
+                got = f.get_tensor(key)
+                assert got.dtype == value.dtype and torch.equal(got, value), key
+
+
+def test_fsdp1_buffers_in_mixed_precision_are_saved_as_its_state_dict_gives_them(tmp_path):
+    """FSDP1 with a buffer_dtype holds its buffers in that dtype after a forward; its state dict gives them in their
+    dtype before (float32 here): the save stored them as bfloat16."""
+    run_ranks(_mixed_precision_buffers, 2, str(tmp_path / "mp.safetensors"))
