@@ -1,6 +1,7 @@
 """The error types fsdp_restore raises. Every message names the file or key at fault and what to do.
 
-Also the one check of an option that every public entry point shares (`thread_count_argument`).
+Also the checks of the options every public entry point shares (`thread_count_argument`,
+`process_group_argument`).
 """
 
 from __future__ import annotations
@@ -113,6 +114,19 @@ def thread_count_argument(thread_count: object, threads: object = None, *, stack
                                      or thread_count < 1):
         raise ValueError(f"thread_count must be a positive int, not {thread_count!r}")
     return thread_count
+
+
+def process_group_argument(process_group: object) -> None:
+    """The ``process_group=`` of a public entry point, checked at the door, before any collective uses it: None (the
+    default group) or a ``torch.distributed.ProcessGroup``, else a `TypeError` naming it (torch's own error for,
+    say, the string ``"WORLD"`` speaks of groups not registered)."""
+    if process_group is None:
+        return
+    import torch.distributed as dist
+
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed.ProcessGroup (e.g. torch.distributed.group.WORLD)"
+                        f" or None, not {type(process_group).__name__}")
 
 
 def renamed_argument(old: str, old_value: Any, new: str, new_value: Any, *, stacklevel: int = 3) -> Any:

@@ -30,7 +30,7 @@ from torch import nn
 
 from . import check as checks
 from .buffers import buffer_problems
-from .errors import RestoreError, renamed_argument, thread_count_argument
+from .errors import RestoreError, process_group_argument, renamed_argument, thread_count_argument
 from .execute import DEFAULT_READ_THREADS, cache_chunk_bytes, execute_reads
 from .key_map import KeyMap
 from .plan import ReadPlan, RestoreReport, build_plan, default_prefix
@@ -385,6 +385,7 @@ def restore_model(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpo
     `DeprecationWarning`. A value that is not an int >= 1 is a `ValueError` before anything is read; with
     several ranks, a bad argument on any rank is the same `RestoreError` on every rank instead.
     """
+    process_group_argument(process_group)  # raised alone: a group that is not one cannot carry it to the others
     try:
         thread_count = thread_count_argument(thread_count, threads)
         model_prefix = renamed_argument("prefix", prefix, "model_prefix", model_prefix)
@@ -421,6 +422,7 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
     where ``param_names`` were saved, a group may hold a part of the saved group's parameters (a pipeline
     stage of the saved run's model); the others are listed in ``report.unexpected``. ``thread_count`` and
     ``verify_checksums``: as `restore_model`."""
+    process_group_argument(process_group)  # raised alone: a group that is not one cannot carry it to the others
     try:
         thread_count = thread_count_argument(thread_count, threads)
         optim_prefix = renamed_argument("prefix", prefix, "optim_prefix", optim_prefix)
@@ -452,6 +454,7 @@ def restore(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint,
     ``"optim"``). ``model_key=`` and
     ``optim_key=``, their old names, still work with a `DeprecationWarning`. ``key_map``, ``thread_count`` and
     ``verify_checksums``: as `restore_model`."""
+    process_group_argument(process_group)  # raised alone: a group that is not one cannot carry it to the others
     try:
         thread_count = thread_count_argument(thread_count, threads)
         model_prefix = renamed_argument("model_key", model_key, "model_prefix", model_prefix)

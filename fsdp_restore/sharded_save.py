@@ -48,7 +48,8 @@ from torch import nn
 
 from . import save_plan
 from .checksum import _multiply, _shift, shift_power
-from .errors import FsdpRestoreError, RestoreError, SaveError, on_unsupported_argument, thread_count_argument
+from .errors import (FsdpRestoreError, RestoreError, SaveError, on_unsupported_argument, process_group_argument,
+                     thread_count_argument)
 from .execute import parts
 from .format import DEFAULT_INDEX_NAME
 from .jobs import shard_size_argument
@@ -431,9 +432,6 @@ def _check_arguments(model: Any, path: Any, optimizer: Any, extra: Any, process_
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"extra must be a dict (step, scheduler state, RNG states...) or None, not"
                         f" {type(extra).__name__}")
-    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-        raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, not"
-                        f" {type(process_group).__name__}")
     on_unsupported_argument(on_unsupported)
     thread_count_argument(thread_count)  # the checks every entry point shares
     if isinstance(max_shard_size, bool):
@@ -469,6 +467,7 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
     hold as None, with a warning, as `convert` does.
     """
     t0 = time.perf_counter()
+    process_group_argument(process_group)  # before the group is asked for this rank's place in it
     rank, world = _rank(process_group)
     group = process_group
     timings: dict[str, float] = {}

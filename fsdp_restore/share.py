@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .errors import ConvertError
+from .errors import ConvertError, process_group_argument
 
 if TYPE_CHECKING:  # imported where a share of several processes uses it: a conversion alone never does
     import torch.distributed as dist
@@ -42,9 +42,7 @@ class Share:
         """The share of the calling process in ``group`` (None: the default group, which must exist)."""
         import torch.distributed as dist
 
-        if group is not None and not isinstance(group, dist.ProcessGroup):
-            raise TypeError(f"process_group must be a torch.distributed.ProcessGroup (e.g. torch.distributed.group."
-                            f"WORLD) or None, not {type(group).__name__}")
+        process_group_argument(group)
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("process_group: torch.distributed is not initialized; call init_process_group first"
                              " (torchrun does it for the CLI), or pass no process_group to convert in one process")

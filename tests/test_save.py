@@ -413,6 +413,15 @@ def _bad_arguments(rank, world_size, path):
         texts.append(str(info.value))
     with pytest.raises(TypeError):
         save_sharded(model, path, None)  # options are keyword-only
+    # a group that is not one: said at the door, on every rank that passed it (torch's own error for "WORLD" speaks
+    # of a group not registered)
+    for call in (lambda: save_sharded(model, path, process_group="WORLD"),
+                 lambda: fsdp_restore.restore_model(model, path, process_group="WORLD"),
+                 lambda: fsdp_restore.restore(model, path, process_group="WORLD"),
+                 lambda: fsdp_restore.restore_optimizer(torch.optim.SGD(model.parameters()), model, path,
+                                                        process_group="WORLD")):
+        with pytest.raises(TypeError, match="process_group must be a torch.distributed.ProcessGroup .* not str"):
+            call()
     assert not os.path.exists(path) and not _leftovers(path)
     run_dir = os.path.join(os.path.dirname(path), "run")  # a directory of the user's files: never replaced
     if rank == 0:
