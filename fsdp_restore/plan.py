@@ -23,8 +23,8 @@ from .key_map import KeyMap
 from .optim_plan import plan_optimizer
 from .read import Checkpoint
 from .readplan import OptimizerPlan, ReadItem, ReadPlan, RestoreReport
-from .shards import Target, clean_name, local_targets
-from .stored import Source, default_prefix, tensor_sources
+from .shards import Target, clean_name, extra_state_modules, local_targets
+from .stored import Source, default_prefix, tensor_sources, whole_values
 
 __all__ = ["OptimizerPlan", "ReadItem", "ReadPlan", "RestoreReport", "Source", "build_plan", "default_prefix",
            "tensor_sources"]
@@ -61,11 +61,44 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, prefix: str | None, strict
     if weights:
         plan.model_report = RestoreReport(prefix=prefix)
         _plan_weights(plan, targets, aliases, ckpt, prefix, stored_as, strict=strict, dtype_policy=dtype_policy)
+        _plan_extra_states(plan, model, ckpt, prefix, key_map, strict=strict)
     if optimizer is not None:
         plan.optim_report = RestoreReport(prefix=optim_prefix, method="optimizer")
         plan.optim = OptimizerPlan(optimizer)
         plan_optimizer(plan, model, targets, aliases, ckpt, optim_prefix, stored_as, strict=strict)
     return plan
+
+
+def _plan_extra_states(plan: ReadPlan, model: nn.Module, ckpt: Checkpoint, prefix: str, key_map: KeyMap | None, *,
+                       strict: bool) -> None:
+    """Each module's extra state, as ``load_state_dict`` treats it: the stored value under ``<module>._extra_state``
+    (any value: a tensor, a dict...) goes to the module's ``set_extra_state`` after the reads; missing, it is a
+    problem (``strict``) or listed; stored for a module that takes none, it stays among the unexpected names."""
+    report = plan.model_report
+    assert report is not None
+    modules = extra_state_modules(model, "set_extra_state")
+    if not modules:
+        return
+    stored_as, map_problems = key_maps.apply(key_map, list(modules))
+    for text in map_problems:
+        plan.add_problem("key_map", text)
+    nodes = whole_values(ckpt, prefix, stored_as.values())
+    for name, module in modules.items():
+        node = nodes.get(stored_as.get(name, ""))
+        if node is not None:
+            plan.extra_states.append((name, module, node))
+        elif name in stored_as and strict:
+            plan.add_problem("missing", name)
+        elif name in stored_as:
+            report.missing.append(name)
+    # what lies within a value given to a module is not unexpected
+    taken = tuple(stored_as[name] for name, _, _ in plan.extra_states)
+    below = tuple(t + "." for t in taken)
+    plan.problems["unexpected"] = [n for n in plan.problems.get("unexpected", []) if n not in taken
+                                   and not n.startswith(below)]
+    if not plan.problems["unexpected"]:
+        del plan.problems["unexpected"]
+    report.unexpected[:] = [n for n in report.unexpected if n not in taken and not n.startswith(below)]
 
 
 def _same_values(ckpt: Checkpoint, a: Source, b: Source) -> bool:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from .shards import Target
 
@@ -105,6 +106,8 @@ class ReadPlan:
     targets: list[Target] = field(default_factory=list)
     # {model name: the checkpoint's name} as the key map applied (every rank must read from the same names)
     stored_as: dict[str, str] = field(default_factory=dict)
+    # (entry name, module, the stored node) of each module's extra state (``set_extra_state``), set after the reads
+    extra_states: list[tuple[str, nn.Module, Any]] = field(default_factory=list)
 
     def add_problem(self, kind: str, text: str) -> None:
         self.problems.setdefault(kind, []).append(text)

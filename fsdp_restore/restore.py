@@ -37,6 +37,7 @@ from .plan import ReadPlan, RestoreReport, build_plan, default_prefix
 from .read import Checkpoint, open_checkpoint
 from .restored_sums import ChecksumVerdict, joined_verdict, local_sums
 from .stored import extras
+from .stored import value as stored_value
 from .verdict import agree, new_problems
 
 __all__ = ["RestoreReport", "RestoreResult", "default_prefix", "restore", "restore_model", "restore_optimizer"]
@@ -139,6 +140,7 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
     prints: list[tuple[str, int]] = []
     same: list[tuple[str, str]] = []
     extra: dict[str, Any] = {}
+    extra_states: list[tuple[nn.Module, Any]] = []
     what = "restore" if weights else "optimizer restore"
     try:
         # -- phase 1: open, plan, validate the plan against the model's memory (nothing is modified) --------
@@ -154,6 +156,8 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
             plan = build_plan(model, ckpt, prefix=prefix, strict=strict, dtype_policy=dtype_policy, weights=weights,
                               optimizer=optimizer, optim_prefix=optim_prefix, key_map=key_map)
             problems.update(plan.problems)
+            # the modules' extra states, read now (small values): a failure here leaves the model untouched
+            extra_states = [(module, stored_value(ckpt, node)) for _, module, node in plan.extra_states]
             if verify_checksums:
                 _refuse_without_checksums(plan, ckpt)
             memory = checks.model_storages(model)  # from the model itself, not from the plan
@@ -207,6 +211,8 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
                                   poison_staging=True, chunk_bytes=cache_chunk_bytes(threads))
                 else:
                     execute_reads(ckpt, plan.items, threads, poison_staging=check)
+                for module, state in extra_states:  # as load_state_dict gives them, with the tensors
+                    module.set_extra_state(state)
                 t2 = time.perf_counter()
                 timings["read"] = t2 - t1
                 if ledger is not None:

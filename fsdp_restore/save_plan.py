@@ -23,7 +23,7 @@ all-reduce): plus a count term per tensor, so that the ranks together write ever
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from math import prod
 from typing import Any
@@ -36,8 +36,8 @@ from .errors import FsdpRestoreError
 from .flatten import flatten, iter_tensor_nodes
 from .format import META_SET_ID
 from .jobs import plan_jobs
-from .shards import (Piece, Target, _fsdp1_units, _is_dtensor, _join, clean_name, ddp_prefix, local_targets,
-                     local_tensor)
+from .shards import (EXTRA_STATE, Piece, Target, _fsdp1_units, _is_dtensor, _join, clean_name, ddp_prefix,
+                     local_targets, local_tensor)
 from .write import HeldInPieces, OutputFile, TensorJob, file_header, file_layout, stand_in
 
 from .optim_plan import live_groups
@@ -122,10 +122,11 @@ class WritePlan:
 # ---- who holds what, and which replica writes it --------------------------------------------------------
 
 
-def state_dict_names(model: nn.Module) -> list[str]:
+def state_dict_names(model: nn.Module, extra_states: Collection[str] = ()) -> list[str]:
     """The model's state-dict names (clean, tied names included) in ``state_dict()`` order, from the module
     tree: no state dict is built (FSDP1's would gather). FSDP1 flat parameters are expanded in place of the
-    modules that registered the original parameters."""
+    modules that registered the original parameters; ``extra_states``: the modules' extra-state entries
+    (`shards.extra_state_modules`), each after its module's buffers."""
     from torch.distributed.fsdp._flat_param import FlatParameter
 
     top = ddp_prefix(model)
@@ -154,6 +155,9 @@ def state_dict_names(model: nn.Module) -> list[str]:
         for b_name, b in module._buffers.items():
             if b is not None and b_name not in module._non_persistent_buffers_set:
                 add(_join(mod_name, b_name))
+        if (extra_states and type(module).get_extra_state is not nn.Module.get_extra_state
+                and clean_name(_join(mod_name, EXTRA_STATE).removeprefix(top)) in extra_states):
+            add(_join(mod_name, EXTRA_STATE))  # the module's own, not a wrapper's of the same clean name
     return names
 
 
@@ -285,11 +289,14 @@ def _never(first: int, count: int) -> torch.Tensor:  # stand-ins are never read:
 def build_write_plan(model: nn.Module, *, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any] | None,
                      weights_only: bool, rank: int, world: int, max_shard_size: int | None,
                      remote_state: dict[str, tuple[int, list[tuple]]] | None = None,
-                     set_id: str | None = None, on_unsupported: str = "error") -> WritePlan:
+                     set_id: str | None = None, on_unsupported: str = "error",
+                     extra_states: dict[str, Any] | None = None) -> WritePlan:
     """This rank's write plan (see the module docstring). ``remote_state``: `merge_schemas` of every rank's
     `state_schema`, for optimizers whose ranks hold state only for parameters they hold elements of (FSDP1
     with ``use_orig_params``). Raises `FsdpRestoreError` for a layout or state that cannot be saved this way;
-    the caller turns it into the verdict. ``set_id``: the id every shard of a sharded set carries (rank 0's)."""
+    the caller turns it into the verdict. ``set_id``: the id every shard of a sharded set carries (rank 0's).
+    ``extra_states``: ``{entry name: value}`` of the modules' extra states (rank 0's ``get_extra_state()``), stored
+    in the model's state dict where ``state_dict()`` puts them."""
     import json
 
     targets, aliases = local_targets(model)
@@ -321,8 +328,9 @@ def build_write_plan(model: nn.Module, *, optimizer: torch.optim.Optimizer | Non
         return t
 
     # the model: state-dict order, one stand-in per tensor (a tied name refers to its tensor's stand-in)
-    names = state_dict_names(model)
-    known = set(by_name) | set(aliases)
+    extra_states = extra_states or {}
+    names = state_dict_names(model, extra_states)
+    known = set(by_name) | set(aliases) | set(extra_states)
     if set(names) != known:
         diff = sorted(set(names) ^ known)
         raise FsdpRestoreError(f"the model's state-dict names and its tensors differ: {', '.join(diff[:8])}")
@@ -330,6 +338,9 @@ def build_write_plan(model: nn.Module, *, optimizer: torch.optim.Optimizer | Non
     state: dict[str, torch.Tensor] = {}
     buffer_dtypes = _fsdp1_buffer_dtypes(model)
     for name in names:
+        if name in extra_states:  # rank 0's value, sent to every rank: its tensors written by rank 0 (below)
+            state[name] = extra_states[name]
+            continue
         canonical = aliases.get(name, name)
         if canonical not in model_stand_ins:
             target = by_name[canonical]

@@ -55,6 +55,7 @@ from .format import DEFAULT_INDEX_NAME
 from .jobs import shard_size_argument
 from .restore import _no_cyclic_gc, _refuse_unsharded_fsdp1, _reshard_fsdp2
 from .save_plan import WriteItem, WritePlan
+from .shards import extra_state_modules
 from .verdict import _LABELS, _collective, _device, _rank, agree, new_problems, problem_line
 from .write import (CHUNK_BYTES, _fsync_dir, _remove, _replace, _write_small_file, check_destination, index_bytes,
                     refuse_foreign_directory, remove_stale_temporaries, tensor_bytes, with_checksums)
@@ -403,15 +404,17 @@ def _to_bytes(value: Any) -> bytes:
         torch.save(value, buffer)
     except Exception as e:  # noqa: BLE001 - whatever pickling raised: find the keys of extra that cause it
         extra = value[0] if isinstance(value, tuple) and isinstance(value[0], dict) else {}
+        states = value[3] if isinstance(value, tuple) and len(value) > 3 and isinstance(value[3], dict) else {}
         bad = []
-        for key, item in extra.items():
-            try:
-                torch.save(item, io.BytesIO())
-            except Exception:  # noqa: BLE001
-                bad.append(repr(key))
-        raise FsdpRestoreError(f"extra[{', '.join(bad) or '?'}] cannot be saved ({type(e).__name__}: {e}): give"
-                               " values a checkpoint can hold (tensors, numbers, strings, containers of those) in"
-                               " their place") from None
+        for label, values in (("extra[{!r}]", extra), ("{} (a module's get_extra_state())", states)):
+            for key, item in values.items():
+                try:
+                    torch.save(item, io.BytesIO())
+                except Exception:  # noqa: BLE001
+                    bad.append(label.format(key))
+        raise FsdpRestoreError(f"{', '.join(bad) or 'extra'} cannot be saved ({type(e).__name__}: {e}): give values a"
+                               " checkpoint can hold (tensors, numbers, strings, containers of those) in their"
+                               " place") from None
     return buffer.getvalue()
 
 
@@ -488,8 +491,11 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
                                         on_unsupported)
                 if rank == 0:
                     dst0 = Path(path)
+                    # the modules' extra states are rank 0's, as the state dict a gather to rank 0 makes holds them
+                    states = {name: module.get_extra_state()
+                              for name, module in extra_state_modules(model, "get_extra_state").items()}
                     payload = _to_bytes((extra, f".{dst0.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}",
-                                         uuid.uuid4().hex))  # the temporary's name, a sharded set's id
+                                         uuid.uuid4().hex, states))  # the temporary's name, a sharded set's id
                 if optimizer is not None and world > 1 and save_plan.needs_state_schema(model):
                     schema = save_plan.state_schema(model, optimizer)
             if world > 1:  # one exchange, whatever happened above: rank 0's payload, and state schemas if any
@@ -508,7 +514,7 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
                         raise FsdpRestoreError("rank 0 could not send extra (see its error)" if rank else
                                                "extra could not be pickled")
                 else:
-                    sent_extra, tmp_name, set_id = _from_bytes(payload)
+                    sent_extra, tmp_name, set_id, sent_states = _from_bytes(payload)
                     dst = Path(path)
                     tmp = _temp_path(dst, tmp_name)
                     # every rank, rank 0 too, plans from the copy that travelled: a set rebuilt by unpickling may
@@ -520,7 +526,7 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
                                                       extra=sent_extra,
                                                       weights_only=weights_only, rank=rank, world=world,
                                                       max_shard_size=size, remote_state=remote_state, set_id=set_id,
-                                                      on_unsupported=on_unsupported)
+                                                      on_unsupported=on_unsupported, extra_states=sent_states)
                     coverage = plan.coverage(rank)
                     header = _header_digest(plan)
                     if rank == 0:

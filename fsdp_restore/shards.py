@@ -185,6 +185,25 @@ def local_targets(model: nn.Module) -> tuple[list[Target], dict[str, str]]:
     return targets, aliases
 
 
+EXTRA_STATE = "_extra_state"  # the state-dict entry of a module's own state beside its tensors (nn.Module)
+
+
+def extra_state_modules(model: nn.Module, method: str) -> dict[str, nn.Module]:
+    """``{clean name of the entry: module}`` for every module whose class overrides ``nn.Module``'s ``method``
+    (``"get_extra_state"``: the entries ``state_dict()`` holds; ``"set_extra_state"``: those ``load_state_dict``
+    gives to the module, or says missing), in ``state_dict()`` order; a module reached under two names: the first.
+    Such state (TransformerEngine's FP8 scaling, a module's own counters) is neither parameter nor buffer."""
+    base = getattr(nn.Module, method)
+    top = ddp_prefix(model)
+    out: dict[str, nn.Module] = {}
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        if getattr(type(module), method, base) is not base and id(module) not in seen:
+            seen.add(id(module))
+            out[clean_name(_join(name, EXTRA_STATE).removeprefix(top))] = module
+    return out
+
+
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The memory this rank holds of ``tensor``: a DTensor's local shard (the attribute, not ``to_local()``:
     that is an autograd Function call, thousands of times per restore), else its data."""

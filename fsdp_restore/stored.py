@@ -242,6 +242,47 @@ def stored_optimizer(ckpt: Checkpoint, prefix: str, model_names: Iterable[str] =
     return StoredOptimizer(tuple(out), MappingProxyType(state))
 
 
+def whole_values(ckpt: Checkpoint, prefix: str, names: Iterable[str]) -> dict[str, Any]:
+    """``{name: node}`` for each of ``names`` that the checkpoint holds under dotted ``prefix`` as one value of any
+    kind (a tensor, a dict of them, a string: a module's extra state), its stored name normalized as
+    `tensor_sources` normalizes them (a wrapper's parts, DDP's ``module.``); the first where two normalize alike.
+    `value` reads one."""
+    wanted = set(names)
+    found: dict[str, Any] = {}
+    lead = prefix + "." if prefix else ""
+
+    def walk(node: Any, path: str) -> None:
+        if path.startswith(lead) and path != prefix:
+            name = clean_name(path[len(lead):])
+            for candidate in (name, name.removeprefix(_DDP_PREFIX)):
+                if candidate in wanted:
+                    found.setdefault(candidate, node)
+                    return
+        if not isinstance(node, Mapping):
+            return
+        kind = node.get("type")
+        if kind in ("dict", "OrderedDict", "Namespace"):
+            children = [(k if isinstance(k, str) else str(k) if isinstance(k, int) else None, v)
+                        for k, v in node["items"]]
+        elif kind in ("list", "tuple"):
+            children = [(str(i), v) for i, v in enumerate(node["items"])]
+        else:
+            return
+        for part, child in children:
+            below = f"{path}.{part}" if path else part if part is not None else None
+            if below is not None and (below.startswith(lead) or lead.startswith(below + ".")):  # on the way to prefix
+                walk(child, below)
+
+    if wanted:
+        walk(ckpt.structure["root"], "")
+    return found
+
+
+def value(ckpt: Checkpoint, node: Any) -> Any:
+    """The object a node of the checkpoint's structure stands for, its tensors read with exact positional reads."""
+    return unflatten(ckpt.tensors(exact=True), {"version": 1, "root": node})
+
+
 def extras(ckpt: Checkpoint, skip: Iterable[str]) -> dict[str, Any]:
     """Every top-level entry but ``skip`` (the model and optimizer subtrees) as ordinary objects: the step,
     scheduler, RNG states and config a restore hands back; tensors read with exact positional reads."""

@@ -697,3 +697,85 @@ def test_a_three_way_tie_stored_under_two_of_its_names_must_hold_one_value(tmp_p
     model = ThreeWay()
     restore_model(model, tmp_path / "same.safetensors")
     assert torch.equal(model.shared.weight.detach(), torch.ones(4, 2))
+
+
+class _Scaling(torch.nn.Linear):
+    """A module with state beside its tensors (TransformerEngine's FP8 modules keep their scaling so)."""
+
+    def __init__(self, state: object) -> None:
+        super().__init__(4, 4)
+        self.state, self.given = state, []
+
+    def get_extra_state(self):
+        return self.state
+
+    def set_extra_state(self, state):
+        self.given.append(state)
+
+
+class _Counter(torch.nn.Linear):
+    def get_extra_state(self):  # saves a value, but takes none back (torch then calls a stored one unexpected)
+        return {"calls": torch.tensor(3)}  # (a value holding no tensor is not reported: the restore reads tensors)
+
+
+def _net(state: object) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(_Scaling(state), torch.nn.Linear(4, 2))
+
+
+def _converted(tmp_path, model: torch.nn.Module, name: str = "c") -> str:
+    torch.save({"model": model.state_dict(), "step": 1}, tmp_path / f"{name}.pt")
+    fsdp_restore.convert(tmp_path / f"{name}.pt", tmp_path / f"{name}.safetensors")
+    return str(tmp_path / f"{name}.safetensors")
+
+
+@pytest.mark.parametrize("state", [{"amax": torch.arange(4.0), "recipe": "delayed"},
+                                   torch.tensor([1, 2, 250], dtype=torch.uint8), "just a string"],
+                         ids=["dict", "uint8 tensor", "str"])
+def test_a_modules_extra_state_is_given_to_it_as_load_state_dict_gives_it(tmp_path, state):
+    """The restore refused a file holding a module's extra state (its tensors read as unexpected names), or, where
+    the state held no tensor, never gave it to the module."""
+    path = _converted(tmp_path, _net(state))
+    oracle, ours = _net(None), _net(None)
+    oracle.load_state_dict(torch.load(tmp_path / "c.pt", weights_only=True)["model"])
+    report = restore_model(ours, path)
+    assert len(oracle[0].given) == len(ours[0].given) == 1 and not report.unexpected
+    expected, got = oracle[0].given[0], ours[0].given[0]
+    if isinstance(state, dict):
+        assert got.keys() == expected.keys() and got["recipe"] == expected["recipe"]
+        assert torch.equal(got["amax"], expected["amax"])
+    elif isinstance(state, torch.Tensor):
+        assert got.dtype == expected.dtype and torch.equal(got, expected)
+    else:
+        assert got == expected == state
+
+
+def test_a_missing_extra_state_is_missing_as_torch_says_it(tmp_path):
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    path = _converted(tmp_path, plain)
+    ours = _net(None)
+    torch_says = ours.load_state_dict(plain.state_dict(), strict=False)
+    assert torch_says.missing_keys == ["0._extra_state"]
+    ours[0].given.clear()
+    with pytest.raises(RestoreError, match=r"missing from the checkpoint \(1\): 0\._extra_state"):
+        restore_model(ours, path)
+    report = restore_model(ours, path, strict=False)
+    assert report.missing == ["0._extra_state"] and ours[0].given == []
+
+
+def test_an_extra_state_stored_for_a_module_that_takes_none_is_unexpected(tmp_path):
+    torch.manual_seed(0)
+    saved = torch.nn.Sequential(_Counter(4, 4), torch.nn.Linear(4, 2))
+    path = _converted(tmp_path, saved)
+    with pytest.raises(RuntimeError, match="Unexpected key"):  # torch's own verdict on the same state dict
+        torch.nn.Sequential(_Counter(4, 4), torch.nn.Linear(4, 2)).load_state_dict(saved.state_dict())
+    with pytest.raises(RestoreError, match="unexpected"):
+        restore_model(torch.nn.Sequential(_Counter(4, 4), torch.nn.Linear(4, 2)), path)
+
+
+def test_an_extra_state_is_not_given_when_the_restore_fails(tmp_path):
+    path = _converted(tmp_path, _net({"amax": torch.arange(4.0)}))
+    ours = torch.nn.Sequential(_Scaling(None), torch.nn.Linear(4, 3))  # a shape the file does not hold
+    with pytest.raises(RestoreError, match="shape"):
+        restore_model(ours, path)
+    assert ours[0].given == []

@@ -888,3 +888,76 @@ def test_fsdp1_buffers_in_mixed_precision_are_saved_as_its_state_dict_gives_them
     """FSDP1 with a buffer_dtype holds its buffers in that dtype after a forward; its state dict gives them in their
     dtype before (float32 here): the save stored them as bfloat16."""
     run_ranks(_mixed_precision_buffers, 2, str(tmp_path / "mp.safetensors"))
+
+
+class _WithExtraState(torch.nn.Linear):
+    """A module with state beside its tensors, as TransformerEngine's FP8 modules have (their scaling history)."""
+
+    def get_extra_state(self):
+        return {"amax_history": self.history.clone(), "recipe": "delayed"}
+
+    def set_extra_state(self, state):
+        self.history = state["amax_history"].clone()
+        self.loaded_extra = state
+
+
+class _ExtraStateNet(torch.nn.Module):
+    def __init__(self, rank: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fp8 = _WithExtraState(6, 6)
+        self.fp8.history = torch.arange(4.0) + 10 * rank  # each rank's own: the file holds rank 0's
+        self.out = torch.nn.Linear(6, 3)
+
+
+def _extra_state_round_trip(rank, world_size, root, how):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    def sharded(seed_rank: int) -> torch.nn.Module:
+        model = _ExtraStateNet(seed_rank)
+        if how == "ddp":
+            return torch.nn.parallel.DistributedDataParallel(model)
+        if how == "fsdp1":
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+            return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({_WithExtraState}), device_id=torch.device("cpu"))
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model.fp8)
+        return fully_shard(model)
+
+    model = sharded(rank)
+    path = os.path.join(root, f"{how}.safetensors")
+    save_sharded(model, path, extra={"step": 7})
+    if how == "fsdp1":  # torch's get_model_state_dict fails on an FSDP1 module's extra state: FSDP1's own gather
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                                  FullStateDictConfig(offload_to_cpu=False, rank0_only=False)):
+            expected = dict(model.state_dict())  # (an OrderedDict; get_model_state_dict gives a dict)
+    else:
+        expected = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    if rank == 0:  # byte for byte what a conversion of torch's own gather writes, the extra state included
+        assert list(expected) == ["fp8.weight", "fp8.bias", "fp8._extra_state", "out.weight", "out.bias"]
+        torch.save({"model": expected, "step": 7}, os.path.join(root, f"{how}-ref.pt"))
+        fsdp_restore.convert(os.path.join(root, f"{how}-ref.pt"), os.path.join(root, f"{how}-ref.safetensors"))
+        assert_same_files(path, os.path.join(root, f"{how}-ref.safetensors"))
+    torch.distributed.barrier()
+    # and back: every rank's module is given rank 0's state, as torch's load_state_dict gives it the stored one
+    oracle = _ExtraStateNet(5)
+    oracle.load_state_dict(torch.load(os.path.join(root, f"{how}-ref.pt"), weights_only=True)["model"])
+    fresh = sharded(3)
+    fsdp_restore.restore(fresh, path)
+    inner = fresh.module if how == "ddp" else fresh
+    fp8 = inner.fp8._fsdp_wrapped_module if how == "fsdp1" else inner.fp8
+    assert fp8.loaded_extra["recipe"] == oracle.fp8.loaded_extra["recipe"] == "delayed"
+    assert torch.equal(fp8.history, oracle.fp8.history) and torch.equal(fp8.history, torch.arange(4.0))
+
+
+@pytest.mark.parametrize("how", ["fsdp2", "fsdp1", "ddp"])
+def test_module_extra_state_is_saved_and_restored(tmp_path, how):
+    """A module's get_extra_state() value was dropped by the save (a model with FP8 modules lost their scaling
+    state without a word), and the restore refused the file torch.save of its state dict converts to."""
+    run_ranks(_extra_state_round_trip, 2, str(tmp_path), how)
