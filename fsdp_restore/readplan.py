@@ -90,6 +90,9 @@ class OptimizerPlan:
         self.optimizer.state.clear()
         for param, state in sorted(self.state.items(), key=lambda item: self.order.get(item[0], len(self.order))):
             self.optimizer.state[param] = state
+        # as load_state_dict ends: the optimizer's own __setstate__ brings state of an older torch up to date (Adam's
+        # step saved as a number becomes the tensor its step() needs; group options added since get their defaults)
+        self.optimizer.__setstate__({"state": self.optimizer.state, "param_groups": self.optimizer.param_groups})
 
 
 @dataclass

@@ -451,3 +451,54 @@ def test_the_state_is_installed_in_the_order_the_file_holds_it(tmp_path):
     oracle = torch.optim.AdamW(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2)).parameters(), lr=0.1)
     oracle.load_state_dict(torch.load(tmp_path / "c.pt")["optim"])
     assert list(restored.state_dict()["state"]) == list(oracle.state_dict()["state"]) == [2, 3, 0, 1]
+
+
+def _old_torch_state(kind: str):
+    """A model and its optimizer's state dict as an older torch saved it: each ``step`` a Python number (torch <=
+    1.11, transformers' own AdamW) and param groups without the options added since."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = getattr(torch.optim, kind)(model.parameters(), lr=0.1)
+    for _ in range(2):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    state = opt.state_dict()
+    for s in state["state"].values():
+        s["step"] = int(s["step"].item())
+    for group in state["param_groups"]:
+        for option in ("foreach", "maximize", "capturable", "differentiable", "fused"):
+            group.pop(option, None)
+    return model, state
+
+
+@pytest.mark.parametrize("kind", ["Adam", "AdamW"])
+def test_state_of_an_older_torch_is_brought_up_to_date_as_load_state_dict_does(tmp_path, kind):
+    """A step saved as a number stayed a number after the restore, and the optimizer's next step() failed (torch's
+    load_state_dict makes it a tensor through the optimizer's __setstate__)."""
+    model, state = _old_torch_state(kind)
+    torch.save({"model": model.state_dict(), "optim": state}, tmp_path / "old.pt")
+    fsdp_restore.convert(tmp_path / "old.pt", tmp_path / "old.safetensors")
+
+    def fresh():
+        torch.manual_seed(1)
+        m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        return m, getattr(torch.optim, kind)(m.parameters(), lr=0.1)
+
+    oracle, oracle_opt = fresh()
+    oracle.load_state_dict(model.state_dict())
+    oracle_opt.load_state_dict(torch.load(tmp_path / "old.pt", weights_only=True)["optim"])
+    ours, ours_opt = fresh()
+    fsdp_restore.restore(ours, tmp_path / "old.safetensors", ours_opt)
+    expected, got = oracle_opt.state_dict(), ours_opt.state_dict()
+    assert [{k: v for k, v in g.items() if k != "param_names"} for g in got["param_groups"]] == \
+        expected["param_groups"]
+    for pid, s in expected["state"].items():
+        for key, value in s.items():
+            assert type(got["state"][pid][key]) is type(value) and torch.equal(got["state"][pid][key], value), key
+    for m, o in ((oracle, oracle_opt), (ours, ours_opt)):  # and both step on, alike
+        torch.manual_seed(2)
+        m(torch.randn(2, 4)).sum().backward()
+        o.step()
+    for a, b in zip(oracle.parameters(), ours.parameters()):
+        assert torch.equal(a, b)
