@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import (ConvertError, FormatError, UnsafePickleError, first_line, on_unsupported_argument,
-                     thread_count_argument)
+from .errors import (ConvertError, FormatError, UnsafePickleError, allow_global_hint, allowed_global, first_line,
+                     on_unsupported_argument, thread_count_argument)
 from .flatten import flatten
 from .format import META_SOURCE, PT_SUFFIXES, SNIFF_BYTES, is_legacy_torch_save
 from .jobs import ConvertReport, cast_groups, cast_target, plan_jobs, shard_size_argument, write_converted
@@ -61,9 +61,10 @@ def _global_name(obj: Any) -> str:
 def _import_global(name: str) -> Any:
     module, _, attr = name.rpartition(".")
     try:
-        return getattr(importlib.import_module(module), attr)
+        found = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError, ValueError) as e:
         raise ValueError(f"cannot import allowed global '{name}': {e}") from None
+    return allowed_global(name, found)
 
 
 @contextlib.contextmanager
@@ -229,11 +230,9 @@ def _refuse_unsafe_globals(path: Path, extra: list[Any]) -> None:
     if refused:
         raise UnsafePickleError(
             f"{path}: the pickle references {', '.join(sorted(refused))}, which loading would import and"
-            " may call (arbitrary code execution). If you trust this file, pass --trust-pickle"
-            " (trust_pickle=True). To convert it without running its pickle, allow data-only classes with"
-            f" --allow-global {sorted(refused)[0]} (allow_globals=[...]) and, since only plain types are stored,"
-            " drop their values with on_unsupported=skip (load() returns None there; verify --allow-global"
-            " accepts the drop the file declares)")
+            f" may call (arbitrary code execution). {allow_global_hint(sorted(refused))}. An allowed class's values"
+            " are not stored (only plain types are): drop them with on_unsupported=skip (load() returns None there;"
+            " verify --allow-global accepts the drop the file declares)")
 
 
 def _load_error(path: Path, e: Exception) -> Exception:

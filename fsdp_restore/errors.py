@@ -58,8 +58,39 @@ def refused_global(where: str, e: BaseException) -> UnsafePickleError | None:
         return None
     name = found.group(1)
     return UnsafePickleError(f"{where} names {name}, which loading would import and may call (arbitrary code"
-                             f" execution). If it is a data-only class, allow it with --allow-global {name}"
-                             " (allow_globals=[...]); if you trust the file, pass --trust-pickle (trust_pickle=True)")
+                             f" execution). {allow_global_hint([name])}")
+
+
+def allow_global_hint(names: list[str]) -> str:
+    """The two ways on from a refused global, with what each one runs: ``--allow-global`` lets the unpickler call
+    a class with the pickle's arguments (so only a data class may be allowed: a function is refused at the door,
+    `allowed_global`), ``--trust-pickle`` runs the whole pickle."""
+    return (f"If {'it is a data class' if len(names) == 1 else 'each is a data class'} you know (a config, a"
+            f" dataclass, datetime.timedelta), allow it with --allow-global {names[0]} (allow_globals=[...]): the"
+            " unpickler then calls the class with the pickle's arguments, so never allow one that acts (a file,"
+            " a process, a function such as shutil.rmtree: that is running the pickle). If you trust the file, pass"
+            " --trust-pickle (trust_pickle=True)")
+
+
+# modules whose classes act when called (open files, start processes, load libraries, run code): never a data class
+_ACTING_MODULES = ("os", "posix", "nt", "subprocess", "shutil", "sys", "io", "importlib", "pickle", "marshal",
+                   "socket", "ctypes", "runpy", "pty", "multiprocessing", "asyncio", "signal", "tempfile",
+                   "webbrowser", "code", "codeop", "builtins")
+
+
+def allowed_global(name: str, obj: object) -> object:
+    """``obj``, the global ``name`` an allow list names, if it may be allowed: a class, not from a module whose
+    classes act when called (`_ACTING_MODULES`); else a `ValueError` saying why (the unpickler would call it)."""
+    module = getattr(obj, "__module__", None) or name.rpartition(".")[0]
+    if not isinstance(obj, type):
+        raise ValueError(f"allow_globals: '{name}' is a {type(obj).__name__}, not a class: the unpickler would call"
+                         " it with the pickle's arguments, which is running the pickle; allow data classes only, or"
+                         " pass --trust-pickle (trust_pickle=True) for a file you trust")
+    if module.split(".")[0].lstrip("_") in _ACTING_MODULES:
+        raise ValueError(f"allow_globals: '{name}' is a class of {module}, whose classes act when called (files,"
+                         " processes, code): allow data classes only, or pass --trust-pickle (trust_pickle=True) for"
+                         " a file you trust")
+    return obj
 
 
 class _AgreedError(FsdpRestoreError):

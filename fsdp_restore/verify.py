@@ -26,7 +26,7 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
-from .errors import FsdpRestoreError, thread_count_argument
+from .errors import FsdpRestoreError, allowed_global, thread_count_argument
 from .flatten import flatten, iter_nodes_with_keys
 from .format import SNIFF_BYTES, is_legacy_torch_save, torch_dtype_name
 from .measure import Stopwatch
@@ -326,9 +326,10 @@ def _allowed_classes(names: Sequence[str]) -> list[Any]:
     for name in names:
         module, _, attr = str(name).rpartition(".")
         try:
-            found.append(getattr(importlib.import_module(module), attr))
+            obj = getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError, ValueError) as e:
             raise ValueError(f"allow_globals: cannot import '{name}' ({e})") from None
+        found.append(allowed_global(str(name), obj))  # the rule convert's allow list follows: classes that hold data
     return found
 
 

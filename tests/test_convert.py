@@ -182,6 +182,39 @@ def test_untrusted_pickle_is_refused_without_running(tmp_path):
     assert not marker.exists()
 
 
+class _Deletes:
+    def __init__(self, victim: str) -> None:
+        self.victim = victim
+
+    def __reduce__(self):
+        import shutil
+
+        return (shutil.rmtree, (self.victim,))
+
+
+@pytest.mark.parametrize("allowed", ["shutil.rmtree", "builtins.exec", "subprocess.Popen", "io.FileIO"])
+def test_allow_globals_takes_data_classes_only(tmp_path, allowed):
+    """The refusal's hint named the pickle's global for --allow-global whatever it was, and said that allowing it
+    converts without running the pickle: allowing shutil.rmtree so deleted the directory the pickle named. A
+    function, or a class of a module whose classes act, is now refused at the door, by convert, load and verify."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious").write_text("keep")
+    torch.save({"w": torch.ones(2), "x": _Deletes(str(victim))}, tmp_path / "evil.pt")
+    with pytest.raises(UnsafePickleError) as info:
+        convert(tmp_path / "evil.pt", tmp_path / "out.safetensors")
+    assert "shutil.rmtree" in str(info.value) and "without running" not in str(info.value)
+    assert "never allow one that acts" in str(info.value) and "--trust-pickle" in str(info.value)
+    for call in (lambda: convert(tmp_path / "evil.pt", tmp_path / "out.safetensors", allow_globals=[allowed],
+                                 on_unsupported="skip"),
+                 lambda: fsdp_restore.load_pt(tmp_path / "evil.pt", allow_globals=[allowed]),
+                 lambda: fsdp_restore.verify(tmp_path / "evil.pt", against=tmp_path / "evil.pt",
+                                             allow_globals=[allowed])):
+        with pytest.raises(ValueError, match=f"allow_globals: '{allowed}' is a"):
+            call()
+    assert (victim / "precious").read_text() == "keep" and not (tmp_path / "out.safetensors").exists()
+
+
 def test_allowlisted_objects_load_safely(tmp_path):
     import argparse
     import pathlib
@@ -672,3 +705,4 @@ def test_the_overflow_advice_works_as_given_and_patterns_may_be_any_iterable(tmp
     for size in (0, -5, "0.1B"):
         with pytest.raises(ValueError, match="max_shard_size must be positive"):
             fsdp_restore.save({"a": torch.ones(2)}, tmp_path / "x", max_shard_size=size)
+
