@@ -314,7 +314,7 @@ def _convert_directory(src: str | os.PathLike[str], dst: str | os.PathLike[str],
             raise FormatError(src, "a directory, but neither a DeepSpeed ZeRO checkpoint ('latest', or tag"
                               " directories with *_optim_states.pt files) nor a DCP checkpoint (.metadata +"
                               f" *.distcp){each}")
-        check_destination(dst, force=force, sources=[src])
+        check_destination(dst, force=force, sources=[src], one_file=max_shard_size is None)
         # the classes a .pt's pickle may build may be built from the directory's pickles too
         safe = {"safe_globals": _allowlist() + [_import_global(n) for n in allow_globals], "trust_pickle": trust_pickle}
         if is_dcp_checkpoint(src):
@@ -376,7 +376,7 @@ def _convert_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, 
     with PeakAnonMemory() as mem, Stopwatch() as clock, _gc_paused():
         if not Path(src).is_file():
             return None
-        check_destination(dst, force=force, sources=[src])  # first, as the torch path checks it
+        check_destination(dst, force=force, sources=[src], one_file=max_shard_size is None)  # first, as the torch path checks it
         # one descriptor for the archive, the identity and the tensors' bytes: a source replaced (renamed over)
         # meanwhile is not read half from each file
         fd = os.open(src, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO put in its place meanwhile opens at once
@@ -434,7 +434,7 @@ def _convert_zero_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str]
     with PeakAnonMemory() as mem, Stopwatch() as clock, _gc_paused():
         if not is_zero_checkpoint(src):
             return None
-        check_destination(dst, force=force, sources=[src])  # first, as the torch path checks it
+        check_destination(dst, force=force, sources=[src], one_file=max_shard_size is None)  # first, as the torch path checks it
         try:
             read = read_model(src, tag)
         except Exception:  # noqa: BLE001 - the torch path reads the checkpoint again and says what is wrong with it
@@ -605,7 +605,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
 
         if not Path(src).is_file():
             raise FormatError(src, "no such file")
-        check_destination(dst, force=force, sources=[src])
+        check_destination(dst, force=force, sources=[src], one_file=max_shard_size is None)
         before = os.stat(src)
         identity = source_identity(src, stat=before)  # before reading: a source rewritten meanwhile won't match it
         obj = select_subtree(load_pt(src, trust_pickle=trust_pickle, allow_globals=allow_globals), select, source=src)

@@ -440,7 +440,8 @@ def _check_arguments(model: Any, path: Any, optimizer: Any, extra: Any, process_
     if isinstance(max_shard_size, bool):
         raise TypeError("max_shard_size must be a size (int bytes or a string such as '5GB') or None")
     size = shard_size_argument(max_shard_size)
-    check_destination(path, force=True)  # an existing checkpoint is replaced, never a directory of other files
+    # an existing checkpoint is replaced, never a directory of other files
+    check_destination(path, force=True, one_file=max_shard_size is None)
     return size
 
 

@@ -774,13 +774,13 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
     ``share``: this process's part of a write made by several (`share.Share`; every rank calls this with the
     same ``jobs``): rank 0 creates the temporary, every rank writes its share of the blocks, rank 0 joins the
     checksums and renames; a failure on any rank is the same `ConvertError` on every rank."""
-    dst = Path(dst)
+    dst_given, dst = dst, Path(dst)
     one = share or Share(0, 1)
     lead = one.rank == 0
 
     def prepare() -> None:
         if lead:
-            check_destination(dst, force=force)
+            check_destination(dst_given, force=force, one_file=max_shard_size is None)
             dst.parent.mkdir(parents=True, exist_ok=True)
             remove_stale_temporaries(dst)
 
@@ -887,13 +887,18 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # `file_layout`'s names, and Hugging Face's
 
 
-def check_destination(dst: str | os.PathLike[str], *, force: bool, sources: Sequence[str | os.PathLike[str]] = ()
-                      ) -> None:
+def check_destination(dst: str | os.PathLike[str], *, force: bool, sources: Sequence[str | os.PathLike[str]] = (),
+                      one_file: bool = False) -> None:
     """Refuse, before anything is read or written, a destination whose replacement would lose what it is not:
     a ``dst`` that is one of ``sources`` or a directory holding one, or lies inside a source directory, and a
     directory holding anything but a sharded checkpoint (shards and their index), since replacing a directory
     removes all of it (``force`` or not: forcing would not help); then any existing ``dst`` without ``force``.
-    `FileExistsError` naming the path and what to do."""
+    `FileExistsError` naming the path and what to do. ``one_file``: the write makes one file, so a ``dst`` written
+    as a directory (ending with a separator) is a `ValueError` (it would become a file of that name)."""
+    if one_file and str(os.fspath(dst)).endswith(("/", os.sep)):
+        raise ValueError(f"{os.fspath(dst)} names a directory (it ends with a separator), but this writes one file: give"
+                         " the file's name (e.g. model.safetensors inside it), or max_shard_size= (CLI:"
+                         " --max-shard-size) for a directory of shards")
     dst = Path(dst)
     if not (dst.exists() or dst.is_symlink()):
         return

@@ -706,3 +706,16 @@ def test_the_overflow_advice_works_as_given_and_patterns_may_be_any_iterable(tmp
         with pytest.raises(ValueError, match="max_shard_size must be positive"):
             fsdp_restore.save({"a": torch.ones(2)}, tmp_path / "x", max_shard_size=size)
 
+
+def test_a_destination_written_as_a_directory_is_not_made_a_file(tmp_path):
+    """`convert ckpt.pt OUT/ --force` on an existing empty OUT replaced the directory with a file named OUT."""
+    torch.save({"w": torch.ones(3)}, tmp_path / "c.pt")
+    (tmp_path / "out").mkdir()
+    for call in (lambda d: convert(tmp_path / "c.pt", d, force=True),
+                 lambda d: fsdp_restore.save({"w": torch.ones(3)}, d)):
+        for dst in (f"{tmp_path / 'out'}/", f"{tmp_path / 'new'}/"):
+            with pytest.raises(ValueError, match="names a directory .* max_shard_size="):
+                call(dst)
+    assert (tmp_path / "out").is_dir() and not os.listdir(tmp_path / "out") and not (tmp_path / "new").exists()
+    convert(tmp_path / "c.pt", f"{tmp_path / 'out'}/", force=True, max_shard_size="1MB")  # shards: a directory
+    assert sorted(os.listdir(tmp_path / "out")) == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
