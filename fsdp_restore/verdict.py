@@ -251,8 +251,10 @@ def _reports(items: dict[str, list[str]], mine: bool, failing: int, group: dist.
     for kind, texts in by_text.items():
         lines = merged.setdefault(kind, [])
         extra = len(lines)  # the line on the ranks that did not report
-        lines.extend(f"{text} [{_ranks_text(ranks, world)}]" if kind in _PER_RANK else text
-                     for text, ranks in texts.items())
+        # a problem every rank may share (a missing name) is tagged too where some ranks did not fail: the ranks'
+        # models or files differ, and the rank that holds the odd one is what the user must find
+        tagged = kind in _PER_RANK or failing < world
+        lines.extend(f"{text} [{_ranks_text(ranks, world)}]" if tagged else text for text, ranks in texts.items())
         # exact where one reporter sent the kind, or none held any back; else a floor: the distinct texts shown,
         # or the most one reporter holds (what several held back may be names already shown, or other ones)
         exact = len(held[kind]) == 1 or not any(back for _, back in held[kind])

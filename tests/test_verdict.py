@@ -165,7 +165,32 @@ def test_failure_report_is_bounded_whatever_the_world_size():
     # several reporters held some back, what they held may be the same names or others: a floor, said so
     assert "errors (at least 7): (3 ranks failed; the problems of the first 2 are shown), rank-0 problem 0" in text
     assert "rank-1 problem 2 [rank 1], ... (perhaps more, held back on the ranks)" in text
-    assert "unexpected in the checkpoint (at least 7): u0, u1, u2, ... (at least 4 more)" in text
+    # the same names on every failing rank, but rank 2 did not fail: tagged with the ranks that sent them
+    assert "unexpected in the checkpoint (at least 7): u0 [ranks 0, 1], u1 [ranks 0, 1], u2 [ranks 0, 1], ... (at" \
+           " least 4 more)" in text, text
+
+
+def _one_rank_differs(rank, world_size, both):
+    from fsdp_restore import verdict
+
+    problems = verdict.new_problems()
+    if rank == 1 or both:
+        problems.add("missing", ["layers.2.weight"])
+        problems.add("shape", ["head.weight: checkpoint [8, 4] vs model [9, 4]"])
+    with pytest.raises(RestoreError) as info:
+        verdict.agree(problems, "restore")
+    return str(info.value)
+
+
+def test_a_problem_of_some_ranks_only_names_them():
+    """Only rank 1's model differed: its missing name and shape were said on every rank with no rank named (rank 0
+    was told of a missing tensor its own model does not miss). Said by every rank, they stay untagged."""
+    texts = run_ranks(_one_rank_differs, 2, False, timeout=120, pg_timeout=60)
+    assert texts[0] == texts[1]
+    assert "missing from the checkpoint (1): layers.2.weight [rank 1]" in texts[0], texts[0]
+    assert "head.weight: checkpoint [8, 4] vs model [9, 4] [rank 1]" in texts[0], texts[0]
+    text = run_ranks(_one_rank_differs, 2, True, timeout=120, pg_timeout=60)[0]
+    assert "missing from the checkpoint (1): layers.2.weight\n" in text + "\n" and "[rank" not in text, text
 
 
 def _same_names_everywhere(rank, world_size):
