@@ -779,3 +779,21 @@ def test_an_extra_state_is_not_given_when_the_restore_fails(tmp_path):
     with pytest.raises(RestoreError, match="shape"):
         restore_model(ours, path)
     assert ours[0].given == []
+
+
+def test_the_model_and_optimizer_are_checked_at_the_door(tmp_path):
+    """Swapped arguments said "'AdamW' object has no attribute 'modules'" from deep in the plan; a factory's
+    non-module, "'int' object has no attribute 'modules'"."""
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    path = _converted(tmp_path, model)
+    with pytest.raises(TypeError, match=r"swapped: the call is restore_optimizer\(optimizer, model, checkpoint\)"):
+        fsdp_restore.restore_optimizer(model, opt, path)
+    with pytest.raises(TypeError, match=r"swapped: the call is restore\(model, checkpoint, optimizer\)"):
+        fsdp_restore.restore(opt, path, model)
+    with pytest.raises(TypeError, match="model must be an nn.Module .*not int"):
+        restore_model(3, path)
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer or None, not dict"):
+        fsdp_restore.restore(model, path, {"lr": 1})
+    fsdp_restore.restore(model, path)  # no optimizer: fine
+    restore_model(model, path)
