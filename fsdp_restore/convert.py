@@ -376,7 +376,8 @@ def _convert_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, 
     with PeakAnonMemory() as mem, Stopwatch() as clock, _gc_paused():
         if not Path(src).is_file():
             return None
-        check_destination(dst, force=force, sources=[src], one_file=max_shard_size is None)  # first, as the torch path checks it
+        # first, as the torch path checks it
+        check_destination(dst, force=force, sources=[src], one_file=max_shard_size is None)
         # one descriptor for the archive, the identity and the tensors' bytes: a source replaced (renamed over)
         # meanwhile is not read half from each file
         fd = os.open(src, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO put in its place meanwhile opens at once
@@ -434,7 +435,8 @@ def _convert_zero_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str]
     with PeakAnonMemory() as mem, Stopwatch() as clock, _gc_paused():
         if not is_zero_checkpoint(src):
             return None
-        check_destination(dst, force=force, sources=[src], one_file=max_shard_size is None)  # first, as the torch path checks it
+        # first, as the torch path checks it
+        check_destination(dst, force=force, sources=[src], one_file=max_shard_size is None)
         try:
             read = read_model(src, tag)
         except Exception:  # noqa: BLE001 - the torch path reads the checkpoint again and says what is wrong with it

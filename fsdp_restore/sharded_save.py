@@ -58,7 +58,7 @@ from .save_plan import WriteItem, WritePlan
 from .shards import extra_state_modules
 from .verdict import _LABELS, _collective, _device, _rank, agree, new_problems, problem_line
 from .write import (CHUNK_BYTES, _fsync_dir, _remove, _replace, _write_small_file, check_destination, index_bytes,
-                    refuse_foreign_directory, remove_stale_temporaries, tensor_bytes, with_checksums)
+                    carry_kept_files, refuse_foreign_directory, remove_stale_temporaries, tensor_bytes, with_checksums)
 
 __all__ = ["SaveReport", "save_sharded"]
 
@@ -311,7 +311,8 @@ def _commit(dst: Path, tmp: Path, plan: WritePlan, sharded: bool, checksums: dic
         _write_small_file(tmp / DEFAULT_INDEX_NAME, index_bytes(plan.output_files(), structure_json=plan.structure_json,
                                                                     metadata=plan.metadata))
         _fsync_dir(tmp)
-    refuse_foreign_directory(dst)  # again: a file put there during the write is not ours to delete
+    refuse_foreign_directory(dst, one_file=not sharded)  # again: a file put there meanwhile is not ours to delete
+    carry_kept_files(dst, tmp)
     _replace(tmp, dst)  # the writer's: one step, a reader finds the old version or the new one
 
 

@@ -854,7 +854,8 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
                 _write_small_file(tmp / DEFAULT_INDEX_NAME, index_bytes(files, structure_json=structure_json,
                                                                         metadata=metadata))
                 _fsync_dir(tmp)
-            refuse_foreign_directory(dst)
+            refuse_foreign_directory(dst, one_file=not sharded)
+            carry_kept_files(dst, tmp)
             _replace(tmp, dst)
             renamed.append(True)
 
@@ -896,8 +897,8 @@ def check_destination(dst: str | os.PathLike[str], *, force: bool, sources: Sequ
     `FileExistsError` naming the path and what to do. ``one_file``: the write makes one file, so a ``dst`` written
     as a directory (ending with a separator) is a `ValueError` (it would become a file of that name)."""
     if one_file and str(os.fspath(dst)).endswith(("/", os.sep)):
-        raise ValueError(f"{os.fspath(dst)} names a directory (it ends with a separator), but this writes one file: give"
-                         " the file's name (e.g. model.safetensors inside it), or max_shard_size= (CLI:"
+        raise ValueError(f"{os.fspath(dst)} names a directory (it ends with a separator), but this writes one file:"
+                         " give the file's name (e.g. model.safetensors inside it), or max_shard_size= (CLI:"
                          " --max-shard-size) for a directory of shards")
     dst = Path(dst)
     if not (dst.exists() or dst.is_symlink()):
@@ -911,22 +912,57 @@ def check_destination(dst: str | os.PathLike[str], *, force: bool, sources: Sequ
         if where.is_dir() and where in target.parents:  # a file of a ZeRO or DCP source, perhaps
             raise FileExistsError(f"{dst} lies inside the source directory {src}: replacing it could delete part of"
                                   " the source; write to a path outside it")
-    refuse_foreign_directory(dst)  # before the advice to force it: forcing would not help
+    refuse_foreign_directory(dst, one_file=one_file)  # before the advice to force it: forcing would not help
     if not force:
         raise FileExistsError(f"{dst} already exists; pass force=True (CLI: --force) to replace it")
 
 
-def refuse_foreign_directory(dst: Path) -> None:
-    """`FileExistsError` if ``dst`` is a directory holding anything but a sharded checkpoint (its shards and
-    index). Checked at the door and again just before the new version replaces ``dst``, since a long write
-    leaves time for someone to put a file there."""
+# what a file's name says it holds: the weights of some checkpoint, which a new set of shards beside them would
+# leave to shadow or contradict it (a loader may take model.safetensors before the index)
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".msgpack", ".h5", ".gguf", ".distcp")
+
+
+def _ours(p: Path) -> bool:
+    return p.is_file() and (p.name == DEFAULT_INDEX_NAME or _SHARD_NAME.fullmatch(p.name) is not None)
+
+
+def _kept(p: Path) -> bool:
+    """A file of a checkpoint directory that a new set of shards keeps beside it (a Hugging Face model directory's
+    config.json, tokenizer and README): a plain file that is neither ours nor weights nor an index."""
+    return (p.is_file() and not p.is_symlink() and not _ours(p) and not p.name.lower().endswith(_WEIGHT_SUFFIXES)
+            and not p.name.endswith(".index.json"))
+
+
+def refuse_foreign_directory(dst: Path, *, one_file: bool = True) -> None:
+    """`FileExistsError` if ``dst`` is a directory holding what the write would lose: for one file (which takes the
+    directory's place), anything but a sharded checkpoint (its shards and index); for a set of shards, anything it
+    does not keep beside them (`_kept`: directories, links, weights of another checkpoint). Checked at the door
+    and again just before the new version replaces ``dst``, since a long write leaves time for someone to put a
+    file there."""
     if dst.is_dir() and not dst.is_symlink():
-        others = sorted(p.name for p in dst.iterdir()
-                        if not (p.is_file() and (p.name == DEFAULT_INDEX_NAME or _SHARD_NAME.fullmatch(p.name))))
+        others = sorted(p.name for p in dst.iterdir() if not (_ours(p) or (not one_file and _kept(p))))
         if others:
             listed = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
-            raise FileExistsError(f"{dst} is a directory holding more than a sharded checkpoint ({listed}); replacing"
-                                  " it would delete them: write to a new path, or move them out first")
+            if one_file:
+                raise FileExistsError(f"{dst} is a directory holding more than a sharded checkpoint ({listed});"
+                                      " replacing it would delete them: write to a new path, or move them out first")
+            raise FileExistsError(f"{dst} holds {listed}, which a new set of shards would delete (directories, links)"
+                                  " or leave beside it to be read instead (another checkpoint's weights): write to a"
+                                  " new path, or move them out first (other files, such as a config, are kept)")
+
+
+def carry_kept_files(dst: Path, tmp: Path) -> None:
+    """Into the new set's directory ``tmp``, just before it replaces ``dst``: the files of ``dst`` a set of shards
+    keeps (`_kept`), hard-linked (else copied), so that the replacement leaves them in place."""
+    if not (dst.is_dir() and not dst.is_symlink() and tmp.is_dir()):
+        return
+    for p in dst.iterdir():
+        if _kept(p) and not (tmp / p.name).exists():
+            try:
+                os.link(p, tmp / p.name)
+            except OSError:  # another file system's rules (no hard links)
+                shutil.copy2(p, tmp / p.name)
+    _fsync_dir(tmp)
 
 
 def remove_stale_temporaries(dst: Path) -> list[Path]:

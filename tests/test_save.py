@@ -961,3 +961,26 @@ def test_module_extra_state_is_saved_and_restored(tmp_path, how):
     """A module's get_extra_state() value was dropped by the save (a model with FP8 modules lost their scaling
     state without a word), and the restore refused the file torch.save of its state dict converts to."""
     run_ranks(_extra_state_round_trip, 2, str(tmp_path), how)
+
+
+def _into_a_model_directory(rank, world_size, root):
+    model = wrap(build("mlp"), "fsdp2", world_size)
+    target = os.path.join(root, "hf")
+    if rank == 0:
+        os.makedirs(target)
+        with open(os.path.join(target, "config.json"), "w") as f:
+            f.write('{"model_type": "mlp"}')
+    torch.distributed.barrier()
+    save_sharded(model, target, max_shard_size=10_000)
+    expected = full_state(model, "fsdp2")
+    if rank == 0:
+        assert open(os.path.join(target, "config.json")).read() == '{"model_type": "mlp"}'
+        loaded = fsdp_restore.load(target)
+        assert loaded.keys() == expected.keys() and all(torch.equal(loaded[k], v) for k, v in expected.items())
+    return sorted(os.listdir(target))
+
+
+def test_a_set_of_shards_saved_into_a_model_directory_keeps_its_config(tmp_path):
+    """save_sharded(max_shard_size=) into a Hugging Face model directory holding its config.json was refused."""
+    names = run_ranks(_into_a_model_directory, 2, str(tmp_path))[0]
+    assert "config.json" in names and "model.safetensors.index.json" in names and len(names) >= 3, names

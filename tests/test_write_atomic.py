@@ -273,17 +273,61 @@ def test_force_never_replaces_a_file_inside_a_directory_source(tmp_path):
 
 
 def test_a_file_put_in_the_destination_during_the_write_is_not_deleted(tmp_path):
-    """The directory is checked again just before the new version replaces it."""
+    """The directory is checked again just before the new version replaces it: a file a set of shards keeps (notes)
+    is carried into it; one it would lose or leave to contradict it (another checkpoint's weights) is refused."""
     _, src = _user_directory(tmp_path)
     dst = tmp_path / "out"
     fsdp_restore.convert(src, dst, max_shard_size=16)
     old = sorted(p.name for p in dst.iterdir())
 
-    def meanwhile(done: int, total: int) -> None:
-        (dst / "notes.txt").write_text("written during the conversion")
+    def meanwhile(name: str):
+        def progress(done: int, total: int) -> None:
+            (dst / name).write_text("written during the conversion")
+        return progress
 
-    with pytest.raises(FileExistsError, match=r"holding more than a sharded checkpoint \(notes.txt\)"):
-        fsdp_restore.convert(src, dst, force=True, progress=meanwhile)
+    fsdp_restore.convert(src, dst, force=True, max_shard_size=16, progress=meanwhile("notes.txt"))
     assert sorted(p.name for p in dst.iterdir()) == sorted([*old, "notes.txt"])
-    assert torch.equal(fsdp_restore.load(dst)["w"], torch.arange(6.0))  # the old version, still whole
+    assert (dst / "notes.txt").read_text() == "written during the conversion"
+    before = fsdp_restore.load(dst)["w"]
+    with pytest.raises(FileExistsError, match=r"holds other.safetensors, which a new set of shards would"):
+        fsdp_restore.convert(src, dst, force=True, max_shard_size=16, progress=meanwhile("other.safetensors"))
+    assert sorted(p.name for p in dst.iterdir()) == sorted([*old, "notes.txt", "other.safetensors"])
+    assert torch.equal(fsdp_restore.load(dst)["w"], before)  # the old version, still whole
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]  # no temporaries left
+
+
+def test_a_set_of_shards_keeps_a_model_directorys_other_files(tmp_path):
+    """A Hugging Face model directory (config.json beside the shards) was refused as a destination of shards
+    (replacing the directory would have deleted the config); its files are now carried into the new version, and
+    transformers loads the result. Another checkpoint's weights or a directory inside are still refused, and a
+    single file never replaces such a directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    torch.save(model.state_dict(), tmp_path / "weights.pt")
+    hf = tmp_path / "hf"
+    config.save_pretrained(hf)
+    (hf / "tokenizer.json").write_text("{}")
+    before = sorted(p.name for p in hf.iterdir())
+    config_bytes = (hf / "config.json").read_bytes()
+    fsdp_restore.convert(tmp_path / "weights.pt", hf, force=True, max_shard_size="100KB")
+    names = sorted(p.name for p in hf.iterdir())
+    assert set(before) <= set(names) and "model.safetensors.index.json" in names, names
+    assert (hf / "config.json").read_bytes() == config_bytes
+    loaded = LlamaForCausalLM.from_pretrained(hf)
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    fsdp_restore.convert(tmp_path / "weights.pt", hf, force=True, max_shard_size="200KB")  # and again: kept again
+    assert set(before) <= {p.name for p in hf.iterdir()} and (hf / "config.json").read_bytes() == config_bytes
+    for intruder in ("model.safetensors", "pytorch_model.bin", "checkpoint-500"):
+        path = hf / intruder
+        path.mkdir() if "." not in intruder else path.write_bytes(b"x")
+        with pytest.raises(FileExistsError, match=f"holds {intruder}, which a new set of shards"):
+            fsdp_restore.convert(tmp_path / "weights.pt", hf, force=True, max_shard_size="100KB")
+        path.rmdir() if path.is_dir() else path.unlink()
+    with pytest.raises(FileExistsError, match="holding more than a sharded checkpoint"):
+        fsdp_restore.convert(tmp_path / "weights.pt", hf, force=True)  # one file would take the directory's place
+    assert (hf / "config.json").read_bytes() == config_bytes
