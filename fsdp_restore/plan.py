@@ -23,7 +23,7 @@ from .key_map import KeyMap
 from .optim_plan import plan_optimizer
 from .read import Checkpoint
 from .readplan import OptimizerPlan, ReadItem, ReadPlan, RestoreReport
-from .shards import Target, clean_name, extra_state_modules, local_targets
+from .shards import Target, clean_name, extra_state_modules, local_targets, module_walk
 from .stored import Source, default_prefix, tensor_sources, whole_values
 
 __all__ = ["OptimizerPlan", "ReadItem", "ReadPlan", "RestoreReport", "Source", "build_plan", "default_prefix",
@@ -47,7 +47,8 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, prefix: str | None, strict
         raise ValueError(f"dtype_policy must be 'cast' or 'error', not {dtype_policy!r}")
     prefix = default_prefix(ckpt) if prefix is None else prefix
     plan = ReadPlan()
-    targets, aliases = local_targets(model)
+    modules = module_walk(model)  # one walk of the module tree for the targets and the extra states
+    targets, aliases = local_targets(model, modules)
     plan.targets = targets
     on_meta = [t.name for t in targets if any(p.dest.is_meta for p in t.pieces)]
     if on_meta:
@@ -61,7 +62,8 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, prefix: str | None, strict
     if weights:
         plan.model_report = RestoreReport(prefix=prefix)
         _plan_weights(plan, targets, aliases, ckpt, prefix, stored_as, strict=strict, dtype_policy=dtype_policy)
-        _plan_extra_states(plan, model, ckpt, prefix, key_map, strict=strict)
+        _plan_extra_states(plan, extra_state_modules(model, "set_extra_state", modules), ckpt, prefix, key_map,
+                           strict=strict)
     if optimizer is not None:
         plan.optim_report = RestoreReport(prefix=optim_prefix, method="optimizer")
         plan.optim = OptimizerPlan(optimizer)
@@ -69,14 +71,13 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, prefix: str | None, strict
     return plan
 
 
-def _plan_extra_states(plan: ReadPlan, model: nn.Module, ckpt: Checkpoint, prefix: str, key_map: KeyMap | None, *,
-                       strict: bool) -> None:
+def _plan_extra_states(plan: ReadPlan, modules: dict[str, nn.Module], ckpt: Checkpoint, prefix: str,
+                       key_map: KeyMap | None, *, strict: bool) -> None:
     """Each module's extra state, as ``load_state_dict`` treats it: the stored value under ``<module>._extra_state``
     (any value: a tensor, a dict...) goes to the module's ``set_extra_state`` after the reads; missing, it is a
     problem (``strict``) or listed; stored for a module that takes none, it stays among the unexpected names."""
     report = plan.model_report
     assert report is not None
-    modules = extra_state_modules(model, "set_extra_state")
     if not modules:
         return
     stored_as, map_problems = key_maps.apply(key_map, list(modules))

@@ -122,9 +122,11 @@ def _fsdp1_units(model: nn.Module, modules: list[tuple[str, nn.Module]] | None =
             yield clean_name(name), handle
 
 
-def local_targets(model: nn.Module) -> tuple[list[Target], dict[str, str]]:
+def local_targets(model: nn.Module, modules: list[tuple[str, nn.Module]] | None = None
+                  ) -> tuple[list[Target], dict[str, str]]:
     """This rank's `Target` for every parameter and persistent buffer, plus ``{alias: name}`` for
-    tied parameters (an alias needs no reading of its own)."""
+    tied parameters (an alias needs no reading of its own). ``modules``: `module_walk`'s list, when the caller
+    has it."""
     targets: list[Target] = []
     aliases: dict[str, str] = {}
     done: set[str] = set()
@@ -135,7 +137,7 @@ def local_targets(model: nn.Module) -> tuple[list[Target], dict[str, str]]:
 
     managed: dict[int, str] = {}  # FSDP1 original parameters (use_orig_params=True views) -> their name
     fsdp1 = False  # FlatParameter's isinstance is a Python metaclass hook: skipped where no FSDP1 unit exists
-    modules = module_walk(model)
+    modules = module_walk(model) if modules is None else modules
     for prefix, handle in _fsdp1_units(model, modules):
         fsdp1 = True
         flat = handle.flat_param
@@ -188,16 +190,18 @@ def local_targets(model: nn.Module) -> tuple[list[Target], dict[str, str]]:
 EXTRA_STATE = "_extra_state"  # the state-dict entry of a module's own state beside its tensors (nn.Module)
 
 
-def extra_state_modules(model: nn.Module, method: str) -> dict[str, nn.Module]:
+def extra_state_modules(model: nn.Module, method: str,
+                        modules: list[tuple[str, nn.Module]] | None = None) -> dict[str, nn.Module]:
     """``{clean name of the entry: module}`` for every module whose class overrides ``nn.Module``'s ``method``
     (``"get_extra_state"``: the entries ``state_dict()`` holds; ``"set_extra_state"``: those ``load_state_dict``
     gives to the module, or says missing), in ``state_dict()`` order; a module reached under two names: the first.
-    Such state (TransformerEngine's FP8 scaling, a module's own counters) is neither parameter nor buffer."""
+    Such state (TransformerEngine's FP8 scaling, a module's own counters) is neither parameter nor buffer.
+    ``modules``: `module_walk`'s list, when the caller has it."""
     base = getattr(nn.Module, method)
     top = ddp_prefix(model)
     out: dict[str, nn.Module] = {}
     seen: set[int] = set()
-    for name, module in model.named_modules():
+    for name, module in module_walk(model) if modules is None else modules:
         if getattr(type(module), method, base) is not base and id(module) not in seen:
             seen.add(id(module))
             out[clean_name(_join(name, EXTRA_STATE).removeprefix(top))] = module
