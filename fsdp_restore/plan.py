@@ -24,7 +24,7 @@ from .optim_plan import plan_optimizer
 from .read import Checkpoint
 from .readplan import OptimizerPlan, ReadItem, ReadPlan, RestoreReport
 from .shards import Target, clean_name, extra_state_modules, local_targets, module_walk
-from .stored import Source, default_prefix, tensor_sources, whole_values
+from .stored import Source, default_prefix, optimizer_prefixes, tensor_sources, whole_values
 
 __all__ = ["OptimizerPlan", "ReadItem", "ReadPlan", "RestoreReport", "Source", "build_plan", "default_prefix",
            "tensor_sources"]
@@ -135,6 +135,13 @@ def _plan_weights(plan: ReadPlan, targets: Sequence[Target], aliases: dict[str, 
                                   " that holds the model, or model_prefix='' (CLI: --model-prefix '') for a plain"
                                   " weights file")
         plan.refused.update(t.name for t in targets)  # one problem, not one more per tensor never planned
+        return
+    if not prefix and "" in optimizer_prefixes(ckpt) and not any(stored_as.get(t.name) in sources for t in targets):
+        plan.add_problem("error", f"{ckpt.path} holds an optimizer's state dict (state, param_groups), not a model's"
+                                  " weights: restore it into the optimizer (restore_optimizer(optimizer, model, path,"
+                                  " optim_prefix='')), and the weights from their own file (check-restore proves"
+                                  " a restore of weights)")
+        plan.refused.update(t.name for t in targets)  # one problem, not one per name
         return
     tied_names: dict[str, list[str]] = {}
     for alias, name in aliases.items():

@@ -797,3 +797,22 @@ def test_the_model_and_optimizer_are_checked_at_the_door(tmp_path):
         fsdp_restore.restore(model, path, {"lr": 1})
     fsdp_restore.restore(model, path)  # no optimizer: fine
     restore_model(model, path)
+
+
+def test_an_optimizer_state_dict_restored_as_weights_is_said_to_be_one(tmp_path):
+    """A Hugging Face Trainer's optimizer.pt given to restore_model listed every weight missing and every moment
+    unexpected; it is now one error saying what the file is and where it goes. restore_optimizer takes it."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    torch.save(opt.state_dict(), tmp_path / "optimizer.pt")
+    fsdp_restore.convert(tmp_path / "optimizer.pt", tmp_path / "optimizer.safetensors")
+    with pytest.raises(RestoreError) as info:
+        restore_model(model, tmp_path / "optimizer.safetensors")
+    text = str(info.value)
+    assert "holds an optimizer's state dict (state, param_groups), not a model's weights" in text, text
+    assert "missing" not in text and "unexpected" not in text, text
+    fresh = torch.optim.AdamW(model.parameters())
+    fsdp_restore.restore_optimizer(fresh, model, tmp_path / "optimizer.safetensors", optim_prefix="")
+    assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
