@@ -145,14 +145,29 @@ class Checkpoint:
                     raise FormatError(resolved, f"was replaced while it was being opened, {_OPEN_ATTEMPTS} times in a"
                                       " row (another process writing it again and again?); open it again once"
                                       " the writer is done") from None
+            except FormatError as e:
+                self.close()
+                raise self._as_sibling(e, path, resolved) from None
             except BaseException:
                 self.close()
                 raise
         try:
             self._index(resolved, path, structure_json, metadata, weight_map)
+        except FormatError as e:
+            self.close()
+            raise self._as_sibling(e, path, resolved) from None
         except BaseException:
             self.close()
             raise
+
+    @staticmethod
+    def _as_sibling(e: FormatError, given: str | os.PathLike[str], resolved: Path) -> FormatError:
+        """A fault of the converted sibling read in place of the ``.pt`` the caller named, said so (the caller
+        named another file than the one at fault)."""
+        if Path(given) == resolved:
+            return e
+        return FormatError(e.path, f"{e.problem} (read in place of {Path(given).name}, as its converted sibling:"
+                                   f" convert it again with fsdp-restore convert {given} {resolved} --force)")
 
     def _open_files(self, resolved: Path) -> tuple[str | None, dict[str, Any], dict[str, Path]]:
         """Open every file of the checkpoint once and read its header through that descriptor: a single

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -161,3 +163,21 @@ def test_a_trainer_directory_says_which_file_to_pass(tmp_path):
     with pytest.raises(FormatError, match=r"several \.safetensors files \(model\.safetensors, optimizer\.safetensors\)"
                                           ": pass the one to read"):
         fsdp_restore.Checkpoint(tmp_path)
+
+
+def test_a_fault_of_the_sibling_read_in_place_of_a_pt_says_so(tmp_path):
+    """inspect/restore of x.pt whose converted x.safetensors is truncated named x.safetensors alone: the user, who
+    named x.pt, was not told why another file was read, nor the fix."""
+    import fsdp_restore
+
+    torch.save({"w": torch.ones(1000)}, tmp_path / "x.pt")
+    fsdp_restore.convert(tmp_path / "x.pt", tmp_path / "x.safetensors")
+    os.truncate(tmp_path / "x.safetensors", 3000)
+    with pytest.raises(FormatError) as info:
+        fsdp_restore.open_checkpoint(tmp_path / "x.pt")
+    text = str(info.value)
+    assert text.startswith(f"{tmp_path / 'x.safetensors'}: ") and "truncated" in text, text
+    assert "read in place of x.pt, as its converted sibling: convert it again with fsdp-restore convert" in text
+    with pytest.raises(FormatError) as direct:  # named itself: as before
+        fsdp_restore.open_checkpoint(tmp_path / "x.safetensors")
+    assert "in place of" not in str(direct.value)
