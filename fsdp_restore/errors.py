@@ -72,21 +72,35 @@ def allow_global_hint(names: list[str]) -> str:
             " --trust-pickle (trust_pickle=True)")
 
 
-# modules whose classes act when called (open files, start processes, load libraries, run code): never a data class
-_ACTING_MODULES = ("os", "posix", "nt", "subprocess", "shutil", "sys", "io", "importlib", "pickle", "marshal",
-                   "socket", "ctypes", "runpy", "pty", "multiprocessing", "asyncio", "signal", "tempfile",
-                   "webbrowser", "code", "codeop", "builtins")
+# modules whose classes act when called (open or write files, start processes, load libraries, connect, run code):
+# never a data class. A guard against the plain cases, not a proof: a class allowed is called with the pickle's
+# arguments, and only its user can know it holds data (the hint says so)
+_ACTING_MODULES = frozenset({
+    "os", "posix", "nt", "subprocess", "shutil", "sys", "io", "_io", "_pyio", "importlib", "pickle", "_pickle",
+    "marshal", "socket", "_socket", "socketserver", "ssl", "ctypes", "_ctypes", "runpy", "pty", "multiprocessing",
+    "asyncio", "signal", "tempfile", "webbrowser", "code", "codeop", "zipfile", "tarfile", "gzip", "bz2", "lzma",
+    "logging", "sqlite3", "_sqlite3", "shelve", "dbm", "mmap", "http", "urllib", "ftplib", "smtplib", "imaplib",
+    "poplib", "xmlrpc", "selectors", "threading", "concurrent", "sched", "cProfile", "profile", "pdb", "bdb",
+    "trace", "zipimport", "pkgutil", "venv", "ensurepip", "distutils", "setuptools", "pip", "fileinput"})
+_ACTING_CLASSES = frozenset({"numpy.memmap"})
+# functions that only rebuild data, which the default allow list holds: naming them again is no new allowance
+_DATA_FUNCTIONS = frozenset({"numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct",
+                             "numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar"})
 
 
 def allowed_global(name: str, obj: object) -> object:
     """``obj``, the global ``name`` an allow list names, if it may be allowed: a class, not from a module whose
-    classes act when called (`_ACTING_MODULES`); else a `ValueError` saying why (the unpickler would call it)."""
+    classes act when called (`_ACTING_MODULES`), or a function the default allow list holds already; else a
+    `ValueError` saying why (the unpickler would call it)."""
+    if name in _DATA_FUNCTIONS:
+        return obj
     module = getattr(obj, "__module__", None) or name.rpartition(".")[0]
     if not isinstance(obj, type):
         raise ValueError(f"allow_globals: '{name}' is a {type(obj).__name__}, not a class: the unpickler would call"
                          " it with the pickle's arguments, which is running the pickle; allow data classes only, or"
                          " pass --trust-pickle (trust_pickle=True) for a file you trust")
-    if module.split(".")[0].lstrip("_") in _ACTING_MODULES:
+    roots = {module.split(".")[0], name.split(".")[0]}
+    if roots & _ACTING_MODULES or name in _ACTING_CLASSES or f"{module}.{obj.__qualname__}" in _ACTING_CLASSES:
         raise ValueError(f"allow_globals: '{name}' is a class of {module}, whose classes act when called (files,"
                          " processes, code): allow data classes only, or pass --trust-pickle (trust_pickle=True) for"
                          " a file you trust")

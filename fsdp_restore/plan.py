@@ -85,9 +85,8 @@ def _plan_extra_states(plan: ReadPlan, modules: dict[str, nn.Module], ckpt: Chec
         plan.add_problem("key_map", text)
     nodes = whole_values(ckpt, prefix, stored_as.values())
     for name, module in modules.items():
-        node = nodes.get(stored_as.get(name, ""))
-        if node is not None:
-            plan.extra_states.append((name, module, node))
+        if name in stored_as and stored_as[name] in nodes:  # (a stored None is a value: set_extra_state(None))
+            plan.extra_states.append((name, module, nodes[stored_as[name]]))
         elif name in stored_as and strict:
             plan.add_problem("missing", name)
         elif name in stored_as:

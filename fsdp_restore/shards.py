@@ -194,17 +194,16 @@ def extra_state_modules(model: nn.Module, method: str,
                         modules: list[tuple[str, nn.Module]] | None = None) -> dict[str, nn.Module]:
     """``{clean name of the entry: module}`` for every module whose class overrides ``nn.Module``'s ``method``
     (``"get_extra_state"``: the entries ``state_dict()`` holds; ``"set_extra_state"``: those ``load_state_dict``
-    gives to the module, or says missing), in ``state_dict()`` order; a module reached under two names: the first.
+    gives to the module, or says missing), in ``state_dict()`` order; a module reached under two names has an entry
+    under each, as in ``state_dict()``.
     Such state (TransformerEngine's FP8 scaling, a module's own counters) is neither parameter nor buffer.
     ``modules``: `module_walk`'s list, when the caller has it."""
     base = getattr(nn.Module, method)
     top = ddp_prefix(model)
     out: dict[str, nn.Module] = {}
-    seen: set[int] = set()
     for name, module in module_walk(model) if modules is None else modules:
-        if getattr(type(module), method, base) is not base and id(module) not in seen:
-            seen.add(id(module))
-            out[clean_name(_join(name, EXTRA_STATE).removeprefix(top))] = module
+        if getattr(type(module), method, base) is not base:
+            out.setdefault(clean_name(_join(name, EXTRA_STATE).removeprefix(top)), module)
     return out
 
 

@@ -17,6 +17,7 @@ name and is removed, by this run or, if it is killed first, by the next one (`re
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fnmatch
@@ -953,7 +954,8 @@ def refuse_foreign_directory(dst: Path, *, one_file: bool = True) -> None:
 
 def carry_kept_files(dst: Path, tmp: Path) -> None:
     """Into the new set's directory ``tmp``, just before it replaces ``dst``: the files of ``dst`` a set of shards
-    keeps (`_kept`), hard-linked (else copied), so that the replacement leaves them in place."""
+    keeps (`_kept`), hard-linked (else copied), then the directory's own mode, group and extended attributes
+    (ACLs), so that the replacement leaves them as they were."""
     if not (dst.is_dir() and not dst.is_symlink() and tmp.is_dir()):
         return
     for p in dst.iterdir():
@@ -962,6 +964,9 @@ def carry_kept_files(dst: Path, tmp: Path) -> None:
                 os.link(p, tmp / p.name)
             except OSError:  # another file system's rules (no hard links)
                 shutil.copy2(p, tmp / p.name)
+    with contextlib.suppress(OSError):  # a group this user is not in: the directory keeps the user's own
+        os.chown(tmp, -1, dst.stat().st_gid)
+    shutil.copystat(dst, tmp)  # last: the mode (setgid included) may forbid the links above; extended attributes
     _fsync_dir(tmp)
 
 

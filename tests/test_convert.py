@@ -192,7 +192,8 @@ class _Deletes:
         return (shutil.rmtree, (self.victim,))
 
 
-@pytest.mark.parametrize("allowed", ["shutil.rmtree", "builtins.exec", "subprocess.Popen", "io.FileIO"])
+@pytest.mark.parametrize("allowed", ["shutil.rmtree", "builtins.exec", "subprocess.Popen", "io.FileIO", "_pyio.FileIO",
+                                     "zipfile.ZipFile", "logging.FileHandler", "tarfile.TarFile"])
 def test_allow_globals_takes_data_classes_only(tmp_path, allowed):
     """The refusal's hint named the pickle's global for --allow-global whatever it was, and said that allowing it
     converts without running the pickle: allowing shutil.rmtree so deleted the directory the pickle named. A
@@ -213,6 +214,25 @@ def test_allow_globals_takes_data_classes_only(tmp_path, allowed):
         with pytest.raises(ValueError, match=f"allow_globals: '{allowed}' is a"):
             call()
     assert (victim / "precious").read_text() == "keep" and not (tmp_path / "out.safetensors").exists()
+
+
+def test_allow_globals_still_takes_the_data_classes_a_config_needs(tmp_path):
+    """A Lightning-style checkpoint's omegaconf DictConfig names builtins.dict, builtins.int, collections.defaultdict
+    and typing.Any among its globals: the first version of the door check refused builtins.dict as a class of an
+    acting module. Allowing what the refusal lists loads it as torch's weights-only load does; a function the default
+    allow list holds (numpy's _reconstruct) may be named again."""
+    import re
+
+    from omegaconf import OmegaConf
+
+    torch.save({"model": {"w": torch.ones(2)}, "hyper_parameters": OmegaConf.create({"lr": 0.1, "layers": [1, 2]})},
+               tmp_path / "a.pt")
+    with pytest.raises(UnsafePickleError) as info:
+        fsdp_restore.load_pt(tmp_path / "a.pt")
+    names = re.search(r"references (.*?), which loading", str(info.value)).group(1).split(", ")
+    assert "builtins.dict" in names and "omegaconf.dictconfig.DictConfig" in names, names
+    got = fsdp_restore.load_pt(tmp_path / "a.pt", allow_globals=[*names, "numpy.core.multiarray._reconstruct"])
+    assert OmegaConf.to_container(got["hyper_parameters"]) == {"lr": 0.1, "layers": [1, 2]}
 
 
 def test_allowlisted_objects_load_safely(tmp_path):

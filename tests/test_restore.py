@@ -816,3 +816,23 @@ def test_an_optimizer_state_dict_restored_as_weights_is_said_to_be_one(tmp_path)
     fresh = torch.optim.AdamW(model.parameters())
     fsdp_restore.restore_optimizer(fresh, model, tmp_path / "optimizer.safetensors", optim_prefix="")
     assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_extra_states_of_a_shared_module_and_of_none_as_load_state_dict_gives_them(tmp_path):
+    """A module under two names has its extra state under each (torch calls set_extra_state twice; the restore
+    called the second name's unexpected), and a state of None is a value (it was taken for missing)."""
+    def net(state):
+        torch.manual_seed(0)
+        shared = _Scaling(state)
+        return torch.nn.ModuleDict({"a": shared, "b": shared, "c": _Scaling(None), "out": torch.nn.Linear(4, 2)})
+
+    saved = net({"amax": torch.arange(4.0)})
+    assert list(saved.state_dict()).count("b._extra_state") == 1 and "c._extra_state" in saved.state_dict()
+    path = _converted(tmp_path, saved)
+    oracle, ours = net("unset"), net("unset")
+    oracle.load_state_dict(torch.load(tmp_path / "c.pt", weights_only=True)["model"])
+    restore_model(ours, path)
+    for name in ("a", "c"):
+        assert len(ours[name].given) == len(oracle[name].given), name
+    assert len(ours["a"].given) == 2 and ours["c"].given == [None] == oracle["c"].given
+    assert all(torch.equal(g["amax"], torch.arange(4.0)) for g in ours["a"].given)

@@ -320,8 +320,10 @@ def test_a_set_of_shards_keeps_a_model_directorys_other_files(tmp_path):
     loaded = LlamaForCausalLM.from_pretrained(hf)
     for key, value in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key
+    hf.chmod(0o2750)  # a group's directory: its mode stays with it (the new version's directory is another one)
     fsdp_restore.convert(tmp_path / "weights.pt", hf, force=True, max_shard_size="200KB")  # and again: kept again
     assert set(before) <= {p.name for p in hf.iterdir()} and (hf / "config.json").read_bytes() == config_bytes
+    assert hf.stat().st_mode & 0o7777 == 0o2750, oct(hf.stat().st_mode)
     for intruder in ("model.safetensors", "pytorch_model.bin", "checkpoint-500"):
         path = hf / intruder
         path.mkdir() if "." not in intruder else path.write_bytes(b"x")
