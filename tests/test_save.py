@@ -956,7 +956,8 @@ def _extra_state_round_trip(rank, world_size, root, how):
     assert torch.equal(fp8.history, oracle.fp8.history) and torch.equal(fp8.history, torch.arange(4.0))
 
 
-@pytest.mark.parametrize("how", ["fsdp2", "fsdp1", "ddp"])
+@pytest.mark.parametrize("how", ["fsdp2", pytest.param("fsdp1", marks=pytest.mark.slow),
+                                 pytest.param("ddp", marks=pytest.mark.slow)])
 def test_module_extra_state_is_saved_and_restored(tmp_path, how):
     """A module's get_extra_state() value was dropped by the save (a model with FP8 modules lost their scaling
     state without a word), and the restore refused the file torch.save of its state dict converts to."""
