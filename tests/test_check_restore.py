@@ -48,6 +48,7 @@ def test_good_checkpoint_passes(setup, fsdp, nproc):
     assert sum(r["tensors"] for r in report.ranks) == nproc * 7  # embed + 3 x (weight, bias); tied head once
 
 
+@pytest.mark.slow  # whole torchrun processes, one per exit code: 14 s on 2 cores
 def test_cli_exit_codes(setup):
     cmd = [sys.executable, "-m", "fsdp_restore", "check-restore", "ck.safetensors", "--model", "mymodel:build",
            "--nproc", "2"]
@@ -135,6 +136,7 @@ def test_the_oracle_catches_what_the_nan_check_cannot(setup):
 RENAMED_FACTORY = FACTORY.replace("self.embed", "self.tok").replace("self.layers", "self.blocks")
 
 
+@pytest.mark.slow  # whole torchrun processes: 13 s on 2 cores
 def test_cli_key_map_file(setup):
     """A model whose names differ from the checkpoint's passes with --key-map (a YAML file of regex pairs),
     fails naming the missing keys without it, and a malformed map is one line, no traceback."""
