@@ -290,5 +290,4 @@ def extras(ckpt: Checkpoint, skip: Iterable[str]) -> dict[str, Any]:
     if not (isinstance(root, dict) and root.get("type") in ("dict", "OrderedDict")):
         return {}
     skip = set(skip)
-    rest = {"type": "dict", "items": [[k, v] for k, v in root["items"] if k not in skip]}
-    return unflatten(ckpt.tensors(exact=True), {"version": 1, "root": rest})
+    return value(ckpt, {"type": "dict", "items": [[k, v] for k, v in root["items"] if k not in skip]})
