@@ -67,11 +67,13 @@ class Storage:
 
     ptr_range: tuple[int, int] = field(init=False)  # [first byte, end) of ``flat``: looked up per read
     numel: int = field(init=False)  # of ``flat``
+    itemsize: int = field(init=False)  # of ``flat``
 
     def __post_init__(self) -> None:
         start = self.flat.data_ptr()
         self.numel = self.flat.numel()
-        self.ptr_range = (start, start + self.numel * self.flat.element_size())
+        self.itemsize = self.flat.element_size()
+        self.ptr_range = (start, start + self.numel * self.itemsize)
 
 
 @dataclass
@@ -104,8 +106,9 @@ def _nan_sum(t: torch.Tensor) -> torch.Tensor:
 # ---- what to cover, from the model itself ----------------------------------------------------------
 
 
-def model_storages(model: nn.Module) -> list[Storage]:
-    """Every parameter's and persistent buffer's local memory, with its real elements by name."""
+def model_storages(model: nn.Module, modules: list[tuple[str, nn.Module]] | None = None) -> list[Storage]:
+    """Every parameter's and persistent buffer's local memory, with its real elements by name (``modules``:
+    `shards.module_walk`'s list, when the caller has it)."""
     from torch.distributed.fsdp._flat_param import FlatParameter
 
     top = ddp_prefix(model)
@@ -116,8 +119,7 @@ def model_storages(model: nn.Module) -> list[Storage]:
     flat_ends: list[int] = []
     seen: set[int] = set()
 
-    def covered(t: torch.Tensor) -> bool:
-        ptr = t.data_ptr()
+    def covered(ptr: int) -> bool:
         i = bisect.bisect_right(flat_starts, ptr) - 1
         return ptr in seen or (i >= 0 and ptr < flat_ends[i])
 
@@ -126,7 +128,7 @@ def model_storages(model: nn.Module) -> list[Storage]:
         seen.add(flat.data_ptr())
 
     fsdp1 = False  # FlatParameter's isinstance is a Python metaclass hook: skipped where no FSDP1 unit exists
-    modules = module_walk(model)
+    modules = module_walk(model) if modules is None else modules
     for unit_prefix, handle in _fsdp1_units(model, modules):
         fsdp1 = True
         flat = handle.flat_param
@@ -143,17 +145,19 @@ def model_storages(model: nn.Module) -> list[Storage]:
         if fsdp1 and isinstance(param, FlatParameter):
             continue
         local = local_tensor(param)
-        if local.numel() == 0 or covered(local):
+        n = local.numel()
+        if n == 0 or covered(ptr := local.data_ptr()):
             continue
         flat = local if local.dim() == 1 and not local.requires_grad else (
             local.view(-1) if local.is_contiguous() else local.reshape(-1))  # (a view is a torch call per tensor)
-        add(flat, [Region(clean_name(raw.removeprefix(top)), 0, local.numel())])
+        storages.append(Storage(flat, [Region(clean_name(raw.removeprefix(top)), 0, n)]))  # (add(), inlined)
+        seen.add(ptr)
     for mod_name, module in modules:
         for buf_name, buf in module._buffers.items():
             if buf is None or buf_name in module._non_persistent_buffers_set:
                 continue
             local = local_tensor(buf)
-            if local.numel() == 0 or covered(local):
+            if local.numel() == 0 or covered(local.data_ptr()):
                 continue
             add(local.reshape(-1), [Region(clean_name(_join(mod_name, buf_name).removeprefix(top)), 0, local.numel())])
     return storages
@@ -192,9 +196,9 @@ class _StorageIndex:
     """Find the storage (and element offset in it) that holds a data pointer."""
 
     def __init__(self, storages: Sequence[Storage]) -> None:
-        self.sorted = sorted((s for s in storages if s.flat.numel()), key=lambda s: s.ptr_range[0])
+        self.sorted = sorted((s for s in storages if s.numel), key=lambda s: s.ptr_range[0])
         self.starts = [s.ptr_range[0] for s in self.sorted]
-        self.itemsize = [s.flat.element_size() for s in self.sorted]
+        self.itemsize = [s.itemsize for s in self.sorted]
 
     def find(self, ptr: int) -> tuple[Storage, int] | None:
         i = bisect.bisect_right(self.starts, ptr) - 1
@@ -253,8 +257,10 @@ def validate_plan(plan: ReadPlan, storages: Sequence[Storage], ckpt: Checkpoint)
             continue
         placed.setdefault(id(storage), []).append((offset, n, item.name))
     for storage in storages:
-        runs = sorted(placed.get(id(storage), []))
-        regions = sorted(storage.regions, key=lambda r: r.offset)
+        runs = placed.get(id(storage), [])
+        if len(runs) > 1:  # (most storages hold one tensor read by one item: no sort then)
+            runs.sort()
+        regions = storage.regions if len(storage.regions) < 2 else sorted(storage.regions, key=lambda r: r.offset)
         starts = [r.offset for r in regions]
         covered = {r.name: 0 for r in regions}
         end = 0
@@ -305,7 +311,8 @@ def coverage_terms(items: Sequence[ReadItem]) -> dict[str, tuple[int, int]]:
         s, c, big_n = item.global_start, item.dest.numel(), item.global_numel
         if c == 0:
             continue
-        s1, s2 = index_moments(s, item.run, item.rows, item.stride)
+        rows = item.rows
+        s1, s2 = index_moments(s, c // rows if rows else 0, rows, item.stride)  # (item.run, without a second numel)
         t = terms.setdefault(item.name, [0, 0])
         t[0] += 2 * s1 - c * (big_n - 1)
         t[1] += 6 * s2 - c * (big_n - 1) * (2 * big_n - 1)

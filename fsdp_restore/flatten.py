@@ -477,8 +477,10 @@ def validate_structure(structure: Any, where: object, keys: Mapping[str, Any] | 
                     if kind == "Namespace" and not isinstance(key, str):
                         raise _bad_node(where, path, f"Namespace item {i} has a non-string name")
                     label = key if isinstance(key, (str, int)) and not isinstance(key, bool) else f"<key {i}>"
-                    stack.append((key, _join(path, label), depth + 1, True))
-                    stack.append((value, _join(path, label), depth + 1, False))
+                    at = _join(path, label)
+                    if type(key) is not str:  # (a string key is valid as it is: most keys, not walked)
+                        stack.append((key, at, depth + 1, True))
+                    stack.append((value, at, depth + 1, False))
                 else:
                     stack.append((item, _join(path, i), depth + 1, is_key and kind == "tuple"))
         elif kind in _STORED:
@@ -573,7 +575,11 @@ def iter_tensor_nodes(node: Any, path: str = "") -> Iterator[tuple[str, dict[str
     elif kind in ("dict", "OrderedDict", "Namespace"):
         for k, v in node["items"]:
             name = k if isinstance(k, str) else str(k) if isinstance(k, int) else None
-            if name is not None:
+            if name is None:
+                continue
+            if type(v) is dict and v.get("type") == "tensor":  # (most children: no generator of their own)
+                yield _join(path, name), v
+            else:
                 yield from iter_tensor_nodes(v, _join(path, name))
     elif kind in ("list", "tuple"):
         for i, v in enumerate(node["items"]):

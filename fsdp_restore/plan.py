@@ -35,22 +35,25 @@ __all__ = ["OptimizerPlan", "ReadItem", "ReadPlan", "RestoreReport", "Source", "
 
 def build_plan(model: nn.Module, ckpt: Checkpoint, *, prefix: str | None, strict: bool = True,
                dtype_policy: str = "cast", weights: bool = True, optimizer: torch.optim.Optimizer | None = None,
-               optim_prefix: str = "optim", key_map: KeyMap | None = None) -> ReadPlan:
+               optim_prefix: str = "optim", key_map: KeyMap | None = None,
+               modules: list[tuple[str, nn.Module]] | None = None) -> ReadPlan:
     """Plan the reads of the model's weights (``weights``) and/or ``optimizer``'s state on this rank.
 
     ``prefix`` is the subtree holding the weights (None: `default_prefix`). ``key_map``: the
     checkpoint's name of each model name (key_map.py). ``dtype_policy``:
     ``"cast"`` converts a stored dtype to the model's (and reports it), ``"error"`` makes any dtype
-    difference a problem. Raises only for errors that leave nothing to plan (bad arguments, a model
-    on the meta device); everything else lands in ``plan.problems``."""
+    difference a problem. ``modules``: `shards.module_walk`'s list, when the caller has it. Raises only
+    for errors that leave nothing to plan (bad arguments, a model on the meta device); everything else lands
+    in ``plan.problems``."""
     if dtype_policy not in ("cast", "error"):
         raise ValueError(f"dtype_policy must be 'cast' or 'error', not {dtype_policy!r}")
     prefix = default_prefix(ckpt) if prefix is None else prefix
     plan = ReadPlan()
-    modules = module_walk(model)  # one walk of the module tree for the targets and the extra states
+    # one walk of the module tree for the targets and the extra states
+    modules = module_walk(model) if modules is None else modules
     targets, aliases = local_targets(model, modules)
     plan.targets = targets
-    on_meta = [t.name for t in targets if any(p.dest.is_meta for p in t.pieces)]
+    on_meta = list(dict.fromkeys(t.name for t in targets for p in t.pieces if p.dest.is_meta))
     if on_meta:
         raise FsdpRestoreError(f"parameters on the meta device ({', '.join(on_meta[:5])}...): materialize the model"
                                " with model.to_empty(device=...) before restoring (then fsdp_restore."
@@ -135,7 +138,8 @@ def _plan_weights(plan: ReadPlan, targets: Sequence[Target], aliases: dict[str, 
                                   " weights file")
         plan.refused.update(t.name for t in targets)  # one problem, not one more per tensor never planned
         return
-    if not prefix and "" in optimizer_prefixes(ckpt) and not any(stored_as.get(t.name) in sources for t in targets):
+    # (the cheap test first: optimizer_prefixes walks the file's top level, a cost per stored tensor)
+    if not prefix and not any(stored_as.get(t.name) in sources for t in targets) and "" in optimizer_prefixes(ckpt):
         plan.add_problem("error", f"{ckpt.path} holds an optimizer's state dict (state, param_groups), not a model's"
                                   " weights: restore it into the optimizer (restore_optimizer(optimizer, model, path,"
                                   " optim_prefix='')), and the weights from their own file (check-restore proves"
@@ -159,9 +163,10 @@ def _plan_weights(plan: ReadPlan, targets: Sequence[Target], aliases: dict[str, 
             continue
         # a tied tensor may be stored under any of its names (save_model keeps only one); names stored apart must
         # hold the same values, or the restore would keep one and lose the others
-        held = [(name, found) for name in [target.name, *tied_names.get(target.name, ())]
-                if (found := sources.get(stored_as.get(name, ""))) is not None]
-        src = held[0][1] if held else None
+        tied = tied_names.get(target.name)
+        held = [] if tied is None else [(name, found) for name in [target.name, *tied]
+                                        if (found := sources.get(stored_as.get(name, ""))) is not None]
+        src = sources.get(stored_as[target.name]) if tied is None else held[0][1] if held else None
         for alias, other in held[1:]:
             if (other.key, other.start) != (src.key, src.start) and not _same_values(ckpt, src, other):
                 plan.add_problem("tied", f"{held[0][0]} and {alias}: the model ties them (one tensor), but the file"

@@ -36,6 +36,7 @@ from .key_map import KeyMap
 from .plan import ReadPlan, RestoreReport, build_plan, default_prefix
 from .read import Checkpoint, open_checkpoint
 from .restored_sums import ChecksumVerdict, joined_verdict, local_sums
+from .shards import module_walk
 from .stored import extras
 from .stored import value as stored_value
 from .verdict import agree, new_problems
@@ -62,23 +63,26 @@ class RestoreResult(Mapping[str, Any]):
         return len(self.extra)
 
 
-def _reshard_fsdp2(model: nn.Module) -> None:
+def _reshard_fsdp2(model: nn.Module, modules: list[tuple[str, nn.Module]] | None = None) -> None:
     """Put FSDP2 modules back on their sharded parameters (a forward with ``reshard_after_forward=False``
-    leaves them unsharded): the restore writes the sharded storage, which is what training keeps."""
+    leaves them unsharded): the restore writes the sharded storage, which is what training keeps.
+    ``modules``: `shards.module_walk`'s list, when the caller has it."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover
         return
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
+    seen: set[int] = set()  # a module reachable under two names is resharded once, as model.modules() gives it
+    for _, module in module_walk(model) if modules is None else modules:
+        if isinstance(module, FSDPModule) and id(module) not in seen:
+            seen.add(id(module))
             module.reshard()
 
 
-def _refuse_unsharded_fsdp1(model: nn.Module) -> None:
+def _refuse_unsharded_fsdp1(model: nn.Module, modules: list[tuple[str, nn.Module]] | None = None) -> None:
     from .shards import _fsdp1_units
 
     unsharded = []
-    for prefix, handle in _fsdp1_units(model):
+    for prefix, handle in _fsdp1_units(model, modules):
         shard = getattr(handle.flat_param, "_local_shard", None)  # set at FSDP's lazy init (first forward)
         if handle.uses_sharded_strategy and shard is not None and handle.flat_param.data_ptr() != shard.data_ptr():
             unsharded.append(prefix or "<root>")
@@ -151,16 +155,17 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
             if verify_checksums and method != "read":
                 raise ValueError("verify_checksums=True checks what the read route restored: use method='read'")
             ckpt = open_checkpoint(checkpoint)
-            _reshard_fsdp2(model)
-            _refuse_unsharded_fsdp1(model)
+            modules = module_walk(model)  # one walk of the module tree for every step below
+            _reshard_fsdp2(model, modules)
+            _refuse_unsharded_fsdp1(model, modules)
             plan = build_plan(model, ckpt, prefix=prefix, strict=strict, dtype_policy=dtype_policy, weights=weights,
-                              optimizer=optimizer, optim_prefix=optim_prefix, key_map=key_map)
+                              optimizer=optimizer, optim_prefix=optim_prefix, key_map=key_map, modules=modules)
             problems.update(plan.problems)
             # the modules' extra states, read now (small values): a failure here leaves the model untouched
             extra_states = [(module, stored_value(ckpt, node)) for _, module, node in plan.extra_states]
             if verify_checksums:
                 _refuse_without_checksums(plan, ckpt)
-            memory = checks.model_storages(model)  # from the model itself, not from the plan
+            memory = checks.model_storages(model, modules)  # from the model itself, not from the plan
             if weights:
                 model_memory = checks.without(memory, plan.skipped)
             if plan.optim is not None:

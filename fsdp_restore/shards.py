@@ -247,9 +247,25 @@ def _block_runs(global_shape: tuple[int, ...], mesh: object, placements: tuple) 
     return tuple(local_shape), *block_rows(tuple(global_shape), tuple(local_shape), tuple(offset))
 
 
-@functools.lru_cache(maxsize=256)
-def _partial(placements: tuple) -> bool:
-    return any(p.is_partial() for p in placements)
+_LAYOUTS: dict[tuple[tuple[int, ...], int, int], tuple[object, tuple, tuple]] = {}
+
+
+def _layout(global_shape: tuple[int, ...], mesh: object, placements: tuple
+            ) -> tuple[bool, tuple[int, ...], list[RowBlock], int]:
+    """(whether a placement is Partial, then `_block_runs`'s answer) for a DTensor layout. FSDP2 and tensor
+    parallel give every parameter of a layout the same mesh and placements objects: they are looked up by
+    identity (checked, and held while cached so that no other object takes their id), as hashing placements
+    calls Python per placement for every parameter of every restore; `_block_runs` answers for equal ones."""
+    key = (global_shape, id(mesh), id(placements))
+    hit = _LAYOUTS.get(key)
+    if hit is not None and hit[0] is mesh and hit[1] is placements:
+        return hit[2]
+    if len(_LAYOUTS) >= 4096:
+        _LAYOUTS.clear()
+    partial = any(p.is_partial() for p in placements)
+    answer = (True, (), [], 0) if partial else (False, *_block_runs(global_shape, mesh, placements))
+    _LAYOUTS[key] = (mesh, placements, answer)
+    return answer
 
 
 def block_rows(global_shape: tuple[int, ...], local_shape: tuple[int, ...],
@@ -284,13 +300,14 @@ def _dtensor_target(name: str, dt: torch.Tensor, kind: str) -> Target:
     spec = dt._spec
     placements = spec.placements
     local = dt._local_tensor
-    global_shape = tuple(dt.shape)
-    if _partial(placements):
+    meta = spec.tensor_meta
+    global_shape = tuple(meta.shape if meta is not None else dt.shape)  # (dt.shape is a Python property)
+    partial, local_shape, blocks, run = _layout(global_shape, spec.mesh, placements)
+    if partial:
         return Target(name, global_shape, dt.dtype, kind, layout="dtensor", unsupported=(
             f"a Partial placement ({placements}) holds addends of a pending reduction, and a stored value"
             " cannot be split into addends exactly; restore into the model before it is parallelized this way,"
             " or with Replicate/Shard placements"))
-    local_shape, blocks, run = _block_runs(global_shape, spec.mesh, placements)
     target = Target(name, global_shape, local.dtype, kind, layout="dtensor")
     if local.shape != local_shape:
         raise ValueError(f"{name}: local shard shape {tuple(local.shape)} differs from the layout's {local_shape}")
@@ -299,8 +316,10 @@ def _dtensor_target(name: str, dt: torch.Tensor, kind: str) -> Target:
         return target
     if not local.is_contiguous():
         raise ValueError(f"{name}: non-contiguous local shard is not supported")
-    # the local tensor itself where it is already a flat plain tensor (a bias, a norm): a view is a torch call
-    flat_local = local if local.dim() == 1 and not local.requires_grad else local.detach().view(-1)
+    if local.requires_grad:  # (FSDP2's and tensor parallel's local shards do not: no detach, a torch call, then)
+        local = local.detach()
+    # the local tensor itself where it is already flat (a bias, a norm): a view is a torch call
+    flat_local = local if local.dim() == 1 else local.view(-1)
     if len(blocks) == 1:  # most layouts: the whole local block, no slice
         block = blocks[0]
         target.pieces.append(Piece(flat_local, block.start, block.rows, block.stride if block.rows > 1 else 0))

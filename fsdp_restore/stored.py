@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from math import prod
 from types import MappingProxyType
 from typing import Any
 
@@ -41,10 +42,7 @@ class Source:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return prod(self.shape)
 
 
 def node_source(ckpt: Checkpoint, node: Mapping[str, Any]) -> Source | None:
