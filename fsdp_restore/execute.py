@@ -22,7 +22,7 @@ import functools
 import os
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -370,13 +370,14 @@ def chunked(items: Sequence[ReadItem], ckpt: Checkpoint, chunk_bytes: int | None
     return chunks
 
 
-def grouped(chunks: Sequence[Chunk], ckpt: Checkpoint, chunk_bytes: int | None = None) -> list[list[Chunk]]:
+def grouped(chunks: Iterable[Chunk], ckpt: Checkpoint, chunk_bytes: int | None = None) -> Iterator[list[Chunk]]:
     """Consecutive chunks (in file order) whose bytes lie back to back in one file, plain ranges into
     memory on one device, together at most ``chunk_bytes`` (default `READ_CHUNK_BYTES`): one positional read
-    each group (a model of thousands of small tensors paid more per read call than per byte)."""
+    each group (a model of thousands of small tensors paid more per read call than per byte). Made as they are
+    asked for: the read threads take each group as it is made, reading the ones before it meanwhile."""
     chunk_bytes = chunk_bytes or READ_CHUNK_BYTES
     entries = ckpt.entries
-    groups: list[list[Chunk]] = []
+    group: list[Chunk] = []
     end_file: object = None
     end = -1
     size = 0
@@ -387,18 +388,21 @@ def grouped(chunks: Sequence[Chunk], ckpt: Checkpoint, chunk_bytes: int | None =
         start = entry.offset + c.src_start * itemsize
         nbytes = c.count * itemsize
         device = c.item.dest.device
-        if (groups and c.rows == 1 and last_rows == 1 and start == end
+        if (group and c.rows == 1 and last_rows == 1 and start == end
                 and (entry.file is end_file or entry.file == end_file)
-                and size + nbytes <= chunk_bytes and len(groups[-1]) < GROUP_MAX_PARTS
+                and size + nbytes <= chunk_bytes and len(group) < GROUP_MAX_PARTS
                 and size % itemsize == 0  # its place in a staging buffer can be viewed as its dtype
                 and device == last_device):
-            groups[-1].append(c)
+            group.append(c)
             size += nbytes
         else:
-            groups.append([c])
+            if group:
+                yield group
+            group = [c]
             size = nbytes
         end_file, end, last_rows, last_device = entry.file, start + nbytes, c.rows, device
-    return groups
+    if group:
+        yield group
 
 
 def overflow_message(overflowed: dict[str, int]) -> str:
@@ -427,7 +431,7 @@ def execute_reads(ckpt: Checkpoint, items: Sequence[ReadItem], threads: int = DE
     chunks = chunked(items, ckpt, chunk_bytes)
     if not chunks:
         return
-    groups = grouped(chunks, ckpt, chunk_bytes)
+    groups = grouped(chunks, ckpt, chunk_bytes)  # made as the threads take them (under the lock below)
     caller_stream = torch.cuda.current_stream(device) if cuda else None
     local = threading.local()
     workers: list[_Worker] = []
@@ -456,7 +460,7 @@ def execute_reads(ckpt: Checkpoint, items: Sequence[ReadItem], threads: int = DE
 
     # Long-lived workers that take the next group in file order: no future per read (a model of thousands
     # of small tensors paid more in thread hand-offs than in reads).
-    next_group = iter(groups)
+    next_group = groups
     failed: list[BaseException] = []
 
     def work(own_thread: bool = True) -> None:
@@ -475,11 +479,11 @@ def execute_reads(ckpt: Checkpoint, items: Sequence[ReadItem], threads: int = DE
             failed.append(e)
 
     try:
-        if threads <= 1 or len(groups) <= 1:
+        if threads <= 1 or len(chunks) <= 1:
             with torch.no_grad():
                 work(own_thread=False)
         else:
-            for f in [reader_pool(threads).submit(work) for _ in range(min(threads, len(groups)))]:
+            for f in [reader_pool(threads).submit(work) for _ in range(min(threads, len(chunks)))]:
                 f.result()
     finally:
         for w in workers:

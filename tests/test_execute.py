@@ -41,7 +41,7 @@ def test_back_to_back_chunks_are_grouped_within_the_limits(stored, monkeypatch):
     with Checkpoint(stored) as ckpt:
         plan = build_plan(model, ckpt, prefix="")
         chunks = chunked(plan.items, ckpt)
-        groups = grouped(chunks, ckpt)
+        groups = list(grouped(chunks, ckpt))
         assert [c for g in groups for c in g] == chunks  # every chunk once, in file order
         assert len(groups) < len(chunks) / 10  # 303 tensors, a handful of reads
         for g in groups:
