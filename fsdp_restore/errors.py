@@ -1,6 +1,6 @@
 """The error types fsdp_restore raises. Every message names the file or key at fault and what to do.
 
-Also the checks of the options every public entry point shares (`thread_count_argument`,
+Also the checks of the arguments every public entry point shares (`objects_argument`, `thread_count_argument`,
 `process_group_argument`).
 """
 
@@ -159,6 +159,23 @@ def thread_count_argument(thread_count: object, threads: object = None, *, stack
                                      or thread_count < 1):
         raise ValueError(f"thread_count must be a positive int, not {thread_count!r}")
     return thread_count
+
+
+def objects_argument(call: str, model: object, optimizer: object = None, *, optional: bool = False) -> None:
+    """The model (and optimizer) of an entry point, checked at the door: a `TypeError` naming the call's order
+    where they are swapped, else what each must be (an attribute error deep in the plan said neither).
+    ``optional``: the optimizer may be None."""
+    import torch
+
+    is_module, is_optimizer = isinstance(model, torch.nn.Module), isinstance(optimizer, torch.optim.Optimizer)
+    if isinstance(model, torch.optim.Optimizer) and isinstance(optimizer, torch.nn.Module):
+        raise TypeError(f"the model and the optimizer are swapped: the call is {call}")
+    if not is_module:
+        raise TypeError(f"model must be an nn.Module (the sharded or plain model), not {type(model).__name__}:"
+                        f" the call is {call}")
+    if not is_optimizer and not (optional and optimizer is None):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer{' or None' if optional else ''}, not"
+                        f" {type(optimizer).__name__}: the call is {call}")
 
 
 def process_group_argument(process_group: object) -> None:

@@ -30,7 +30,8 @@ from torch import nn
 
 from . import check as checks
 from .buffers import buffer_problems
-from .errors import RestoreError, process_group_argument, renamed_argument, thread_count_argument
+from .errors import (RestoreError, objects_argument, process_group_argument, renamed_argument,
+                     thread_count_argument)
 from .execute import DEFAULT_READ_THREADS, cache_chunk_bytes, execute_reads
 from .key_map import KeyMap
 from .plan import ReadPlan, RestoreReport, build_plan, default_prefix
@@ -256,20 +257,6 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
             ckpt.close()
 
 
-def _objects_argument(call: str, model: object, optimizer: object = None, *, optional: bool = False) -> None:
-    """The model (and optimizer) of a restore entry point, checked at the door: a `TypeError` naming the call's
-    order where they are swapped, else what each must be (an attribute error deep in the plan said neither)."""
-    is_module, is_optimizer = isinstance(model, nn.Module), isinstance(optimizer, torch.optim.Optimizer)
-    if isinstance(model, torch.optim.Optimizer) and isinstance(optimizer, nn.Module):
-        raise TypeError(f"the model and the optimizer are swapped: the call is {call}")
-    if not is_module:
-        raise TypeError(f"model must be an nn.Module (the sharded or plain model), not {type(model).__name__}:"
-                        f" the call is {call}")
-    if not is_optimizer and not (optional and optimizer is None):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer{' or None' if optional else ''}, not"
-                        f" {type(optimizer).__name__}: the call is {call}")
-
-
 def _flag(name: str, value: object, what: str, group: dist.ProcessGroup | None) -> bool:
     """A boolean option checked at the door: True or False only (a string such as "no" would read as true)."""
     if type(value) is not bool:
@@ -412,7 +399,7 @@ def restore_model(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpo
     """
     process_group_argument(process_group)  # raised alone: a group that is not one cannot carry it to the others
     try:
-        _objects_argument("restore_model(model, checkpoint)", model, optional=True)
+        objects_argument("restore_model(model, checkpoint)", model, optional=True)
         thread_count = thread_count_argument(thread_count, threads)
         model_prefix = renamed_argument("prefix", prefix, "model_prefix", model_prefix)
     except (TypeError, ValueError) as e:
@@ -450,7 +437,7 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
     ``verify_checksums``: as `restore_model`."""
     process_group_argument(process_group)  # raised alone: a group that is not one cannot carry it to the others
     try:
-        _objects_argument("restore_optimizer(optimizer, model, checkpoint)", model, optimizer)
+        objects_argument("restore_optimizer(optimizer, model, checkpoint)", model, optimizer)
         thread_count = thread_count_argument(thread_count, threads)
         optim_prefix = renamed_argument("prefix", prefix, "optim_prefix", optim_prefix)
     except (TypeError, ValueError) as e:
@@ -483,7 +470,7 @@ def restore(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint,
     ``verify_checksums``: as `restore_model`."""
     process_group_argument(process_group)  # raised alone: a group that is not one cannot carry it to the others
     try:
-        _objects_argument("restore(model, checkpoint, optimizer)", model, optimizer, optional=True)
+        objects_argument("restore(model, checkpoint, optimizer)", model, optimizer, optional=True)
         thread_count = thread_count_argument(thread_count, threads)
         model_prefix = renamed_argument("model_key", model_key, "model_prefix", model_prefix)
         optim_prefix = renamed_argument("optim_key", optim_key, "optim_prefix", optim_prefix)

@@ -48,8 +48,8 @@ from torch import nn
 
 from . import save_plan
 from .checksum import _multiply, _shift, shift_power
-from .errors import (FsdpRestoreError, RestoreError, SaveError, on_unsupported_argument, process_group_argument,
-                     thread_count_argument)
+from .errors import (FsdpRestoreError, RestoreError, SaveError, objects_argument, on_unsupported_argument,
+                     process_group_argument, thread_count_argument)
 from .execute import parts
 from .format import DEFAULT_INDEX_NAME
 from .jobs import shard_size_argument
@@ -427,12 +427,9 @@ def _from_bytes(payload: bytes) -> Any:
 
 def _check_arguments(model: Any, path: Any, optimizer: Any, extra: Any, process_group: Any, max_shard_size: Any,
                      thread_count: Any, on_unsupported: Any) -> int | None:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, not {type(model).__name__}")
+    objects_argument("save_sharded(model, path, optimizer=optimizer)", model, optimizer, optional=True)
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise TypeError(f"path must be a str or os.PathLike, not {type(path).__name__}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, not {type(optimizer).__name__}")
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"extra must be a dict (step, scheduler state, RNG states...) or None, not"
                         f" {type(extra).__name__}")

@@ -411,6 +411,8 @@ def _bad_arguments(rank, world_size, path):
         with pytest.raises(SaveError) as info:
             save_sharded(model, path, **kwargs)
         texts.append(str(info.value))
+    with pytest.raises(SaveError, match=r"swapped: the call is save_sharded\(model, path, optimizer=optimizer\)"):
+        save_sharded(torch.optim.SGD(model.parameters()), path, optimizer=model)  # the restore's door check too
     with pytest.raises(TypeError):
         save_sharded(model, path, None)  # options are keyword-only
     # a group that is not one: said at the door, on every rank that passed it (torch's own error for "WORLD" speaks
