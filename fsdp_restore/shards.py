@@ -300,8 +300,9 @@ def _dtensor_target(name: str, dt: torch.Tensor, kind: str) -> Target:
     spec = dt._spec
     placements = spec.placements
     local = dt._local_tensor
-    meta = spec.tensor_meta
-    global_shape = tuple(meta.shape if meta is not None else dt.shape)  # (dt.shape is a Python property)
+    # the DTensor's own shape, not its spec's: `.data =` of another shape changes the first alone (torch 2.13),
+    # and the local shard's check below then refuses the stale spec instead of restoring into it
+    global_shape = tuple(dt.shape)
     partial, local_shape, blocks, run = _layout(global_shape, spec.mesh, placements)
     if partial:
         return Target(name, global_shape, dt.dtype, kind, layout="dtensor", unsupported=(

@@ -106,6 +106,36 @@ def test_partial_placement_is_refused_naming_the_parameter(tmp_path):
     print(messages[0])
 
 
+def _restore_after_data_swap(rank, world_size, root):
+    from safetensors.torch import save_file
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)]))
+    # `.data =` a DTensor of another shape: the parameter's shape is (5, 3), its spec and local shard stay (4, 3)
+    model.w.data = distribute_tensor(torch.zeros(5, 3), mesh, [Shard(0)])
+    messages = []
+    for rows in (4, 5):
+        path = f"{root}/w{rows}.safetensors"
+        if rank == 0:
+            save_file({"w": torch.ones(rows, 3)}, path)
+        torch.distributed.barrier()
+        with pytest.raises((RestoreError, ValueError)) as info:
+            restore_model(model, path)
+        messages.append(str(info.value))
+    assert not model.w._local_tensor.any()  # nothing written into the stale shard
+    return messages
+
+
+def test_a_dtensor_whose_shape_and_spec_disagree_is_refused(tmp_path):
+    """A DTensor's shape, not its spec's: read from the spec, a (4, 3) file went silently into the stale (4, 3)
+    shard of a parameter whose shape is (5, 3), and the (5, 3) file was refused as a shape mismatch."""
+    for messages in run_ranks(_restore_after_data_swap, 1, str(tmp_path)):
+        assert all("local shard shape (4, 3) differs from the layout's (5, 3)" in m for m in messages), messages
+
+
 def _restore_offloaded(rank, world_size, path, how):
     from models import build, full_state
 
