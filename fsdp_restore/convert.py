@@ -390,7 +390,7 @@ def _convert_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, 
                 st = os.fstat(fd)
                 if (st.st_size, st.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
                     return None  # rewritten while it was read: the torch path reads it again
-                identity = source_identity(src, members=members, stat=st)
+                identity = source_identity(src, members=members, stat=st, select=select)
                 obj = select_subtree(loaded, select, source=src)
                 if not _lane_values(obj):
                     return None
@@ -609,7 +609,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
             raise FormatError(src, "no such file")
         check_destination(dst, force=force, sources=[src], one_file=max_shard_size is None)
         before = os.stat(src)
-        identity = source_identity(src, stat=before)  # before reading: a source rewritten meanwhile won't match it
+        identity = source_identity(src, stat=before, select=select)  # before reading: a source rewritten meanwhile won't match it
         obj = select_subtree(load_pt(src, trust_pickle=trust_pickle, allow_globals=allow_globals), select, source=src)
         tensors, structure = flatten(obj, on_unsupported=on_unsupported)  # type: ignore[arg-type]
         fd = os.open(src, os.O_RDONLY)

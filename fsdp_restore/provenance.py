@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import zipfile
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,22 +52,36 @@ def members_fingerprint(infos: Iterable[Any]) -> str:
 
 
 def source_identity(path: str | os.PathLike[str], *, members: Iterable[Any] | None = None,
-                    stat: os.stat_result | None = None) -> dict[str, Any]:
+                    stat: os.stat_result | None = None, select: str | None = None) -> dict[str, Any]:
     """What the conversion records about its source (``members``: its zip members, when the caller has read them
-    already, for the fingerprint; ``stat``: the ``fstat`` of the descriptor it reads, where it has one)."""
+    already, for the fingerprint; ``stat``: the ``fstat`` of the descriptor it reads, where it has one;
+    ``select``: the subtree converted, when not the whole)."""
     st = stat if stat is not None else os.stat(path)
     digest = members_fingerprint(members) if members is not None else fingerprint(path)
-    return {"name": Path(path).name, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "fingerprint": digest}
+    identity = {"name": Path(path).name, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "fingerprint": digest}
+    if select:
+        identity["select"] = select
+    return identity
 
 
-def mismatch(recorded: dict[str, Any] | None, source: str | os.PathLike[str], converted: str | os.PathLike[str]) -> str | None:
-    """Why ``converted`` (whose recorded source identity is ``recorded``) is not a conversion of ``source``
-    as it is now, or None when it is. Without a record (written by another tool, by `save`, or by an older
-    version) nothing says it holds ``source``'s values, so it is not taken for them, whatever its age."""
+def mismatch(recorded: dict[str, Any] | None, source: str | os.PathLike[str], converted: str | os.PathLike[str], *,
+             cast: Mapping[str, str] | None = None) -> str | None:
+    """Why ``converted`` (whose recorded source identity is ``recorded``, and whose tensors cast on conversion
+    are ``cast``: ``{key: original dtype}``) is not a conversion of all of ``source`` as it is now, or None when it
+    is. Without a record (written by another tool, by `save`, or by an older version) nothing says it holds
+    ``source``'s values, so it is not taken for them, whatever its age; a conversion of one subtree
+    (``--select``) or with casts (``--dtype``) holds other values than ``source``, so it is not taken either."""
     st = os.stat(source)
     if not recorded:
         return (f"{Path(converted).name} records no source: written by another tool or by save(), it may hold other"
                 f" values than {Path(source).name}")
+    if recorded.get("select"):
+        return (f"{Path(converted).name} holds only '{recorded['select']}' of {Path(source).name} (converted with"
+                f" --select {recorded['select']})")
+    if cast:
+        key, dtype = next(iter(cast.items()))
+        return (f"{Path(converted).name} holds {Path(source).name}'s values cast to other dtypes (converted with"
+                f" --dtype: '{key}' was {dtype}, {len(cast)} tensor(s) in all)")
     other_name = recorded.get("name") not in (None, Path(source).name)  # renamed with it, or another file's
     if recorded.get("size") != st.st_size:
         if other_name:

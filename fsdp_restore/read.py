@@ -67,12 +67,6 @@ def find_safetensors_for(path: str | os.PathLike[str]) -> Path | None:
     return path
 
 
-def recorded_source(checkpoint: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The source identity a conversion recorded (metadata ``fsdp_restore.source``), or None."""
-    with Checkpoint(checkpoint) as ckpt:
-        return ckpt.source
-
-
 def stale_sibling(path: str | os.PathLike[str]) -> tuple[Path, str] | None:
     """For ``x.pt`` with an ``x.safetensors`` sibling that was not converted from ``x.pt`` as it is now:
     (the sibling, why). None otherwise (no sibling, a matching one, or a path that is not a ``.pt``)."""
@@ -80,7 +74,8 @@ def stale_sibling(path: str | os.PathLike[str]) -> tuple[Path, str] | None:
     sibling = find_safetensors_for(path)
     if sibling is None or sibling == path or not path.is_file():
         return None
-    why = mismatch(recorded_source(sibling), path, sibling)
+    with Checkpoint(sibling) as ckpt:
+        why = mismatch(ckpt.source, path, sibling, cast=ckpt.cast)
     return (sibling, why) if why else None
 
 
@@ -261,7 +256,7 @@ class Checkpoint:
             source = parse_json(source_json, self.index_path or files[0], f"metadata '{META_SOURCE}'")
             self.source = source if isinstance(source, dict) else None
         if resolved != Path(path) and Path(path).is_file():  # opened through x.pt: must be x.pt's conversion
-            why = mismatch(self.source, path, resolved)  # the source this header records: no second read
+            why = mismatch(self.source, path, resolved, cast=self.cast)  # what this header records: no second read
             if why:
                 raise FormatError(resolved, f"was not converted from {path} as it is now ({why}); convert it"
                                   f" again: fsdp-restore convert {path} {resolved} --force (or open {resolved}"

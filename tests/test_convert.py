@@ -508,6 +508,35 @@ def test_sibling_without_a_record_is_never_taken_for_the_pt(tmp_path):
     assert torch.equal(fsdp_restore.load(tmp_path / "m.safetensors")["a"], torch.zeros(2))
 
 
+@pytest.mark.parametrize("options,why", [({"dtype": "bf16"}, "cast to other dtypes"),
+                                         ({"select": "model"}, "holds only 'model' of m.pt")])
+@pytest.mark.parametrize("torch_free", [True, False], ids=["plain_pt", "torch_load"])
+def test_a_partial_or_cast_sibling_is_never_taken_for_the_pt(tmp_path, monkeypatch, options, why, torch_free):
+    """A sibling converted with --dtype or --select holds other values than x.pt: taken for it, a restore through
+    x.pt gave an fp32 model bf16-rounded weights with no word, and load(x.pt) bf16 tensors or the model alone."""
+    import importlib
+
+    convert_module = importlib.import_module("fsdp_restore.convert")  # (the package's `convert` is the function)
+    if not torch_free:  # the torch path: the torch-free reader declines the file
+        monkeypatch.setattr(convert_module, "_convert_plain", lambda *args, **kwargs: None)
+    model = torch.nn.Linear(3, 3)
+    with torch.no_grad():
+        model.weight.add_(1e-3)  # values bf16 cannot hold
+    state = {"model": model.state_dict(), "step": 3}
+    torch.save(state, tmp_path / "m.pt")
+    convert(tmp_path / "m.pt", tmp_path / "m.safetensors", **options)
+    with pytest.warns(UserWarning, match=why):
+        back = fsdp_restore.load(tmp_path / "m.pt")
+    assert back["step"] == 3 and torch.equal(back["model"]["weight"], state["model"]["weight"])  # the .pt's own
+    with pytest.raises(FormatError, match=why):
+        fsdp_restore.Checkpoint(tmp_path / "m.pt")
+    fresh = torch.nn.Linear(3, 3)
+    with pytest.raises(fsdp_restore.RestoreError, match=why):
+        fsdp_restore.restore_model(fresh, tmp_path / "m.pt")
+    assert fsdp_restore.stale_sibling(tmp_path / "m.pt")[1].startswith("m.safetensors holds")
+    fsdp_restore.restore_model(fresh, tmp_path / "m.safetensors", model_prefix="model" if "dtype" in options else "")
+
+
 def test_a_source_that_ends_inside_a_tensor_is_named(tmp_path, monkeypatch):
     """The tensors' bytes are read at their offsets in the source: should the file end first (truncated while
     converting), the error names the source and nothing is left under the destination's name."""
