@@ -182,8 +182,14 @@ class StoredOptimizer:
         return StoredOptimizer(groups, self.state)
 
 
+_MAPPING_KINDS = ("dict", "OrderedDict", "Namespace")  # structure nodes whose items are [key, value] pairs
+
+
 def _items(node: Any) -> list[tuple[Any, Any]]:
-    return [(k, v) for k, v in node.get("items", [])] if isinstance(node, Mapping) else []
+    """A mapping node's (key, value) pairs; none for any other node (a list's items are values, not pairs)."""
+    if not isinstance(node, Mapping) or node.get("type") not in _MAPPING_KINDS:
+        return []
+    return [(k, v) for k, v in node.get("items", [])]
 
 
 def _child(node: Any, name: str, prefix: str) -> Any:

@@ -55,6 +55,24 @@ def test_optimizer_groups_in_every_save_style(tmp_path, style):
     assert set(view.state[view.groups[1].ids[0]]) == {"step", "exp_avg", "exp_avg_sq"}
 
 
+@pytest.mark.parametrize("top", [[1000, 2000], ("a", None), [[1, 2], [3, 4]]])
+def test_a_top_level_list_is_a_value_not_pairs(tmp_path, top):
+    """The optimizer's whereabouts are looked for among the top level's entries; a list there (lr milestones,
+    Python's RNG state) was unpacked as key/value pairs: "TypeError: cannot unpack non-iterable int object"."""
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    save({"model": model.state_dict(), "opt": opt.state_dict(), "milestones": top, "step": 10}, tmp_path / "c.safetensors")
+    with pytest.raises(RestoreError, match="holds one under 'opt', pass optim_prefix='opt'"):
+        fsdp_restore.restore(model, tmp_path / "c.safetensors", optimizer=opt)
+    save({"weights": model.state_dict(), "history": top}, tmp_path / "w.safetensors")
+    with pytest.raises(RestoreError, match="(?s)unexpected in the checkpoint .*weights.bias.*hint: check model_prefix="):
+        fsdp_restore.restore_model(model, tmp_path / "w.safetensors")
+    result = fsdp_restore.restore(model, tmp_path / "c.safetensors", optimizer=opt, optim_prefix="opt")
+    assert result["milestones"] == top and result["step"] == 10
+
+
 def test_a_conj_view_is_refused_not_read_as_its_memory(tmp_path):
     state = torch.nn.Linear(2, 2).to(torch.complex64).state_dict()
     state["weight"] = state["weight"].conj()
