@@ -249,3 +249,37 @@ def test_a_named_group_may_hold_a_part_of_the_saved_one_only_without_strict():
     numbered = StoredOptimizer((StoredGroup(("0", "1", "2"), None, {}),), {})
     problems = []
     assert match_saved(numbered, [["c", "a"]], problems, strict=False) == {} and "has 3 parameters" in problems[0]
+
+
+@pytest.mark.parametrize("saved,given", [("AdamW", "SGD"), ("SGD", "AdamW")])
+def test_state_of_another_optimizer_type_is_refused(tmp_path, saved, given):
+    """AdamW's state restored into SGD reported success: SGD's groups kept their own momentum beside the saved betas,
+    and the state held exp_avg where SGD looks for momentum_buffer (torch's load_state_dict takes it too, and the
+    first step fails). A group saved by an older torch, lacking the options added since, still restores."""
+    options = {"SGD": {"momentum": 0.9}, "AdamW": {}}
+    model = torch.nn.Linear(3, 2)
+    opt = getattr(torch.optim, saved)(model.parameters(), lr=0.1, **options[saved])
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    state = opt.state_dict()
+    state["param_groups"][0]["initial_lr"] = 0.1  # a scheduler's key: not a sign of another type
+    torch.save({"model": model.state_dict(), "optim": state}, tmp_path / "c.pt")
+    fsdp_restore.convert(tmp_path / "c.pt", tmp_path / "c.safetensors")
+    other = getattr(torch.optim, given)(model.parameters(), lr=0.1, **options[given])
+    before = {k: v for k, v in other.param_groups[0].items() if k != "params"}
+    with pytest.raises(RestoreError, match=f"param group 0 of the checkpoint lacks .*which {given}'s groups need"
+                                           ".*saved from another optimizer type"):
+        fsdp_restore.restore(model, tmp_path / "c.safetensors", optimizer=other)
+    assert {k: v for k, v in other.param_groups[0].items() if k != "params"} == before and not other.state
+    # the same type, saved by a torch before maximize, foreach, capturable, differentiable and fused: restored
+    for group in state["param_groups"]:
+        for key in ("maximize", "foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay"):
+            group.pop(key, None)
+    torch.save({"model": model.state_dict(), "optim": state}, tmp_path / "old.pt")
+    fsdp_restore.convert(tmp_path / "old.pt", tmp_path / "old.safetensors")
+    same = getattr(torch.optim, saved)(model.parameters(), lr=0.5, **options[saved])
+    fsdp_restore.restore(model, tmp_path / "old.safetensors", optimizer=same)
+    oracle = getattr(torch.optim, saved)(model.parameters(), lr=0.5, **options[saved])
+    oracle.load_state_dict(state)
+    assert same.param_groups[0]["lr"] == oracle.param_groups[0]["lr"] == 0.1
+    assert {k for k in same.param_groups[0]} == {k for k in oracle.param_groups[0]}
