@@ -309,8 +309,11 @@ def _convert_directory(src: str | os.PathLike[str], dst: str | os.PathLike[str],
     def read_source() -> tuple[str, Any, dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
         if not (is_zero_checkpoint(src) or is_dcp_checkpoint(src)):
             files = sorted(p.name for p in Path(src).iterdir() if p.suffix in PT_SUFFIXES and p.is_file())
-            each = (f"; convert its files one by one instead (a Hugging Face Trainer checkpoint: fsdp-restore convert"
-                    f" {Path(src) / files[0]} ...; its model.safetensors needs no conversion)" if files else "")
+            # (the safetensors files named only where there are some: a directory of pytorch_model-*.bin has none)
+            ready = sorted(p.name for p in Path(src).glob("*.safetensors") if p.is_file())
+            kept = f"; {', '.join(ready[:3])}{' ...' if len(ready) > 3 else ''} need(s) no conversion" if ready else ""
+            each = (f"; convert its files one by one instead (fsdp-restore convert {Path(src) / files[0]} ..."
+                    f"{kept})" if files else "")
             raise FormatError(src, "a directory, but neither a DeepSpeed ZeRO checkpoint ('latest', or tag"
                               " directories with *_optim_states.pt files) nor a DCP checkpoint (.metadata +"
                               f" *.distcp){each}")

@@ -157,8 +157,15 @@ def test_a_trainer_directory_says_which_file_to_pass(tmp_path):
 
     save_file({"w": torch.ones(2)}, str(tmp_path / "model.safetensors"))
     torch.save({"state": {}, "param_groups": []}, tmp_path / "optimizer.pt")
-    with pytest.raises(FormatError, match="convert its files one by one.*optimizer.pt"):
+    with pytest.raises(FormatError, match=r"convert its files one by one.*optimizer.pt ...; model.safetensors need"):
         fsdp_restore.convert(tmp_path, tmp_path.parent / "out.safetensors")
+    bins = tmp_path / "bins"  # Hugging Face's sharded .bin weights: no model.safetensors to speak of
+    bins.mkdir()
+    for i in (1, 2):
+        torch.save({f"w{i}": torch.ones(2)}, bins / f"pytorch_model-0000{i}-of-00002.bin")
+    with pytest.raises(FormatError) as info:
+        fsdp_restore.convert(bins, tmp_path.parent / "out.safetensors")
+    assert "one by one instead (fsdp-restore convert" in str(info.value) and "safetensors need" not in str(info.value)
     fsdp_restore.convert(tmp_path / "optimizer.pt", tmp_path / "optimizer.safetensors")
     with pytest.raises(FormatError, match=r"several \.safetensors files \(model\.safetensors, optimizer\.safetensors\)"
                                           ": pass the one to read"):
