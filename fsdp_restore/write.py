@@ -802,10 +802,17 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
     writers: list[_FileWriter] = []
 
     def open_files(create: bool) -> None:
-        if create and sharded:
-            tmp.mkdir()
-        for group, name, fmeta in zip(groups, names, file_meta):
-            writers.append(_FileWriter(root / name, group, fmeta, create=create))
+        try:
+            if create and sharded:
+                tmp.mkdir()
+            for group, name, fmeta in zip(groups, names, file_meta):
+                writers.append(_FileWriter(root / name, group, fmeta, create=create))
+        except OSError as e:  # said of the directory the user named, not of a temporary they never heard of
+            if not create or e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+            raise type(e)(e.errno, f"cannot create files in {dst.parent} ({e.strerror}): the checkpoint is written"
+                          f" there under a temporary name, then renamed to {dst.name}; give a destination in a"
+                          " directory you can write to") from None
 
     try:
         one.step("create", lambda: open_files(True) if lead else None)

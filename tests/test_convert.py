@@ -768,3 +768,14 @@ def test_a_destination_written_as_a_directory_is_not_made_a_file(tmp_path):
     assert (tmp_path / "out").is_dir() and not os.listdir(tmp_path / "out") and not (tmp_path / "new").exists()
     convert(tmp_path / "c.pt", f"{tmp_path / 'out'}/", force=True, max_shard_size="1MB")  # shards: a directory
     assert sorted(os.listdir(tmp_path / "out")) == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+
+
+@pytest.mark.skipif(not os.path.isdir("/sys/kernel"), reason="needs Linux's sysfs: a directory no one may create in")
+@pytest.mark.parametrize("max_shard_size", [None, "1MB"])
+def test_a_destination_directory_that_refuses_files_is_named(tmp_path, max_shard_size):
+    """Said of the directory the user named ("Permission denied: '/sys/.x.safetensors.tmp-8508-...'" named a
+    temporary they never heard of, and no fix)."""
+    torch.save({"a": torch.ones(2)}, tmp_path / "a.pt")
+    with pytest.raises(OSError, match=r"cannot create files in /sys \(.*\): .*renamed to x.safetensors; give a"
+                                      " destination in a directory you can write to"):
+        convert(tmp_path / "a.pt", "/sys/x.safetensors", max_shard_size=max_shard_size)
