@@ -156,8 +156,10 @@ def plan_optimizer(plan: ReadPlan, model: nn.Module, targets: Sequence[Target], 
     optim = plan.optim
     assert optim is not None and plan.optim_report is not None
     try:
-        saved = stored_optimizer(ckpt, prefix, [t.name for t in targets])
         slots, live_names = live_groups(model, optim.optimizer, targets, aliases)
+        # (a flattened state dict holds no groups: it is grouped as the optimizer's, by the checkpoint's names)
+        saved = stored_optimizer(ckpt, prefix, [t.name for t in targets],
+                                 [[stored_as.get(n, n) for n in names] for names in live_names])
     except FsdpRestoreError as e:
         plan.add_problem("optimizer", str(e))
         return

@@ -205,6 +205,9 @@ def _plan_weights(plan: ReadPlan, targets: Sequence[Target], aliases: dict[str, 
                                        piece.rows, piece.stride))
     known = {stored_as.get(n, n) for n in [t.name for t in targets] + list(aliases)}
     unexpected = sorted((set(sources) | set(unsupported)) - known)
+    if unexpected and not prefix:  # weights at the top level beside an optimizer's state dict (torchtitan's layout)
+        below = tuple(f"{top}." for top in optimizer_prefixes(ckpt) if top)
+        unexpected = [name for name in unexpected if not name.startswith(below)] if below else unexpected
     if strict:
         for name in unexpected:
             plan.add_problem("unexpected", name)

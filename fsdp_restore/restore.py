@@ -180,7 +180,8 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
                 # the rest of the checkpoint (small values), read now: a failure here leaves the model untouched;
                 # a plain weights file (prefix "") has nothing but its weights
                 weights_at = plan.model_report.prefix
-                extra = extras(ckpt, (weights_at, *extra_keys)) if weights_at else {}
+                extra = extras(ckpt, (weights_at, *extra_keys)) if weights_at else extras(
+                    ckpt, extra_keys, tensors=False)  # weights at the top level (torchtitan): its other values
             if dist.is_initialized() and dist.get_world_size(group) > 1:
                 same = _same_on_every_rank(ckpt, prefix=prefix, optim_prefix=optim_prefix, weights=weights,
                                            optimizer=optimizer, strict=strict, check=check,

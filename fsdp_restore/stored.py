@@ -16,7 +16,7 @@ recorded them, the parameters' names). The rules that used to live in several pl
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
 from types import MappingProxyType
@@ -205,7 +205,67 @@ def optimizer_prefixes(ckpt: Checkpoint) -> list[str]:
     root = ckpt.structure["root"]
     candidates = [("", root)] + [(str(k), v) for k, v in _items(root)]
     return [prefix for prefix, node in candidates
-            if isinstance(node, dict) and {"state", "param_groups"} <= {str(k) for k, _ in _items(node)}]
+            if isinstance(node, dict) and ({"state", "param_groups"} <= {str(k) for k, _ in _items(node)}
+                                           or (bool(prefix) and _flattened(node)))]
+
+
+_FLAT_STATE, _FLAT_GROUPS = "state.", "param_groups."
+
+
+def _flattened(node: Any) -> bool:
+    """Whether ``node`` is an optimizer state dict as ``get_optimizer_state_dict(..., StateDictOptions(
+    flatten_optimizer_state_dict=True))`` gives it (torchtitan's and OLMo-core's checkpoints): ``state.<name>.<field>``
+    and ``param_groups.<name>.<option>`` keys, one per parameter, no groups."""
+    keys = [k for k, _ in _items(node)]
+    return (bool(keys) and all(isinstance(k, str) and k.startswith((_FLAT_STATE, _FLAT_GROUPS)) for k in keys)
+            and any(k.startswith(_FLAT_GROUPS) for k in keys))
+
+
+def _split_flat(key: str, lead: str) -> tuple[str, str]:
+    """``("<name>", "<field>")`` of a flattened key: fields and options hold no dots (exp_avg, lr, betas)."""
+    name, _, field = key[len(lead):].rpartition(".")
+    return name, field
+
+
+def _stored_flattened(ckpt: Checkpoint, node: Any, prefix: str, model_names: Iterable[str],
+                      live_names: Sequence[Sequence[str]] | None) -> StoredOptimizer:
+    """A flattened optimizer state dict (`_flattened`) grouped as ``live_names`` (the optimizer's groups, by model
+    name) groups the parameters, as ``set_optimizer_state_dict`` regroups it: each group's options are those saved
+    for its first parameter the file holds. Saved parameters that no group holds join the last group, where the
+    matching names them (``strict``) or leaves them unrestored (a pipeline stage's optimizer)."""
+    state: dict[str, dict[str, Any]] = {}
+    options: dict[str, dict[str, Any]] = {}
+    for key, child in _items(node):
+        lead = _FLAT_STATE if key.startswith(_FLAT_STATE) else _FLAT_GROUPS
+        name, field = _split_flat(key, lead)
+        if not name or not field:
+            raise FsdpRestoreError(f"'{_join_prefix(prefix, key)}' in the checkpoint is not <state or param_groups>."
+                                   "<parameter>.<field>")
+        (state if lead == _FLAT_STATE else options).setdefault(name, {})[field] = child
+    stored = list(dict.fromkeys([*options, *state]))
+    normal = normalize_names(stored, model_names)
+    by_normal = {normal[n]: n for n in stored}
+    lazy = ckpt.tensors(exact=True)  # small values (lr as a tensor, betas): no mmap readahead
+    groups: list[StoredGroup] = []
+    taken: set[str] = set()
+    for names in live_names or []:
+        held = [by_normal[n] for n in names if n in by_normal]
+        taken.update(held)
+        first = next((n for n in held if n in options), None)
+        hyper = {} if first is None else unflatten(lazy, {"version": 1, "root": {
+            "type": "dict", "items": [[k, v] for k, v in options[first].items()]}})
+        groups.append(StoredGroup(tuple(held), tuple(normal[n] for n in held), MappingProxyType(hyper)))
+    rest = [n for n in stored if n not in taken]
+    if rest and groups:  # in the last group: its parameters "only in the checkpoint", as the matching says of them
+        last = groups[-1]
+        groups[-1] = StoredGroup(last.ids + tuple(rest), (last.names or ()) + tuple(normal[n] for n in rest), last.hyper)
+    elif rest:
+        groups.append(StoredGroup(tuple(rest), tuple(normal[n] for n in rest), MappingProxyType({})))
+    return StoredOptimizer(tuple(groups), MappingProxyType({n: MappingProxyType(f) for n, f in state.items()}))
+
+
+def _join_prefix(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
 
 
 def key_text(key: Any) -> str:
@@ -213,8 +273,10 @@ def key_text(key: Any) -> str:
     return str(key) if not isinstance(key, Mapping) else str(key.get("value"))
 
 
-def stored_optimizer(ckpt: Checkpoint, prefix: str, model_names: Iterable[str] = ()) -> StoredOptimizer:
-    """Decode the optimizer state dict under ``prefix``; raises FsdpRestoreError when there is none."""
+def stored_optimizer(ckpt: Checkpoint, prefix: str, model_names: Iterable[str] = (),
+                     live_names: Sequence[Sequence[str]] | None = None) -> StoredOptimizer:
+    """Decode the optimizer state dict under ``prefix``; raises FsdpRestoreError when there is none. A flattened
+    one (`_flattened`), which holds no groups, is grouped as ``live_names`` (the optimizer's groups' model names)."""
     try:
         node = subtree(ckpt.structure, prefix)
     except KeyError:
@@ -222,6 +284,8 @@ def stored_optimizer(ckpt: Checkpoint, prefix: str, model_names: Iterable[str] =
         where = (f": it holds one under {' and '.join(repr(p) for p in found)}, pass optim_prefix={found[0]!r}"
                  if found else " (pass optim_prefix=..., the subtree that holds 'state' and 'param_groups')")
         raise FsdpRestoreError(f"the checkpoint has no optimizer state under '{prefix}'{where}") from None
+    if _flattened(node):
+        return _stored_flattened(ckpt, node, prefix, model_names, live_names)
     lazy = ckpt.tensors(exact=True)  # small values (group tensors such as lr): no mmap readahead
     groups = unflatten(lazy, {"version": 1, "root": _child(node, "param_groups", prefix)})
     state_node = _child(node, "state", prefix)
@@ -287,11 +351,13 @@ def value(ckpt: Checkpoint, node: Any) -> Any:
     return unflatten(ckpt.tensors(exact=True), {"version": 1, "root": node})
 
 
-def extras(ckpt: Checkpoint, skip: Iterable[str]) -> dict[str, Any]:
+def extras(ckpt: Checkpoint, skip: Iterable[str], *, tensors: bool = True) -> dict[str, Any]:
     """Every top-level entry but ``skip`` (the model and optimizer subtrees) as ordinary objects: the step,
-    scheduler, RNG states and config a restore hands back; tensors read with exact positional reads."""
+    scheduler, RNG states and config a restore hands back; tensors read with exact positional reads.
+    ``tensors=False``: no entry that is a tensor (weights stored at the top level, beside the rest)."""
     root = ckpt.structure["root"]
     if not (isinstance(root, dict) and root.get("type") in ("dict", "OrderedDict")):
         return {}
     skip = set(skip)
-    return value(ckpt, {"type": "dict", "items": [[k, v] for k, v in root["items"] if k not in skip]})
+    return value(ckpt, {"type": "dict", "items": [[k, v] for k, v in root["items"] if k not in skip
+                                                  and (tensors or not is_tensor_node(v))]})

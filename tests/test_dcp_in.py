@@ -115,6 +115,55 @@ def test_resume_from_a_converted_dcp_checkpoint(saved, tmp_path):
         assert losses == pytest.approx(reference, rel=1e-5)
 
 
+def _decay_groups(model):
+    """nanoGPT's groups, decayed matrices last, in another order than model.parameters()."""
+    named = list(model.named_parameters())
+    return [{"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0},
+            {"params": [p for _, p in reversed(named) if p.dim() >= 2], "weight_decay": 0.1}]
+
+
+def _save_flattened(rank, world_size, out):
+    """torchtitan's and OLMo-core's layout: the model's names at the top level, the optimizer flattened
+    (``flatten_optimizer_state_dict=True``: ``state.<name>.<field>``, ``param_groups.<name>.<option>``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model("mlp", seed=0)
+    for block in _units(model):
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(_decay_groups(model), lr=1e-2)
+    _train(model, opt, 0, 2)
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    assert any(k.startswith("param_groups.") for k in osd)
+    dcp.save({**msd, "optimizer": osd, "train_state": {"step": 2}}, checkpoint_id=out)
+    return _train(model, opt, 2, 2)
+
+
+def _resume_flattened(rank, world_size, path):
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model("mlp", seed=5)
+    for block in _units(model):
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(_decay_groups(model), lr=0.5)
+    result = fsdp_restore.restore(model, path, optimizer=opt, optim_prefix="optimizer")  # strict
+    assert dict(result) == {"train_state": {"step": 2}}
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.0, 0.1] and opt.param_groups[1]["lr"] == 1e-2
+    return _train(model, opt, 2, 2)
+
+
+def test_a_flattened_optimizer_beside_top_level_weights_resumes(tmp_path):
+    """Refused as "not an optimizer state dict (no 'param_groups')", and, nested, every optimizer tensor listed as
+    unexpected in the model's weights, with train_state dropped from the result."""
+    reference = run_ranks(_save_flattened, 2, str(tmp_path / "ckpt"))[0]
+    fsdp_restore.convert(tmp_path / "ckpt", tmp_path / "c.safetensors")
+    for losses in run_ranks(_resume_flattened, 3, tmp_path / "c.safetensors"):  # another world size
+        assert losses == pytest.approx(reference, rel=1e-5)
+
+
 def test_metadata_naming_other_code_is_refused(tmp_path):
     import pickle
     import subprocess
