@@ -58,7 +58,8 @@ from .save_plan import WriteItem, WritePlan
 from .shards import extra_state_modules
 from .verdict import _LABELS, _collective, _device, _rank, agree, new_problems, problem_line
 from .write import (CHUNK_BYTES, _fsync_dir, _remove, _replace, _write_small_file, check_destination, index_bytes,
-                    carry_kept_files, refuse_foreign_directory, remove_stale_temporaries, tensor_bytes, with_checksums)
+                    carry_kept_files, refuse_foreign_directory, remove_stale_temporaries, said_of_the_directory,
+                    tensor_bytes, with_checksums)
 
 __all__ = ["SaveReport", "save_sharded"]
 
@@ -241,11 +242,16 @@ def _create_temp(dst: Path, tmp: Path, plan: WritePlan, sharded: bool) -> None:
     size (ENOSPC now, not mid-write) with its header, checksums still placeholders."""
     dst.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(dst)
-    if sharded:
-        tmp.mkdir()
+    try:
+        if sharded:
+            tmp.mkdir()
+    except OSError as e:
+        raise said_of_the_directory(e, dst) from None
     for f in plan.files:
-        path = tmp / f.name if sharded else tmp
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            fd = os.open(tmp / f.name if sharded else tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except OSError as e:
+            raise said_of_the_directory(e, dst) from None
         try:
             preallocate(fd, f.size)
             _pwrite_all(fd, f.header, 0)

@@ -807,12 +807,10 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
                 tmp.mkdir()
             for group, name, fmeta in zip(groups, names, file_meta):
                 writers.append(_FileWriter(root / name, group, fmeta, create=create))
-        except OSError as e:  # said of the directory the user named, not of a temporary they never heard of
-            if not create or e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+        except OSError as e:
+            if not create:
                 raise
-            raise type(e)(e.errno, f"cannot create files in {dst.parent} ({e.strerror}): the checkpoint is written"
-                          f" there under a temporary name, then renamed to {dst.name}; give a destination in a"
-                          " directory you can write to") from None
+            raise said_of_the_directory(e, dst) from None
 
     try:
         one.step("create", lambda: open_files(True) if lead else None)
@@ -998,6 +996,16 @@ def remove_stale_temporaries(dst: Path) -> list[Path]:
         else:  # the only copy of the old version: back under its name
             os.rename(tmp, dst)
     return removed
+
+
+def said_of_the_directory(e: OSError, dst: Path) -> OSError:
+    """A refusal to create the temporary beside ``dst`` (permissions, a read-only filesystem), said of the directory
+    the user named, not of a temporary they never heard of; any other error as it is."""
+    if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return e
+    return type(e)(e.errno, f"cannot create files in {dst.parent} ({e.strerror}): the checkpoint is written there"
+                   f" under a temporary name, then renamed to {dst.name}; give a destination in a directory you can"
+                   " write to")
 
 
 def _pid_alive(pid: int) -> bool:

@@ -413,6 +413,9 @@ def _bad_arguments(rank, world_size, path):
         texts.append(str(info.value))
     with pytest.raises(SaveError, match=r"swapped: the call is save_sharded\(model, path, optimizer=optimizer\)"):
         save_sharded(torch.optim.SGD(model.parameters()), path, optimizer=model)  # the restore's door check too
+    if os.path.isdir("/sys/kernel"):  # a directory no one may create in: said of it, not of our temporary
+        with pytest.raises(SaveError, match=r"cannot create files in /sys \(.*\): .*give a destination in a"):
+            save_sharded(model, "/sys/x.safetensors")
     with pytest.raises(TypeError):
         save_sharded(model, path, None)  # options are keyword-only
     # a group that is not one: said at the door, on every rank that passed it (torch's own error for "WORLD" speaks
