@@ -253,7 +253,7 @@ def _stored_flattened(ckpt: Checkpoint, node: Any, prefix: str, model_names: Ite
         taken.update(held)
         first = next((n for n in held if n in options), None)
         hyper = {} if first is None else unflatten(lazy, {"version": 1, "root": {
-            "type": "dict", "items": [[k, v] for k, v in options[first].items()]}})
+            "type": "dict", "items": [[k, v] for k, v in options[first].items() if k not in GROUP_MEMBERSHIP]}})
         groups.append(StoredGroup(tuple(held), tuple(normal[n] for n in held), MappingProxyType(hyper)))
     rest = [n for n in stored if n not in taken]
     if rest and groups:  # in the last group: its parameters "only in the checkpoint", as the matching says of them
