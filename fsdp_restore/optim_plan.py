@@ -19,6 +19,8 @@ mapping is what stands between a resumed run and silently exchanged AdamW moment
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -177,14 +179,16 @@ def plan_optimizer(plan: ReadPlan, model: nn.Module, targets: Sequence[Target], 
     if problems:
         return
     for g, stored in enumerate(saved.groups):
-        lacking = _hyperparameters_lacking(optim.optimizer, stored.hyper)
-        if lacking:
-            held = ", ".join(sorted(set(stored.hyper) - set(optim.optimizer.defaults) - set(GROUP_MEMBERSHIP))[:6])
+        lacking = _hyperparameters_lacking(optim.optimizer, stored.hyper) if stored.hyper else []
+        # and options of another torch optimizer in their place: an older torch's group of the same type lacks
+        # options added since (SparseAdam has no __setstate__ to add them) but holds none of another type's
+        foreign = sorted((set(stored.hyper) - set(optim.optimizer.defaults)) & _torch_optimizer_options())
+        if lacking and foreign:
             name = type(optim.optimizer).__name__
             plan.add_problem("optimizer", f"param group {g} of the checkpoint lacks {', '.join(lacking)}, which {name}'s"
-                             f" groups need{f' (it holds {held} instead)' if held else ''}: the state"
-                             f" was saved from another optimizer type; restore it into the type it was saved from (the"
-                             f" optimizer's own load_state_dict would take it, and its first step would fail)")
+                             f" groups need, and holds {', '.join(foreign[:6])} instead: the state was saved from another"
+                             f" optimizer type; restore it into the type it was saved from (the optimizer's own"
+                             f" load_state_dict would take it, and its first step would fail)")
             return
     optim.groups.extend(dict(stored.hyper) for stored in saved.groups)
     lazy = ckpt.tensors(exact=True)  # small values (step): no mmap readahead
@@ -205,6 +209,17 @@ def plan_optimizer(plan: ReadPlan, model: nn.Module, targets: Sequence[Target], 
                          " numbers parameters in the optimizer's order, group by group; list each group's parameters"
                          " in the order the saved run did (or save with param_names: build the optimizer from"
                          " model.named_parameters())")
+
+
+@functools.cache
+def _torch_optimizer_options() -> frozenset[str]:
+    """Every option torch's own optimizers take (their constructors' keyword names): a saved group's key among them
+    that this optimizer lacks is another type's hyperparameter, not a user's or a scheduler's key."""
+    names: set[str] = set()
+    for cls in vars(torch.optim).values():
+        if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer:
+            names.update(p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "params"))
+    return frozenset(names)
 
 
 def _hyperparameters_lacking(optimizer: torch.optim.Optimizer, hyper: Mapping[str, Any]) -> list[str]:

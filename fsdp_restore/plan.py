@@ -24,7 +24,8 @@ from .optim_plan import plan_optimizer
 from .read import Checkpoint
 from .readplan import OptimizerPlan, ReadItem, ReadPlan, RestoreReport
 from .shards import Target, clean_name, extra_state_modules, local_targets, module_walk
-from .stored import Source, default_prefix, optimizer_prefixes, tensor_sources, whole_values
+from .stored import (Source, default_prefix, optimizer_prefixes, tensor_sources, top_level_subtrees,
+                     whole_values)
 
 __all__ = ["OptimizerPlan", "ReadItem", "ReadPlan", "RestoreReport", "Source", "build_plan", "default_prefix",
            "tensor_sources"]
@@ -205,8 +206,12 @@ def _plan_weights(plan: ReadPlan, targets: Sequence[Target], aliases: dict[str, 
                                        piece.rows, piece.stride))
     known = {stored_as.get(n, n) for n in [t.name for t in targets] + list(aliases)}
     unexpected = sorted((set(sources) | set(unsupported)) - known)
-    if unexpected and not prefix:  # weights at the top level beside an optimizer's state dict (torchtitan's layout)
-        below = tuple(f"{top}." for top in optimizer_prefixes(ckpt) if top)
+    if unexpected and not prefix and not plan.problems.get("missing") and not report.missing:
+        # weights at the top level beside other subtrees (torchtitan: optimizer, train_state), every one found: a
+        # top-level subtree that holds none of the model's names is not weights, its tensors are not unexpected
+        # (with names missing, they are listed: the weights may be in one of them, under another prefix)
+        used = {name.split(".", 1)[0] for name in known}
+        below = tuple(f"{top}." for top in top_level_subtrees(ckpt) if top not in used)
         unexpected = [name for name in unexpected if not name.startswith(below)] if below else unexpected
     if strict:
         for name in unexpected:

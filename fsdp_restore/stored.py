@@ -209,6 +209,14 @@ def optimizer_prefixes(ckpt: Checkpoint) -> list[str]:
                                            or (bool(prefix) and _flattened(node)))]
 
 
+def top_level_subtrees(ckpt: Checkpoint) -> list[str]:
+    """The top-level entries that are containers (a dict, a list...), not tensors: where the weights lie at the top
+    level under their own dotted names (torchtitan, a Hugging Face file), the rest of a checkpoint (``optimizer``,
+    ``train_state``)."""
+    return [str(k) for k, v in _items(ckpt.structure["root"]) if isinstance(v, Mapping)
+            and v.get("type") in (*_MAPPING_KINDS, "list", "tuple")]
+
+
 _FLAT_STATE, _FLAT_GROUPS = "state.", "param_groups."
 
 
@@ -235,13 +243,29 @@ def _stored_flattened(ckpt: Checkpoint, node: Any, prefix: str, model_names: Ite
     matching names them (``strict``) or leaves them unrestored (a pipeline stage's optimizer)."""
     state: dict[str, dict[str, Any]] = {}
     options: dict[str, dict[str, Any]] = {}
-    for key, child in _items(node):
-        lead = _FLAT_STATE if key.startswith(_FLAT_STATE) else _FLAT_GROUPS
-        name, field = _split_flat(key, lead)
-        if not name or not field:
-            raise FsdpRestoreError(f"'{_join_prefix(prefix, key)}' in the checkpoint is not <state or param_groups>."
-                                   "<parameter>.<field>")
-        (state if lead == _FLAT_STATE else options).setdefault(name, {})[field] = child
+    for key, child in _items(node):  # options first: their names have no dots, and every parameter has some
+        if key.startswith(_FLAT_GROUPS):
+            name, field = _split_flat(key, _FLAT_GROUPS)
+            if not name or not field:
+                raise FsdpRestoreError(f"'{_join_prefix(prefix, key)}' in the checkpoint is not param_groups."
+                                       "<parameter>.<option>")
+            options.setdefault(name, {})[field] = child
+    for key, child in _items(node):  # a state value may nest (Shampoo's pre.L): the longest parameter name first
+        if key.startswith(_FLAT_STATE):
+            rest = key[len(_FLAT_STATE):]
+            name = max((n for n in options if rest.startswith(n + ".")), key=len, default=None)
+            name = name if name is not None else _split_flat(key, _FLAT_STATE)[0]
+            path = rest[len(name) + 1:].split(".")
+            if not name or not all(path):
+                raise FsdpRestoreError(f"'{_join_prefix(prefix, key)}' in the checkpoint is not state.<parameter>."
+                                       "<field>")
+            fields = state.setdefault(name, {})
+            for part in path[:-1]:  # as a dict node of the structure, which the state's reader takes as it is
+                fields = fields.setdefault(part, {"type": "dict", "items": []})
+                fields = fields.setdefault("_fields", {})
+            fields[path[-1]] = child
+    for fields in state.values():
+        _as_nodes(fields)
     stored = list(dict.fromkeys([*options, *state]))
     normal = normalize_names(stored, model_names)
     by_normal = {normal[n]: n for n in stored}
@@ -262,6 +286,16 @@ def _stored_flattened(ckpt: Checkpoint, node: Any, prefix: str, model_names: Ite
     elif rest:
         groups.append(StoredGroup(tuple(rest), tuple(normal[n] for n in rest), MappingProxyType({})))
     return StoredOptimizer(tuple(groups), MappingProxyType({n: MappingProxyType(f) for n, f in state.items()}))
+
+
+def _as_nodes(fields: dict[str, Any]) -> None:
+    """The nested state values `_stored_flattened` collected (``{"type": "dict", "items": [], "_fields": {...}}``)
+    turned into plain dict nodes of the structure, in place."""
+    for value in fields.values():
+        if isinstance(value, dict) and "_fields" in value:
+            inner = value.pop("_fields")
+            _as_nodes(inner)
+            value["items"] = [[k, v] for k, v in inner.items()]
 
 
 def _join_prefix(prefix: str, key: str) -> str:
@@ -354,10 +388,12 @@ def value(ckpt: Checkpoint, node: Any) -> Any:
 def extras(ckpt: Checkpoint, skip: Iterable[str], *, tensors: bool = True) -> dict[str, Any]:
     """Every top-level entry but ``skip`` (the model and optimizer subtrees) as ordinary objects: the step,
     scheduler, RNG states and config a restore hands back; tensors read with exact positional reads.
-    ``tensors=False``: no entry that is a tensor (weights stored at the top level, beside the rest)."""
+    ``tensors=False``: no entry that is a tensor, nor a module's extra state (weights stored at the top level, beside
+    the rest). An optimizer state dict is never among them: unrestored, it is not read (unsharded on every rank, it
+    can be several times the model)."""
     root = ckpt.structure["root"]
     if not (isinstance(root, dict) and root.get("type") in ("dict", "OrderedDict")):
         return {}
-    skip = set(skip)
-    return value(ckpt, {"type": "dict", "items": [[k, v] for k, v in root["items"] if k not in skip
-                                                  and (tensors or not is_tensor_node(v))]})
+    skip = set(skip) | set(optimizer_prefixes(ckpt))
+    return value(ckpt, {"type": "dict", "items": [[k, v] for k, v in root["items"] if k not in skip and (
+        tensors or not (is_tensor_node(v) or str(k).rsplit(".", 1)[-1] == "_extra_state"))]})

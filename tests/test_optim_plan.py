@@ -283,3 +283,23 @@ def test_state_of_another_optimizer_type_is_refused(tmp_path, saved, given):
     oracle.load_state_dict(state)
     assert same.param_groups[0]["lr"] == oracle.param_groups[0]["lr"] == 0.1
     assert {k for k in same.param_groups[0]} == {k for k in oracle.param_groups[0]}
+
+
+def test_a_group_saved_before_an_option_existed_still_restores(tmp_path):
+    """SparseAdam has no __setstate__ to add the options later torch versions gave it (maximize): a group saved
+    without one was refused as another optimizer type's, which torch's load_state_dict and step() take."""
+    model = torch.nn.Embedding(5, 3, sparse=True)
+    opt = torch.optim.SparseAdam(model.parameters(), lr=0.1)
+    model(torch.tensor([1, 3])).sum().backward()
+    opt.step()
+    state = opt.state_dict()
+    del state["param_groups"][0]["maximize"]
+    torch.save({"model": model.state_dict(), "optim": state}, tmp_path / "c.pt")
+    fsdp_restore.convert(tmp_path / "c.pt", tmp_path / "c.safetensors")
+    fresh = torch.optim.SparseAdam(model.parameters(), lr=0.5)
+    fsdp_restore.restore(model, tmp_path / "c.safetensors", optimizer=fresh)
+    oracle = torch.optim.SparseAdam(model.parameters(), lr=0.5)
+    oracle.load_state_dict(state)
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(fresh.state[model.weight][key], oracle.state[model.weight][key])
+    assert fresh.param_groups[0]["lr"] == 0.1

@@ -133,3 +133,20 @@ def test_a_checkpoint_of_a_compiled_ddp_model_restores_into_the_plain_model(tmp_
     model = build("mlp", seed=4)
     fsdp_restore.restore_model(model, tmp_path / "c.safetensors")
     assert all(torch.equal(v, state[f"_orig_mod.module.{k}"]) for k, v in model.state_dict().items())
+
+
+def test_a_flattened_optimizer_keeps_nested_state_under_its_parameter(tmp_path):
+    """``state.<name>.<field>.<inner>`` (Shampoo's preconditioners, flattened by get_optimizer_state_dict) was split
+    at its last dot, making up a parameter ``<name>.<field>``; it is the field's nested value."""
+    from fsdp_restore.stored import value
+
+    flat = {"state.blocks.0.w.step": torch.tensor(2.0), "state.blocks.0.w.pre.L": torch.ones(2, 2),
+            "state.blocks.0.w.pre.R": torch.zeros(3), "param_groups.blocks.0.w.lr": 0.1,
+            "param_groups.blocks.0.w.params": ["blocks.0.w"]}
+    save({"blocks.0.w": torch.ones(2), "optimizer": flat}, tmp_path / "f.safetensors")
+    with fsdp_restore.open_checkpoint(tmp_path / "f.safetensors") as ckpt:
+        saved = stored_optimizer(ckpt, "optimizer", ["blocks.0.w"], [["blocks.0.w"]])
+        assert [g.names for g in saved.groups] == [("blocks.0.w",)] and dict(saved.groups[0].hyper) == {"lr": 0.1}
+        assert set(saved.state) == {"blocks.0.w"} and set(saved.state["blocks.0.w"]) == {"step", "pre"}
+        pre = value(ckpt, saved.state["blocks.0.w"]["pre"])
+        assert torch.equal(pre["L"], torch.ones(2, 2)) and torch.equal(pre["R"], torch.zeros(3))
