@@ -150,6 +150,11 @@ def load_pt(path: str | os.PathLike[str], *, trust_pickle: bool = False, allow_g
     if not is_zip and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < path.stat().st_size:
         raise FormatError(path, "is a safetensors file already (a JSON header after its 8-byte length): no conversion"
                                 " is needed; restore it as it is (a safetensors file of another writer's too)")
+    if not is_zip and head.lstrip()[:1] == b"{" and path.name.endswith(".json"):  # an index of shards (HF)
+        raise FormatError(path, "is a JSON index of a sharded checkpoint, not a torch.save file: the index of"
+                                " .safetensors shards needs no conversion (restore its directory); an index of .bin"
+                                " shards (pytorch_model-00001-of-0000N.bin ...): convert each shard (fsdp-restore"
+                                " convert SHARD.bin SHARD.safetensors)")
     if not is_zip and not is_legacy_torch_save(head) and not trust_pickle:
         # neither torch.save's zip nor its legacy pickle (torch's magic number first): not a "legacy file"
         raise FormatError(path, f"not a torch.save file (it starts with {magic!r}: neither a zip archive nor a"

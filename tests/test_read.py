@@ -166,6 +166,10 @@ def test_a_trainer_directory_says_which_file_to_pass(tmp_path):
     with pytest.raises(FormatError) as info:
         fsdp_restore.convert(bins, tmp_path.parent / "out.safetensors")
     assert "one by one instead (fsdp-restore convert" in str(info.value) and "safetensors need" not in str(info.value)
+    (bins / "pytorch_model.bin.index.json").write_text('{"metadata": {}, "weight_map": {"w1": "x.bin"}}')
+    with pytest.raises(FormatError, match="is a JSON index of a sharded checkpoint, not a torch.save file.*convert"
+                                          " each shard"):  # it said only "not a torch.save file"
+        fsdp_restore.convert(bins / "pytorch_model.bin.index.json", tmp_path.parent / "out.safetensors")
     fsdp_restore.convert(tmp_path / "optimizer.pt", tmp_path / "optimizer.safetensors")
     with pytest.raises(FormatError, match=r"several \.safetensors files \(model\.safetensors, optimizer\.safetensors\)"
                                           ": pass the one to read"):
