@@ -25,7 +25,7 @@ from typing import Any
 from .errors import FsdpRestoreError
 from .flatten import holds_model_subtree, iter_tensor_nodes, subtree, unflatten
 from .read import Checkpoint
-from .shards import clean_name
+from .shards import _join, clean_name
 
 _DDP_PREFIX = "module."
 # param-group entries that say which parameters a group holds, not how to optimize them
@@ -241,31 +241,25 @@ def _stored_flattened(ckpt: Checkpoint, node: Any, prefix: str, model_names: Ite
     name) groups the parameters, as ``set_optimizer_state_dict`` regroups it: each group's options are those saved
     for its first parameter the file holds. Saved parameters that no group holds join the last group, where the
     matching names them (``strict``) or leaves them unrestored (a pipeline stage's optimizer)."""
-    state: dict[str, dict[str, Any]] = {}
     options: dict[str, dict[str, Any]] = {}
     for key, child in _items(node):  # options first: their names have no dots, and every parameter has some
         if key.startswith(_FLAT_GROUPS):
             name, field = _split_flat(key, _FLAT_GROUPS)
             if not name or not field:
-                raise FsdpRestoreError(f"'{_join_prefix(prefix, key)}' in the checkpoint is not param_groups."
+                raise FsdpRestoreError(f"'{_join(prefix, key)}' in the checkpoint is not param_groups."
                                        "<parameter>.<option>")
             options.setdefault(name, {})[field] = child
+    paths: dict[str, dict[tuple[str, ...], Any]] = {}
     for key, child in _items(node):  # a state value may nest (Shampoo's pre.L): the longest parameter name first
         if key.startswith(_FLAT_STATE):
             rest = key[len(_FLAT_STATE):]
             name = max((n for n in options if rest.startswith(n + ".")), key=len, default=None)
             name = name if name is not None else _split_flat(key, _FLAT_STATE)[0]
-            path = rest[len(name) + 1:].split(".")
+            path = tuple(rest[len(name) + 1:].split("."))
             if not name or not all(path):
-                raise FsdpRestoreError(f"'{_join_prefix(prefix, key)}' in the checkpoint is not state.<parameter>."
-                                       "<field>")
-            fields = state.setdefault(name, {})
-            for part in path[:-1]:  # as a dict node of the structure, which the state's reader takes as it is
-                fields = fields.setdefault(part, {"type": "dict", "items": []})
-                fields = fields.setdefault("_fields", {})
-            fields[path[-1]] = child
-    for fields in state.values():
-        _as_nodes(fields)
+                raise FsdpRestoreError(f"'{_join(prefix, key)}' in the checkpoint is not state.<parameter>.<field>")
+            paths.setdefault(name, {})[path] = child
+    state = {name: _nested_fields(fields) for name, fields in paths.items()}
     stored = list(dict.fromkeys([*options, *state]))
     normal = normalize_names(stored, model_names)
     by_normal = {normal[n]: n for n in stored}
@@ -288,18 +282,20 @@ def _stored_flattened(ckpt: Checkpoint, node: Any, prefix: str, model_names: Ite
     return StoredOptimizer(tuple(groups), MappingProxyType({n: MappingProxyType(f) for n, f in state.items()}))
 
 
-def _as_nodes(fields: dict[str, Any]) -> None:
-    """The nested state values `_stored_flattened` collected (``{"type": "dict", "items": [], "_fields": {...}}``)
-    turned into plain dict nodes of the structure, in place."""
-    for value in fields.values():
-        if isinstance(value, dict) and "_fields" in value:
-            inner = value.pop("_fields")
-            _as_nodes(inner)
-            value["items"] = [[k, v] for k, v in inner.items()]
-
-
-def _join_prefix(prefix: str, key: str) -> str:
-    return f"{prefix}.{key}" if prefix else key
+def _nested_fields(paths: dict[tuple[str, ...], Any]) -> dict[str, Any]:
+    """``{field: node}`` from ``{(field, inner, ...): node}``, in first-seen order: a longer path's nodes go into a
+    dict node of the structure under its field (which the state's reader takes as it takes any value)."""
+    fields: dict[str, Any] = {}
+    inner: dict[str, dict[tuple[str, ...], Any]] = {}
+    for path, child in paths.items():
+        if len(path) == 1:
+            fields[path[0]] = child
+        else:
+            fields.setdefault(path[0], None)
+            inner.setdefault(path[0], {})[path[1:]] = child
+    for field, below in inner.items():
+        fields[field] = {"type": "dict", "items": [[k, v] for k, v in _nested_fields(below).items()]}
+    return fields
 
 
 def key_text(key: Any) -> str:
