@@ -58,7 +58,7 @@ from .save_plan import WriteItem, WritePlan
 from .shards import extra_state_modules
 from .verdict import _LABELS, _collective, _device, _rank, agree, new_problems, problem_line
 from .write import (CHUNK_BYTES, _fsync_dir, _remove, _replace, _write_small_file, check_destination, index_bytes,
-                    carry_kept_files, refuse_foreign_directory, remove_stale_temporaries, said_of_the_directory,
+                    carry_kept_files, refuse_foreign_directory, remove_stale_temporaries, said_of_the_directory, make_parent,
                     tensor_bytes, with_checksums)
 
 __all__ = ["SaveReport", "save_sharded"]
@@ -240,7 +240,7 @@ def preallocate(fd: int, size: int) -> None:
 def _create_temp(dst: Path, tmp: Path, plan: WritePlan, sharded: bool) -> None:
     """Rank 0: the temporary (a file, or a directory of shard files), every file preallocated to its final
     size (ENOSPC now, not mid-write) with its header, checksums still placeholders."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
+    make_parent(dst)
     remove_stale_temporaries(dst)
     try:
         if sharded:

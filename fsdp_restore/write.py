@@ -782,7 +782,7 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
     def prepare() -> None:
         if lead:
             check_destination(dst_given, force=force, one_file=max_shard_size is None)
-            dst.parent.mkdir(parents=True, exist_ok=True)
+            make_parent(dst)
             remove_stale_temporaries(dst)
 
     one.step("destination", prepare)
@@ -998,6 +998,22 @@ def remove_stale_temporaries(dst: Path) -> list[Path]:
     return removed
 
 
+def make_parent(dst: Path) -> None:
+    """Create the directories on ``dst``'s path that are missing (as DCP's writer and ``save_pretrained`` do: a
+    save into ``run/step1000/`` needs no ``mkdir`` first); a refusal is said of the directory the user named."""
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        if e.errno in (errno.EEXIST, errno.ENOTDIR):
+            in_the_way = next(d for d in [dst.parent, *dst.parent.parents] if d.exists())
+            raise type(e)(e.errno, f"cannot create the directory {dst.parent}: {in_the_way} is a file, not a"
+                          " directory; give a destination in a directory") from None
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise type(e)(e.errno, f"cannot create the directory {dst.parent} ({e.strerror}): give a destination in a"
+                      " directory you can write to") from None
+
+
 def said_of_the_directory(e: OSError, dst: Path) -> OSError:
     """A refusal to create the temporary beside ``dst`` (permissions, a read-only filesystem), said of the directory
     the user named, not of a temporary they never heard of; any other error as it is."""
@@ -1075,7 +1091,10 @@ def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
-        path.unlink(missing_ok=True)
+        try:
+            path.unlink(missing_ok=True)
+        except NotADirectoryError:  # a path through a file (a failed save's temporary, never made): nothing there
+            pass
 
 
 def _fsync_dir(path: Path) -> None:

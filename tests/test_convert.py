@@ -779,3 +779,19 @@ def test_a_destination_directory_that_refuses_files_is_named(tmp_path, max_shard
     with pytest.raises(OSError, match=r"cannot create files in /sys \(.*\): .*renamed to x.safetensors; give a"
                                       " destination in a directory you can write to"):
         convert(tmp_path / "a.pt", "/sys/x.safetensors", max_shard_size=max_shard_size)
+
+
+@pytest.mark.parametrize("max_shard_size", [None, "1MB"])
+def test_missing_directories_are_created_and_a_file_in_the_way_is_named(tmp_path, max_shard_size):
+    """``run/step1000/`` needs no mkdir first (as DCP's writer and ``save_pretrained``); where a file stands on the
+    path, the error names it (it was "[Errno 17] File exists: '.../a.pt'", no fix)."""
+    torch.save({"a": torch.ones(2)}, tmp_path / "a.pt")
+    convert(tmp_path / "a.pt", tmp_path / "run" / "step1" / "x.safetensors", max_shard_size=max_shard_size)
+    assert (tmp_path / "run" / "step1").is_dir()
+    for dst in (tmp_path / "a.pt" / "x.safetensors", tmp_path / "a.pt" / "deeper" / "x.safetensors"):
+        with pytest.raises(OSError, match=rf"cannot create the directory {dst.parent}: {tmp_path / 'a.pt'} is a file,"
+                                          " not a directory"):
+            convert(tmp_path / "a.pt", dst, max_shard_size=max_shard_size)
+    if os.path.isdir("/sys/kernel"):  # a directory no one may create in
+        with pytest.raises(OSError, match=r"cannot create the directory /sys/new \(.*\): give a destination"):
+            convert(tmp_path / "a.pt", "/sys/new/x.safetensors", max_shard_size=max_shard_size)

@@ -437,6 +437,9 @@ def _bad_arguments(rank, world_size, path):
         save_sharded(model, run_dir)
     texts.append(str(info.value))
     assert open(os.path.join(run_dir, "notes.txt")).read() == "keep" and os.listdir(run_dir) == ["notes.txt"]
+    in_the_way = os.path.join(run_dir, "notes.txt")  # a file where the path needs a directory: named, with the fix
+    with pytest.raises(SaveError, match=f"cannot create the directory {in_the_way}: {in_the_way} is a file, not a"):
+        save_sharded(model, os.path.join(in_the_way, "x.safetensors"))
     return texts
 
 
