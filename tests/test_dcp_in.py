@@ -167,6 +167,17 @@ def test_a_flattened_optimizer_beside_top_level_weights_resumes(tmp_path):
     fsdp_restore.convert(tmp_path / "ckpt", tmp_path / "c.safetensors")
     for losses in run_ranks(_resume_flattened, 3, tmp_path / "c.safetensors"):  # another world size
         assert losses == pytest.approx(reference, rel=1e-5)
+    # check-restore finds the model's names at the top level, beside the optimizer and train_state
+    from fsdp_restore.check_restore import run_check_restore
+
+    (tmp_path / "flat_factory.py").write_text("from models import build\n\n"
+                                              "def make():\n    return build('mlp', seed=9)\n")
+    # (FSDP1: built on the real device, so the model's non-persistent scratch buffer is the same on every rank)
+    report = run_check_restore(str(tmp_path / "c.safetensors"), f"{tmp_path / 'flat_factory.py'}:make", nproc=2,
+                               fsdp="fsdp1")
+    assert report.ok, report.problems
+    compared = sum(r["compared"] for r in report.ranks)  # the ranks share the comparisons out
+    assert compared == len(build("mlp").state_dict()), report.ranks
 
 
 def test_metadata_naming_other_code_is_refused(tmp_path):
