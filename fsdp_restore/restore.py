@@ -295,7 +295,8 @@ def _same_on_every_rank(ckpt: Checkpoint, *, prefix: str | None, optim_prefix: s
         "strict": bool(strict) if weights or optimizer is not None else ignored,
         "method": method if weights else ignored,
         "optim_prefix": optim_prefix if optimizer is not None else ignored,
-        "check_buffers": bool(check_buffers) if check else ignored,
+        # without the check, its default: ranks that differ in check= alone are told of check= alone
+        "check_buffers": bool(check_buffers) if check else True,
         "verify_checksums": bool(verify_checksums)}
     for name in sorted(options):
         pairs.append((repr(options[name]), f"the ranks called the restore with different values of {name}= (one"

@@ -394,6 +394,7 @@ def test_ranks_called_with_different_options_fail_together_naming_it(tmp_path, o
     name = next(iter(options[0]))
     expected = "key_map= values that name them differently" if name == "key_map" else f"different values of {name}="
     assert len(set(messages)) == 1 and expected in messages[0], messages[0]
+    assert messages[0].count("different values of") == (name != "key_map"), messages[0]  # that option alone
 
 
 def _restore_a_stage(rank: int, world_size: int, path, key_map) -> str:
