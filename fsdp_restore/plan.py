@@ -23,7 +23,7 @@ from .key_map import KeyMap
 from .optim_plan import plan_optimizer
 from .read import Checkpoint
 from .readplan import OptimizerPlan, ReadItem, ReadPlan, RestoreReport
-from .shards import Target, clean_name, extra_state_modules, local_targets, module_walk
+from .shards import EXTRA_STATE, Target, clean_name, extra_state_modules, local_targets, module_walk
 from .stored import (Source, default_prefix, optimizer_prefixes, tensor_sources, top_level_subtrees,
                      whole_values)
 
@@ -82,7 +82,10 @@ def _plan_extra_states(plan: ReadPlan, modules: dict[str, nn.Module], ckpt: Chec
     problem (``strict``) or listed; stored for a module that takes none, it stays among the unexpected names."""
     report = plan.model_report
     assert report is not None
-    if not modules:
+    # values stored as a module's extra state (`load_state_dict` calls one stored for a module that takes none
+    # unexpected, by that name: not the names of the tensors within it, and also where it holds none)
+    held = whole_values(ckpt, prefix, _is_extra_state) if ckpt.structure_mentions(EXTRA_STATE) else {}
+    if not modules and not held:
         return
     stored_as, map_problems = key_maps.apply(key_map, list(modules))
     for text in map_problems:
@@ -95,14 +98,23 @@ def _plan_extra_states(plan: ReadPlan, modules: dict[str, nn.Module], ckpt: Chec
             plan.add_problem("missing", name)
         elif name in stored_as:
             report.missing.append(name)
-    # what lies within a value given to a module is not unexpected
-    taken = tuple(stored_as[name] for name, _, _ in plan.extra_states)
-    below = tuple(t + "." for t in taken)
-    plan.problems["unexpected"] = [n for n in plan.problems.get("unexpected", []) if n not in taken
-                                   and not n.startswith(below)]
-    if not plan.problems["unexpected"]:
-        del plan.problems["unexpected"]
-    report.unexpected[:] = [n for n in report.unexpected if n not in taken and not n.startswith(below)]
+    # what lies within a value given to a module is not unexpected; a value no module takes is, by its own name
+    taken = {stored_as[name] for name, _, _ in plan.extra_states}
+    untaken = [name for name in held if name not in taken]
+    whole = (*taken, *untaken)
+    below = tuple(name + "." for name in whole)
+    problems = sorted([n for n in plan.problems.get("unexpected", []) if n not in whole and not n.startswith(below)]
+                      + (untaken if strict else []))
+    if problems:
+        plan.problems["unexpected"] = problems
+    else:
+        plan.problems.pop("unexpected", None)
+    report.unexpected[:] = sorted([n for n in report.unexpected if n not in whole and not n.startswith(below)]
+                                  + ([] if strict else untaken))
+
+
+def _is_extra_state(name: str) -> bool:
+    return name == EXTRA_STATE or name.endswith("." + EXTRA_STATE)
 
 
 def _same_values(ckpt: Checkpoint, a: Source, b: Source) -> bool:

@@ -263,12 +263,18 @@ class Checkpoint:
                                   " itself to use it as it is)")
         self.index_metadata = metadata  # the index's metadata ({} for a single file)
         self.has_structure = structure_json is not None
+        self._structure_json = structure_json
         if structure_json is None:
             self.structure = flat_structure(list(self.entries))
         else:
             where = self.index_path or files[0]
             self.structure = parse_json(structure_json, where, "structure metadata")
             validate_structure(self.structure, where, self.entries)
+
+    def structure_mentions(self, text: str) -> bool:
+        """Whether ``text`` occurs in the structure's JSON: a test at the speed of a string search before a walk of
+        the structure for names that most checkpoints never hold."""
+        return self._structure_json is not None and text in self._structure_json
 
     @property
     def version(self) -> str | None:

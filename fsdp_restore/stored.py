@@ -340,12 +340,13 @@ def stored_optimizer(ckpt: Checkpoint, prefix: str, model_names: Iterable[str] =
     return StoredOptimizer(tuple(out), MappingProxyType(state))
 
 
-def whole_values(ckpt: Checkpoint, prefix: str, names: Iterable[str]) -> dict[str, Any]:
-    """``{name: node}`` for each of ``names`` that the checkpoint holds under dotted ``prefix`` as one value of any
-    kind (a tensor, a dict of them, a string: a module's extra state), its stored name normalized as
-    `tensor_sources` normalizes them (a wrapper's parts, DDP's ``module.``); the first where two normalize alike.
-    `value` reads one."""
-    wanted = set(names)
+def whole_values(ckpt: Checkpoint, prefix: str, names: Iterable[str] | Callable[[str], bool]) -> dict[str, Any]:
+    """``{name: node}`` for each of ``names`` (or each name ``names(name)`` is true of) that the checkpoint holds
+    under dotted ``prefix`` as one value of any kind (a tensor, a dict of them, a string: a module's extra state),
+    its stored name normalized as `tensor_sources` normalizes them (a wrapper's parts, DDP's ``module.``); the first
+    where two normalize alike. `value` reads one."""
+    listed = None if callable(names) else set(names)
+    wanted = names if listed is None else listed.__contains__
     found: dict[str, Any] = {}
     lead = prefix + "." if prefix else ""
 
@@ -353,7 +354,7 @@ def whole_values(ckpt: Checkpoint, prefix: str, names: Iterable[str]) -> dict[st
         if path.startswith(lead) and path != prefix:
             name = clean_name(path[len(lead):])
             for candidate in (name, name.removeprefix(_DDP_PREFIX)):
-                if candidate in wanted:
+                if wanted(candidate):
                     found.setdefault(candidate, node)
                     return
         if not isinstance(node, Mapping):
@@ -371,7 +372,7 @@ def whole_values(ckpt: Checkpoint, prefix: str, names: Iterable[str]) -> dict[st
             if below is not None and (below.startswith(lead) or lead.startswith(below + ".")):  # on the way to prefix
                 walk(child, below)
 
-    if wanted:
+    if listed is None or listed:
         walk(ckpt.structure["root"], "")
     return found
 

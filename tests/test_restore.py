@@ -714,8 +714,10 @@ class _Scaling(torch.nn.Linear):
 
 
 class _Counter(torch.nn.Linear):
+    state: object = {"calls": torch.tensor(3)}
+
     def get_extra_state(self):  # saves a value, but takes none back (torch then calls a stored one unexpected)
-        return {"calls": torch.tensor(3)}  # (a value holding no tensor is not reported: the restore reads tensors)
+        return self.state
 
 
 def _net(state: object) -> torch.nn.Sequential:
@@ -763,14 +765,22 @@ def test_a_missing_extra_state_is_missing_as_torch_says_it(tmp_path):
     assert report.missing == ["0._extra_state"] and ours[0].given == []
 
 
-def test_an_extra_state_stored_for_a_module_that_takes_none_is_unexpected(tmp_path):
+@pytest.mark.parametrize("state", [{"calls": torch.tensor(3)}, {"calls": 3, "recipe": "delayed"}, None],
+                         ids=["holding a tensor", "no tensor", "None"])
+def test_an_extra_state_stored_for_a_module_that_takes_none_is_unexpected(tmp_path, monkeypatch, state):
+    """A value holding no tensor (a dict of numbers, None) was not reported: the restore's names were its tensors'."""
+    monkeypatch.setattr(_Counter, "state", state)
     torch.manual_seed(0)
     saved = torch.nn.Sequential(_Counter(4, 4), torch.nn.Linear(4, 2))
     path = _converted(tmp_path, saved)
     with pytest.raises(RuntimeError, match="Unexpected key"):  # torch's own verdict on the same state dict
         torch.nn.Sequential(_Counter(4, 4), torch.nn.Linear(4, 2)).load_state_dict(saved.state_dict())
-    with pytest.raises(RestoreError, match="unexpected"):
+    with pytest.raises(RestoreError, match=r"unexpected .*0\._extra_state"):
         restore_model(torch.nn.Sequential(_Counter(4, 4), torch.nn.Linear(4, 2)), path)
+    torch_says = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).load_state_dict(
+        saved.state_dict(), strict=False)
+    report = restore_model(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)), path, strict=False)
+    assert report.unexpected == torch_says.unexpected_keys == ["0._extra_state"]
 
 
 def test_an_extra_state_is_not_given_when_the_restore_fails(tmp_path):
