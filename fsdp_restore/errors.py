@@ -7,6 +7,7 @@ Also the checks of the arguments every public entry point shares (`objects_argum
 from __future__ import annotations
 
 import re
+import sys
 import warnings
 from typing import Any
 
@@ -176,6 +177,14 @@ def objects_argument(call: str, model: object, optimizer: object = None, *, opti
     if not is_optimizer and not (optional and optimizer is None):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer{' or None' if optional else ''}, not"
                         f" {type(optimizer).__name__}: the call is {call}")
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")  # imported where one was made
+    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
+        # its state lies in `optimizer.optim`, each rank's partition of parameters: `optimizer.state` is empty, so
+        # a save would hold no moments and a restore would fill state the steps never read, both with no error
+        raise TypeError(f"ZeroRedundancyOptimizer is not supported: each rank keeps the state of its own partition"
+                        f" of the parameters (in .optim), which {call.partition('(')[0]} cannot map to the"
+                        " parameters; FSDP already shards the optimizer state, so use the plain optimizer"
+                        " (optimizer_class=...) on the sharded model, or consolidate_state_dict() and torch.save")
 
 
 def process_group_argument(process_group: object) -> None:

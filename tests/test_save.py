@@ -413,6 +413,18 @@ def _bad_arguments(rank, world_size, path):
         texts.append(str(info.value))
     with pytest.raises(SaveError, match=r"swapped: the call is save_sharded\(model, path, optimizer=optimizer\)"):
         save_sharded(torch.optim.SGD(model.parameters()), path, optimizer=model)  # the restore's door check too
+    # torch's ZeroRedundancyOptimizer keeps its state in each rank's partition (.optim), none in .state: saved as
+    # an optimizer with no state, and restored into state its steps never read, both without an error
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    plain = torch.nn.Linear(3, 2)
+    zero = ZeroRedundancyOptimizer(plain.parameters(), optimizer_class=torch.optim.AdamW)
+    for call in (lambda: save_sharded(plain, path, optimizer=zero),
+                 lambda: fsdp_restore.restore(plain, path, optimizer=zero),
+                 lambda: fsdp_restore.restore_optimizer(zero, plain, path)):
+        with pytest.raises((SaveError, fsdp_restore.RestoreError),
+                           match=r"ZeroRedundancyOptimizer is not supported: .*use the plain"):
+            call()
     if os.path.isdir("/sys/kernel"):  # a directory no one may create in: said of it, not of our temporary
         with pytest.raises(SaveError, match=r"cannot create files in /sys \(.*\): .*give a destination in a"):
             save_sharded(model, "/sys/x.safetensors")
