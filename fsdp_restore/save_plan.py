@@ -458,13 +458,11 @@ def _optimizer_object(model: nn.Module, optimizer: torch.optim.Optimizer, target
                         fields[fld] = shaped(tuple(slot.global_shapes[name]), value.dtype, pieces, replicas[name])
                     elif isinstance(value, torch.Tensor):
                         if value.dim() > 0 and any(by_name[t].layout != "full" for t in slot.global_shapes):
-                            # rank 0's copy would be its own shard's (Adafactor's row/column factors)
-                            raise FsdpRestoreError(
-                                f"{where}: state of shape {list(value.shape)}, not laid out like its sharded"
-                                " parameter, is each rank's own: it cannot be saved as the unsharded model's"
-                                " (save this optimizer with torch.distributed.checkpoint)")
+                            _refuse_own_state(value, where, slot)
                         fields[fld] = whole(value, where, owner)
                     else:
+                        if any(by_name[t].layout != "full" for t in slot.global_shapes):
+                            _refuse_nested_state(value, f"optim.state.{pid}.{fld}", name, slot)
                         fields[fld] = _group_value(value, where, whole)
             elif remote_state and name in remote_state:
                 # another rank holds this parameter's state: this rank holds none of its elements (FSDP1 with
@@ -494,6 +492,38 @@ def _optimizer_object(model: nn.Module, optimizer: torch.optim.Optimizer, target
     else:
         state = dict(sorted(entries, key=lambda e: e[0]))
     return {"state": state, "param_groups": packed_groups}
+
+
+def _refuse_own_state(value: torch.Tensor, where: str, slot: Any) -> None:
+    """A state tensor of a sharded parameter not laid out like it is each rank's own (Adafactor's row and column
+    factors, a Shampoo-like preconditioner): rank 0's copy would be written as the whole model's."""
+    local = tuple(local_tensor(slot.param).shape)
+    if not _is_dtensor(value) and _is_dtensor(slot.param) and tuple(value.shape) == local:
+        how = (f"a plain tensor shaped like this rank's shard ({list(local)}) of a DTensor parameter; the state of"
+               " one must be a DTensor laid out like it (torch.zeros_like(param), as torch's optimizers make it)")
+    else:
+        how = (f"state of shape {list(value.shape)}, not laid out like its sharded parameter, is each rank's own: it"
+               " cannot be saved as the unsharded model's (save this optimizer with torch.distributed.checkpoint)")
+    raise FsdpRestoreError(f"{where}: {how}")
+
+
+def _refuse_nested_state(value: Any, path: str, name: str, slot: Any) -> None:
+    """`_refuse_own_state` for the tensors that a sharded parameter's state (``path``, of parameter ``name``) holds
+    in a dict, list or tuple (a preconditioner's factors): none is laid out so that the ranks' parts make one
+    tensor; only 0-dim values (the same on every rank, as a step count) are written, as rank 0's."""
+    if _is_dtensor(value):
+        raise FsdpRestoreError(f"{path} ({name}): a DTensor within a parameter's optimizer state (not at its top"
+                               " level) cannot be saved as the unsharded model's (keep it at the top level of the"
+                               " state, or save this optimizer with torch.distributed.checkpoint)")
+    if isinstance(value, torch.Tensor):
+        if value.dim() > 0:
+            _refuse_own_state(value, f"{path} ({name})", slot)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _refuse_nested_state(item, f"{path}.{key}", name, slot)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _refuse_nested_state(item, f"{path}.{i}", name, slot)
 
 
 def _like_param(value: torch.Tensor, slot: Any) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import struct
 import threading
 
@@ -651,6 +652,35 @@ def _unshaped_state(rank, world_size, path):
 def test_state_not_laid_out_like_a_sharded_parameter_is_refused(tmp_path):
     texts = run_ranks(_unshaped_state, 2, str(tmp_path / "x.safetensors"))
     assert texts[0] == texts[1] and "row_factor" in texts[0] and "not laid out like its sharded" in texts[0]
+
+
+def _nested_state(rank, world_size, path, kind):
+    model, opt, _ = _trained("mlp", "fsdp2", world_size)
+    for p, state in opt.state.items():
+        own = p.to_local().sum(1) if p.dim() == 2 else p.to_local().clone()  # each rank's, as a preconditioner's
+        if kind == "plain":
+            state["m"] = p.to_local().clone()
+            continue
+        state["pre"] = {"L": [own] if kind == "list" else torch.zeros_like(p) if kind == "dtensor" else own,
+                        "count": torch.tensor(2)}  # (a 0-dim value is the same on every rank: written)
+    with pytest.raises(SaveError) as info:
+        save_sharded(model, path, optimizer=opt)
+    assert not os.path.exists(path) and not _leftovers(path)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["dict", "list", "dtensor", "plain"])
+def test_a_sharded_parameters_own_state_within_a_dict_or_list_is_refused(tmp_path, kind):
+    """Each rank's own tensors one level down (Shampoo-like preconditioners) were written as rank 0's copy with no
+    error, where the same tensor at the top level was refused; a DTensor there was refused as an unsupported
+    object with the advice to skip it; a plain tensor shaped like the local shard as 'not laid out like' it."""
+    texts = run_ranks(_nested_state, 2, str(tmp_path / "x.safetensors"), kind)
+    assert texts[0] == texts[1]
+    expected = {"dict": r"optim\.state\.\d+\.pre\.L \(.*\): state of shape .* is each rank's own",
+                "list": r"optim\.state\.\d+\.pre\.L\.0 \(.*\): state of shape .* is each rank's own",
+                "dtensor": r"optim\.state\.\d+\.pre\.L \(.*\): a DTensor within a parameter's optimizer state",
+                "plain": r"optim\.state\.\d+\.m \(.*\): a plain tensor shaped like this rank's shard"}[kind]
+    assert re.search(expected, texts[0]), texts[0]
 
 
 def test_a_save_error_counts_what_the_ranks_reported_and_says_what_it_leaves_out():
