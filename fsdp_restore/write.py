@@ -29,6 +29,7 @@ import mmap
 import os
 import re
 import shutil
+import stat
 import threading
 import uuid
 import zlib
@@ -909,6 +910,10 @@ def check_destination(dst: str | os.PathLike[str], *, force: bool, sources: Sequ
     dst = Path(dst)
     if not (dst.exists() or dst.is_symlink()):
         return
+    special = _special_file_kind(os.lstat(dst).st_mode)
+    if special:  # (the rename would put a checkpoint in place of /dev/null, as root)
+        raise FileExistsError(f"{dst} is a {special}, not a file or a directory: a checkpoint written there would"
+                              " replace it; give the path of a file")
     target = dst.resolve()
     for src in sources:
         where = Path(src).resolve()
@@ -921,6 +926,14 @@ def check_destination(dst: str | os.PathLike[str], *, force: bool, sources: Sequ
     refuse_foreign_directory(dst, one_file=one_file)  # before the advice to force it: forcing would not help
     if not force:
         raise FileExistsError(f"{dst} already exists; pass force=True (CLI: --force) to replace it")
+
+
+def _special_file_kind(mode: int) -> str | None:
+    for test, kind in ((stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+                       (stat.S_ISFIFO, "named pipe (FIFO)"), (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return kind
+    return None
 
 
 # what a file's name says it holds: the weights of some checkpoint, which a new set of shards beside them would

@@ -4,6 +4,8 @@ while replacing leaves the old or the new checkpoint under the final name, and n
 
 from __future__ import annotations
 
+import os
+import stat
 import subprocess
 import sys
 import threading
@@ -245,6 +247,23 @@ def test_force_never_replaces_a_directory_of_other_files_or_the_source(tmp_path)
     assert [p.name for p in other.iterdir()] == ["notes.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "run"]  # no temporaries
     assert torch.equal(torch.load(src)["w"], torch.arange(6.0))
+
+
+def test_force_never_replaces_a_device_or_a_pipe(tmp_path):
+    """The rename put the checkpoint in place of whatever the path named: as root, `save(..., "/dev/null")` (a
+    throughput test) replaced /dev/null itself."""
+    _, src = _user_directory(tmp_path)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for call in (lambda: fsdp_restore.convert(src, fifo, force=True), lambda: save({"w": torch.ones(2)}, fifo),
+                 lambda: fsdp_restore.convert(src, fifo, force=True, max_shard_size=16)):
+        with pytest.raises(FileExistsError, match=r"pipe is a named pipe \(FIFO\), not a file or a directory"):
+            call()
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    if os.path.exists("/dev/null"):  # refused before anything is written, also where one may not write
+        with pytest.raises(FileExistsError, match="/dev/null is a character device"):
+            save({"w": torch.ones(2)}, "/dev/null")
+    assert stat.S_ISCHR(os.lstat("/dev/null").st_mode)
 
 
 def test_force_replaces_a_sharded_set_with_a_file_and_back(tmp_path):
