@@ -58,7 +58,7 @@ from .save_plan import WriteItem, WritePlan
 from .shards import extra_state_modules
 from .verdict import _LABELS, _collective, _device, _rank, agree, new_problems, problem_line
 from .write import (CHUNK_BYTES, _fsync_dir, _remove, _replace, _write_small_file, check_destination, index_bytes,
-                    carry_kept_files, refuse_foreign_directory, remove_stale_temporaries, said_of_the_directory, make_parent,
+                    carry_kept_files, refuse_foreign_directory, remove_stale_temporaries, said_of_the_directory, make_parent, ReplacedError,
                     tensor_bytes, with_checksums)
 
 __all__ = ["SaveReport", "save_sharded"]
@@ -571,7 +571,11 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
             committed = False
             with problems.guard():
                 if rank == 0:
-                    _commit(dst, tmp, plan, sharded, checksums, fds)
+                    try:
+                        _commit(dst, tmp, plan, sharded, checksums, fds)
+                    except ReplacedError:  # after the rename: its error says the new version is in place
+                        created, committed = False, True
+                        raise
                     created, committed = False, True
             # a rank that dies now may die after rank 0's rename: the error must not say the old file is there
             _agree(problems, "save_sharded (commit)", group,
@@ -582,7 +586,8 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
             # own, and every rank fails together), so that one is removed when rank 0 itself was killed. After
             # rank 0's rename there is nothing under that name left to remove.
             if tmp is not None and (created or rank != 0):
-                _remove(tmp)
+                with contextlib.suppress(OSError):  # the error that brought us here is the one to raise
+                    _remove(tmp)
             raise
         finally:
             for fd in fds:

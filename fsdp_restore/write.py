@@ -908,6 +908,7 @@ def check_destination(dst: str | os.PathLike[str], *, force: bool, sources: Sequ
                          " give the file's name (e.g. model.safetensors inside it), or max_shard_size= (CLI:"
                          " --max-shard-size) for a directory of shards")
     dst = Path(dst)
+    _refuse_long_name(dst)
     if not (dst.exists() or dst.is_symlink()):
         return
     special = _special_file_kind(os.lstat(dst).st_mode)
@@ -926,6 +927,23 @@ def check_destination(dst: str | os.PathLike[str], *, force: bool, sources: Sequ
     refuse_foreign_directory(dst, one_file=one_file)  # before the advice to force it: forcing would not help
     if not force:
         raise FileExistsError(f"{dst} already exists; pass force=True (CLI: --force) to replace it")
+
+
+# what the temporaries' names add to the destination's: "." + name + ".tmp-<pid>-old-<8 hex digits>"
+_TEMPORARY_NAME_EXTRA = len(".") + len(".tmp-") + 7 + len("-old-") + 8
+
+
+def _refuse_long_name(dst: Path) -> None:
+    """A name the file system takes, but not with what the temporary's adds: refused at the door, not as a raw
+    ENAMETOOLONG from the temporary the user never named."""
+    limit = 255  # NAME_MAX of Linux file systems
+    with contextlib.suppress(OSError, ValueError):
+        limit = os.pathconf(next(p for p in [dst.parent, *dst.parent.parents] if p.exists()), "PC_NAME_MAX")
+    size = len(os.fsencode(dst.name))
+    if size + _TEMPORARY_NAME_EXTRA > limit:
+        raise ValueError(f"{dst}: its name is {size} bytes long; a checkpoint is first written under a temporary name"
+                         f" {_TEMPORARY_NAME_EXTRA} bytes longer, and names here hold at most {limit} bytes: give a"
+                         f" name of at most {limit - _TEMPORARY_NAME_EXTRA} bytes")
 
 
 def _special_file_kind(mode: int) -> str | None:
@@ -1084,7 +1102,7 @@ def _replace(tmp: Path, dst: Path) -> None:
     directory = tmp.is_dir() or (dst.is_dir() and not dst.is_symlink())
     if not (dst.exists() or dst.is_symlink()) or not directory:
         os.replace(tmp, dst)  # atomic; over nothing, a file or a symlink
-        _fsync_dir(dst.parent)
+        _sync_replaced(dst)
         return
     try:
         _exchange(tmp, dst)
@@ -1095,8 +1113,24 @@ def _replace(tmp: Path, dst: Path) -> None:
         old = dst.parent / f".{dst.name}.tmp-{os.getpid()}-old-{uuid.uuid4().hex[:8]}"
         os.rename(dst, old)
         os.rename(tmp, dst)
-    _fsync_dir(dst.parent)
-    _remove(old)
+    try:
+        _sync_replaced(dst)
+    finally:
+        _remove(old)
+
+
+class ReplacedError(OSError):
+    """The new version is in place under its name, but a step after the rename failed: no error may say the old
+    version is still there."""
+
+
+def _sync_replaced(dst: Path) -> None:
+    try:
+        _fsync_dir(dst.parent)
+    except OSError as e:
+        raise ReplacedError(e.errno, f"{dst}: the new version is in place, but syncing its directory to disk failed"
+                                     f" ({e.strerror}): a crash before the system writes it back may bring the old"
+                                     " version back") from None
 
 
 def _remove(path: Path) -> None:

@@ -266,6 +266,48 @@ def test_force_never_replaces_a_device_or_a_pipe(tmp_path):
     assert stat.S_ISCHR(os.lstat("/dev/null").st_mode)
 
 
+def test_a_name_too_long_for_the_temporary_is_refused_at_the_door(tmp_path):
+    """A 242-byte name is one the file system takes, not with the temporary's 26 bytes: it failed with a raw
+    ENAMETOOLONG naming the temporary (save_sharded: masked by its own cleanup's error)."""
+    dst = tmp_path / ("x" * 230 + ".safetensors")
+    model = nn.Linear(3, 2)
+    for call in (lambda: save({"w": torch.ones(2)}, dst),
+                 lambda: fsdp_restore.save_sharded(model, dst)):
+        with pytest.raises((ValueError, fsdp_restore.SaveError), match=r"its name is 242 bytes long; .* give a name of"
+                                                                        r" at most 229 bytes"):
+            call()
+    assert os.listdir(tmp_path) == []
+    save({"w": torch.ones(2)}, tmp_path / ("x" * 217 + ".safetensors"))  # the longest name taken
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_failure_after_the_rename_says_the_new_version_is_in_place(tmp_path, monkeypatch, sharded):
+    """The directory's fsync after the rename failed (EIO on a network file system): the error said only that the
+    save failed, and save_sharded's that the old checkpoint was untouched, with the new one in place."""
+    import errno
+
+    import fsdp_restore.write as write
+
+    path = tmp_path / ("ck" if sharded else "ck.safetensors")
+    model = nn.Linear(30, 20)
+    options = {"max_shard_size": 2000} if sharded else {}
+    fsdp_restore.save_sharded(model, path, extra={"step": 1}, **options)
+    real = write._fsync_dir
+
+    def failing(directory):
+        if os.path.samefile(directory, tmp_path):
+            raise OSError(errno.EIO, "Input/output error")
+        return real(directory)
+
+    monkeypatch.setattr(write, "_fsync_dir", failing)
+    for step, call in ((2, lambda: fsdp_restore.save_sharded(model, path, extra={"step": 2}, **options)),
+                       (3, lambda: save({"step": 3, "w": torch.ones(2)}, path, **options))):
+        with pytest.raises(OSError if step == 3 else fsdp_restore.SaveError,
+                           match=f"{path}: the new version is in place, but syncing its directory to disk failed"):
+            call()
+        assert fsdp_restore.load(path)["step"] == step and os.listdir(tmp_path) == [path.name]
+
+
 def test_force_replaces_a_sharded_set_with_a_file_and_back(tmp_path):
     _, src = _user_directory(tmp_path)
     dst = tmp_path / "out"
