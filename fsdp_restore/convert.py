@@ -31,7 +31,7 @@ from .jobs import ConvertReport, cast_groups, cast_target, plan_jobs, shard_size
 from .measure import PeakAnonMemory, Stopwatch
 from .provenance import source_identity
 from .share import Share
-from .write import ProgressFn, check_destination, default_io_threads, write_safetensors
+from .write import ProgressFn, check_destination, default_io_threads, through_link, write_safetensors
 from .zero_files import is_zero_checkpoint
 
 if TYPE_CHECKING:  # imported where used: a plain checkpoint converts without torch (plain_pt)
@@ -523,7 +523,7 @@ def save(obj: Any, path: str | os.PathLike[str], *, max_shard_size: int | str | 
     tensors, structure = flatten(obj, on_unsupported=on_unsupported)  # type: ignore[arg-type]
     size = shard_size_argument(max_shard_size)
     jobs = plan_jobs(tensors, structure, dtype)
-    return write_safetensors(path, jobs, structure_json=json.dumps(structure, separators=(",", ":")),
+    return write_safetensors(through_link(path), jobs, structure_json=json.dumps(structure, separators=(",", ":")),
                              max_shard_size=size, threads=thread_count, force=force, progress=progress).paths
 
 
@@ -569,6 +569,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
     ``process_group`` of several ranks, a bad argument on any rank is the same `ConvertError` on every rank).
     """
     one = Share.of(process_group) if process_group is not None else Share(0, 1)
+    dst = through_link(dst)
     # patterns read once (a generator would be used up by the checks below); a bare string is refused there
     cast_include = cast_include if cast_include is None or isinstance(cast_include, str) else list(cast_include)
     cast_exclude = cast_exclude if isinstance(cast_exclude, str) else list(cast_exclude)

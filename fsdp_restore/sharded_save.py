@@ -57,9 +57,9 @@ from .restore import _no_cyclic_gc, _refuse_unsharded_fsdp1, _reshard_fsdp2
 from .save_plan import WriteItem, WritePlan
 from .shards import extra_state_modules
 from .verdict import _LABELS, _collective, _device, _rank, agree, new_problems, problem_line
-from .write import (CHUNK_BYTES, _fsync_dir, _remove, _replace, _write_small_file, check_destination, index_bytes,
-                    carry_kept_files, refuse_foreign_directory, remove_stale_temporaries, said_of_the_directory, make_parent, ReplacedError,
-                    tensor_bytes, with_checksums)
+from .write import (CHUNK_BYTES, ReplacedError, _fsync_dir, _remove, _replace, _write_small_file, carry_kept_files,
+                    check_destination, index_bytes, make_parent, refuse_foreign_directory, remove_stale_temporaries,
+                    said_of_the_directory, tensor_bytes, through_link, with_checksums)
 
 __all__ = ["SaveReport", "save_sharded"]
 
@@ -475,6 +475,7 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
     hold as None, with a warning, as `convert` does.
     """
     t0 = time.perf_counter()
+    path = through_link(path)
     process_group_argument(process_group)  # before the group is asked for this rank's place in it
     rank, world = _rank(process_group)
     group = process_group

@@ -895,6 +895,18 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # `file_layout`'s names, and Hugging Face's
 
 
+def through_link(path: str | os.PathLike[str]) -> str | os.PathLike[str]:
+    """Where a write to ``path`` goes: where a symbolic link there points (as ``torch.save`` writes through one),
+    else ``path`` itself. The link stays: replaced by the checkpoint, it would leave its target stale (`latest`
+    pointing at a step's file) or, for a model directory, the new shards without that directory's other files."""
+    text = os.fspath(path)
+    bare = text.rstrip("/" if isinstance(text, str) else b"/") or text  # "link/" is the directory, not the link
+    if not os.path.islink(bare):
+        return path
+    target = os.path.realpath(bare)
+    return target + os.sep if isinstance(text, str) and text != bare else target
+
+
 def check_destination(dst: str | os.PathLike[str], *, force: bool, sources: Sequence[str | os.PathLike[str]] = (),
                       one_file: bool = False) -> None:
     """Refuse, before anything is read or written, a destination whose replacement would lose what it is not:

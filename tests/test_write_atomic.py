@@ -308,6 +308,30 @@ def test_a_failure_after_the_rename_says_the_new_version_is_in_place(tmp_path, m
         assert fsdp_restore.load(path)["step"] == step and os.listdir(tmp_path) == [path.name]
 
 
+def test_a_symbolic_link_is_written_through(tmp_path):
+    """As torch.save writes through a link: the link was replaced by a file, leaving `latest` apart from the step it
+    named; to a model directory, by a new directory without its config.json and tokenizer."""
+    model = nn.Linear(30, 20)
+    (tmp_path / "latest.safetensors").symlink_to("step1.safetensors")
+    (tmp_path / "model").symlink_to("model_real")
+    for step, call in enumerate((lambda s: fsdp_restore.save_sharded(model, tmp_path / "latest.safetensors",
+                                                                     extra={"step": s}),
+                                 lambda s: save({"step": s}, tmp_path / "latest.safetensors"),
+                                 lambda s: save({"step": s}, str(tmp_path / "model") + "/", max_shard_size=16))):
+        if step == 2:
+            (tmp_path / "model_real").mkdir()
+            (tmp_path / "model_real" / "config.json").write_text("{}")
+        call(step)
+    assert (tmp_path / "latest.safetensors").is_symlink() and (tmp_path / "model").is_symlink()
+    assert fsdp_restore.load(tmp_path / "step1.safetensors")["step"] == 1
+    assert fsdp_restore.load(tmp_path / "model")["step"] == 2 and (tmp_path / "model_real" / "config.json").exists()
+    torch.save({"step": 3}, tmp_path / "s.pt")
+    fsdp_restore.convert(tmp_path / "s.pt", tmp_path / "latest.safetensors", force=True)
+    assert fsdp_restore.load(tmp_path / "step1.safetensors")["step"] == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.safetensors", "model", "model_real", "s.pt",
+                                                          "step1.safetensors"]
+
+
 def test_force_replaces_a_sharded_set_with_a_file_and_back(tmp_path):
     _, src = _user_directory(tmp_path)
     dst = tmp_path / "out"
