@@ -59,7 +59,7 @@ from .shards import extra_state_modules
 from .verdict import _LABELS, _collective, _device, _rank, agree, new_problems, problem_line
 from .write import (CHUNK_BYTES, ReplacedError, _fsync_dir, _remove, _replace, _write_small_file, carry_kept_files,
                     check_destination, index_bytes, make_parent, refuse_foreign_directory, remove_stale_temporaries,
-                    said_of_the_directory, tensor_bytes, through_link, with_checksums)
+                    said_of_space, said_of_the_directory, tensor_bytes, through_link, with_checksums)
 
 __all__ = ["SaveReport", "save_sharded"]
 
@@ -255,6 +255,8 @@ def _create_temp(dst: Path, tmp: Path, plan: WritePlan, sharded: bool) -> None:
         try:
             preallocate(fd, f.size)
             _pwrite_all(fd, f.header, 0)
+        except OSError as e:
+            raise said_of_space(e, dst, sum(f.size for f in plan.files)) from None
         finally:
             os.close(fd)
 
@@ -558,9 +560,12 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
             crc = _Crc()
             written = 0
             with problems.guard():
-                written = _write_items(plan, fds, thread_count or DEFAULT_SAVE_THREADS, crc)
-                for fd in fds:
-                    os.fsync(fd)
+                try:
+                    written = _write_items(plan, fds, thread_count or DEFAULT_SAVE_THREADS, crc)
+                    for fd in fds:
+                        os.fsync(fd)
+                except OSError as e:  # (a file system that does not preallocate: the space runs out here)
+                    raise said_of_space(e, dst, sum(f.size for f in plan.files)) from None
             _agree(problems, "save_sharded (write)", group)
             timings["write"] = time.perf_counter() - t2
 

@@ -823,8 +823,11 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
 
         def write_blocks() -> None:
             with ThreadPoolExecutor(max_workers=threads or default_io_threads()) as pool:
-                for f in [pool.submit(_write_block, block, progress) for block in blocks]:
-                    f.result()
+                try:
+                    for f in [pool.submit(_write_block, block, progress) for block in blocks]:
+                        f.result()
+                except OSError as e:
+                    raise said_of_space(e, dst, sum(w.size for w in writers)) from None
             if one.world > 1:  # on the device before rank 0 commits (a single process fsyncs in `finish`)
                 for w in writers:
                     os.fsync(w.fd)
@@ -1055,6 +1058,19 @@ def make_parent(dst: Path) -> None:
             raise
         raise type(e)(e.errno, f"cannot create the directory {dst.parent} ({e.strerror}): give a destination in a"
                       " directory you can write to") from None
+
+
+def said_of_space(e: OSError, dst: Path, needed: int) -> OSError:
+    """A full disk or quota said of the destination, with what the checkpoint needs and what is free (it was
+    "[Errno 28] No space left on device", no path); any other error as it is."""
+    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return e
+    try:
+        free = f"; {shutil.disk_usage(dst.parent).free / 1e9:.2f} GB are free there"
+    except OSError:
+        free = ""
+    return type(e)(e.errno, f"no space left for {dst.name} in {dst.parent} ({e.strerror}): the checkpoint needs"
+                            f" {needed / 1e9:.2f} GB{free}; free some, or give a destination on another disk")
 
 
 def said_of_the_directory(e: OSError, dst: Path) -> OSError:

@@ -781,6 +781,23 @@ def test_a_destination_directory_that_refuses_files_is_named(tmp_path, max_shard
         convert(tmp_path / "a.pt", "/sys/x.safetensors", max_shard_size=max_shard_size)
 
 
+def test_a_full_disk_is_said_of_the_destination(tmp_path, monkeypatch):
+    """It was "[Errno 28] No space left on device": no path, no size."""
+    import errno
+
+    write = importlib.import_module("fsdp_restore.write")
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    torch.save({"a": torch.ones(1000)}, tmp_path / "a.pt")
+    monkeypatch.setattr(write, "_write_block", full)
+    with pytest.raises(OSError, match=r"no space left for x.safetensors in .* \(No space left on device\): the"
+                                      r" checkpoint needs 0.00 GB; [\d.]+ GB are free there"):
+        convert(tmp_path / "a.pt", tmp_path / "x.safetensors")
+    assert sorted(os.listdir(tmp_path)) == ["a.pt"]
+
+
 @pytest.mark.parametrize("max_shard_size", [None, "1MB"])
 def test_missing_directories_are_created_and_a_file_in_the_way_is_named(tmp_path, max_shard_size):
     """``run/step1000/`` needs no mkdir first (as DCP's writer and ``save_pretrained``); where a file stands on the

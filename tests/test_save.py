@@ -350,12 +350,12 @@ def _fault(rank, world_size, path, how, fault):
     return str(info.value), seconds
 
 
-FAULTS = [("raise mid-write", "fsdp2", 3, "OSError: [Errno 28] No space left on device [rank 1]"),
+FAULTS = [("raise mid-write", "fsdp2", 3, "OSError: [Errno 28] no space left for ckpt.safetensors in"),
           ("wrong offset", "fsdp2", 2, "do not cover these tensors exactly (a piece shifted, lost or doubled) (1):"
            " model.inp.weight"),
           ("not shared", "ddp", 2, "do not share one filesystem"),
           ("different header", "fsdp2", 3, "the ranks computed different checkpoint headers"),
-          ("disk full", "fsdp2", 2, "No space left on device [rank 0]")]
+          ("disk full", "fsdp2", 2, "no space left for ckpt.safetensors in ")]
 
 
 @pytest.mark.parametrize("fault,how,world_size,expected", FAULTS, ids=[f[0].replace(" ", "-") for f in FAULTS])
@@ -366,6 +366,9 @@ def test_fault_every_rank_raises_the_same_error_and_the_old_file_stays(tmp_path,
     assert len(texts) == 1, texts  # the same error on every rank
     text = texts.pop()
     assert expected in text, text
+    if "no space" in expected:  # said of the destination, with what it needs (it was the bare errno text)
+        assert re.search(r"\(No space left on device\): the checkpoint needs \d+\.\d\d GB; [\d.]+ GB are free"
+                         r" there; free some, or give a destination on another disk \[rank \d\]", text), text
     if fault in ("wrong offset", "different header", "disk full"):
         assert "(plan)" in text, text  # found before anything was written
     assert max(s for _, s in results) < 30, results
