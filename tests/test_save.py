@@ -657,6 +657,36 @@ def test_state_not_laid_out_like_a_sharded_parameter_is_refused(tmp_path):
     assert texts[0] == texts[1] and "row_factor" in texts[0] and "not laid out like its sharded" in texts[0]
 
 
+class _PreScaled(torch.nn.Linear):
+    """Holds its weight pre-scaled; state_dict() gives the true one (as quantized and packed layers do)."""
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = self.weight.detach() * 2
+
+
+def test_a_model_whose_state_dict_is_not_what_it_holds_is_refused(tmp_path):
+    """Its raw parameters were written as the state dict, without a word (the file's keys and values were not
+    what state_dict() gives); torch's own hooks (FSDP's, the checkpoint wrapper's) are not refused."""
+    from safetensors.torch import load_file
+    from torch import nn
+
+    renamed = nn.Linear(2, 2)
+    renamed._register_state_dict_hook(lambda module, sd, prefix, local: sd.update(
+        {prefix + "kernel": sd.pop(prefix + "weight")}))
+    model = nn.Sequential(_PreScaled(3, 2), renamed, nn.Linear(2, 2))
+    assert model.state_dict()["0.weight"].sum() != model[0].weight.sum() and "1.kernel" in model.state_dict()
+    with pytest.raises(SaveError, match=r"modules whose state_dict\(\) is not what they hold \(2\): 0 \(_PreScaled"
+                                        r" overrides _save_to_state_dict\); 1 \(a state_dict hook of test_save\)"):
+        save_sharded(model, tmp_path / "x.safetensors")
+    assert os.listdir(tmp_path) == []
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    wrapped = nn.Sequential(checkpoint_wrapper(nn.Linear(2, 2)))  # its hook strips its own prefix: names kept
+    save_sharded(wrapped, tmp_path / "x.safetensors")
+    assert list(load_file(tmp_path / "x.safetensors")) == list(wrapped.state_dict())
+
+
 def _nested_state(rank, world_size, path, kind):
     model, opt, _ = _trained("mlp", "fsdp2", world_size)
     for p, state in opt.state.items():
