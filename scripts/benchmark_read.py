@@ -47,20 +47,19 @@ class Stack(torch.nn.Module):
         self.blocks = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(layers))
 
 
-def _shape(mb: float) -> tuple[int, int]:
-    layers = 511
+def _shape(mb: float, layers: int = 511) -> tuple[int, int]:
     dim = max(8, int((mb * 1e6 / 4 / layers) ** 0.5))
     return layers, dim
 
 
 def worker(rank: int, world_size: int, path: str, mb: float, repeat: int, threads: int,
-           methods: tuple[str, ...] = METHODS) -> dict[str, Any]:
+           methods: tuple[str, ...] = METHODS, layers: int = 511) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
 
     import fsdp_restore
 
     torch.manual_seed(0)
-    model = Stack(*_shape(mb))
+    model = Stack(*_shape(mb, layers))
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
@@ -130,26 +129,30 @@ def main() -> None:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--threads", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=511,
+                        help="Linear layers of the stack (2 tensors each); fewer: bigger tensors, as in real models")
     parser.add_argument("--verify-checksums", action="store_true", help="also time verify_checksums=True")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     methods = METHODS + (("ours+sums",) if args.verify_checksums else ())
     args.work.mkdir(parents=True, exist_ok=True)
-    path = args.work / f"stack-{args.mb:g}.safetensors"
+    path = args.work / (f"stack-{args.mb:g}.safetensors" if args.layers == 511 else
+                        f"stack-{args.mb:g}-{args.layers}.safetensors")
     if not path.exists():
         from fsdp_restore.convert import save
 
         torch.manual_seed(0)
-        save(Stack(*_shape(args.mb)).state_dict(), path)
-    results: dict[str, Any] = {"file_bytes": path.stat().st_size, "threads": args.threads, "world_sizes": {}}
+        save(Stack(*_shape(args.mb, args.layers)).state_dict(), path)
+    results: dict[str, Any] = {"file_bytes": path.stat().st_size, "threads": args.threads, "layers": args.layers,
+                               "world_sizes": {}}
     table = Table(title=f"restore vs bare preadv loop, warm, {path.stat().st_size / 1e9:.2f} GB, "
                         f"{args.threads} threads (medians of {args.repeat})")
     for col in ("ws", "method", "s / rank", "GB/s / rank", "x bare", "plan s", "plan us/tensor", "read s",
                 "check s", "checksums s"):
         table.add_column(col)
     for ws in args.world_sizes:
-        per_rank = run_ranks(worker, ws, str(path), args.mb, args.repeat, args.threads, methods, timeout=1200,
-                             backend="gloo")
+        per_rank = run_ranks(worker, ws, str(path), args.mb, args.repeat, args.threads, methods, args.layers,
+                             timeout=1200, backend="gloo")
         results["world_sizes"][ws] = per_rank
         slowest = {m: statistics.median(max(r["seconds"][m][i] for r in per_rank) for i in range(args.repeat))
                    for m in methods}
