@@ -2,6 +2,7 @@
 
     python scripts/benchmark_read.py                       # 2.1 GB stack of 1022 tensors, world sizes 1 and 2
     python scripts/benchmark_read.py --mb 512 --world-sizes 1 --repeat 3
+    python scripts/benchmark_read.py --layers 16           # the same bytes in 32 tensors (64 MB weights)
 
 In every rank's process (gloo, FSDP2 ``fully_shard`` of a stack of ``Linear`` layers on the CPU), from the page
 cache (a warm-up run of each method first): ``bare``: a loop of 16 MB ``os.preadv`` calls on ``threads``
