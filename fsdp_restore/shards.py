@@ -60,7 +60,12 @@ def clean_name(name: str) -> str:
         return name.rstrip(".")  # most names: called per tensor, several times per restore
     for part in _WRAPPER_PARTS:
         name = name.replace(part, "")
-    return name.removesuffix("_fsdp_wrapped_module").removesuffix("_orig_mod").rstrip(".")
+    name = name.rstrip(".")
+    while True:  # a wrapper's own name at the end (an FSDP1 unit inside an activation-checkpoint wrapper)
+        last = name.rpartition(".")[2]
+        if f"{last}." not in _WRAPPER_PARTS:
+            return name
+        name = name[:-len(last)].rstrip(".")
 
 
 def ddp_prefix(model: nn.Module) -> str:

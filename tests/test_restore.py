@@ -846,3 +846,40 @@ def test_extra_states_of_a_shared_module_and_of_none_as_load_state_dict_gives_th
         assert len(ours[name].given) == len(oracle[name].given), name
     assert len(ours["a"].given) == 2 and ours["c"].given == [None] == oracle["c"].given
     assert all(torch.equal(g["amax"], torch.arange(4.0)) for g in ours["a"].given)
+
+
+def _checkpointed_then_fsdp1(rank, world_size, path, params):
+    """Activation checkpointing applied before FSDP1 wraps the blocks: each unit's name ends with the wrapper's
+    ``_checkpoint_wrapped_module`` (CheckpointWrapper(FSDP(block)))."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel as FSDP, StateDictType
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    model = build("mlp", seed=3)
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, torch.nn.Linear) and m is not model.out)
+    model = FSDP(model, use_orig_params=params == "orig", auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}),
+                 device_id=torch.device("cpu"))
+    assert any(n.endswith("_checkpoint_wrapped_module") for n, m in model.named_modules() if isinstance(m, FSDP))
+    restore_model(model, path)
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False)):
+        restored = {k: v.clone() for k, v in model.state_dict().items()}
+    saved = path.replace(".safetensors", f"-{params}-saved.safetensors")
+    fsdp_restore.save_sharded(model, saved)  # the same names back
+    return restored, saved
+
+
+@pytest.mark.parametrize("params", ["flat", "orig"])
+def test_fsdp1_units_inside_activation_checkpoint_wrappers(tmp_path, params):
+    """The restore read the file's names with the wrapper's infix ('missing: ..._checkpoint_wrapped_module...'),
+    and save_sharded refused ('state-dict names and its tensors differ'): a unit's name ending with the
+    wrapper's own name was not cleaned."""
+    from safetensors.torch import load_file
+
+    oracle = build("mlp", seed=0).state_dict()
+    path = str(tmp_path / "w.safetensors")
+    fsdp_restore.save(oracle, path)
+    for restored, saved in run_ranks(_checkpointed_then_fsdp1, 2, path, params):
+        assert restored.keys() == oracle.keys()
+        assert all(torch.equal(restored[k], oracle[k]) for k in oracle)
+        written = load_file(saved)
+        assert written.keys() == oracle.keys() and all(torch.equal(written[k], oracle[k]) for k in oracle)
