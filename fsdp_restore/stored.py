@@ -201,12 +201,23 @@ def _child(node: Any, name: str, prefix: str) -> Any:
 
 def optimizer_prefixes(ckpt: Checkpoint) -> list[str]:
     """Where the checkpoint holds an optimizer state dict (a node with ``state`` and ``param_groups``): its root
-    (a file of ``torch.save(opt.state_dict())``) or a top-level entry (``optimizer`` in nanoGPT's checkpoints)."""
+    (a file of ``torch.save(opt.state_dict())``), a top-level entry (``optimizer`` in nanoGPT's checkpoints) or an
+    entry of one (PyTorch Lightning's ``optimizer_states.0``)."""
     root = ckpt.structure["root"]
     candidates = [("", root)] + [(str(k), v) for k, v in _items(root)]
-    return [prefix for prefix, node in candidates
-            if isinstance(node, dict) and ({"state", "param_groups"} <= {str(k) for k, _ in _items(node)}
-                                           or (bool(prefix) and _flattened(node)))]
+    for top, node in candidates[1:]:
+        kind = node.get("type") if isinstance(node, Mapping) else None
+        if kind in ("list", "tuple"):
+            candidates += [(f"{top}.{i}", v) for i, v in enumerate(node.get("items", []))]
+        elif kind in _MAPPING_KINDS and not _is_optimizer(node, top):
+            candidates += [(f"{top}.{k}", v) for k, v in _items(node)
+                           if isinstance(v, Mapping) and v.get("type") in _MAPPING_KINDS]
+    return [prefix for prefix, node in candidates if _is_optimizer(node, prefix)]
+
+
+def _is_optimizer(node: Any, prefix: str) -> bool:
+    return isinstance(node, dict) and ({"state", "param_groups"} <= {str(k) for k, _ in _items(node)}
+                                       or (bool(prefix) and _flattened(node)))
 
 
 def top_level_subtrees(ckpt: Checkpoint) -> list[str]:
@@ -392,5 +403,29 @@ def extras(ckpt: Checkpoint, skip: Iterable[str], *, tensors: bool = True) -> di
     if not (isinstance(root, dict) and root.get("type") in ("dict", "OrderedDict")):
         return {}
     skip = set(skip) | set(optimizer_prefixes(ckpt))
-    return value(ckpt, {"type": "dict", "items": [[k, v] for k, v in root["items"] if k not in skip and (
-        tensors or not (is_tensor_node(v) or str(k).rsplit(".", 1)[-1] == "_extra_state"))]})
+    kept = {"type": "dict", "items": [[k, v] for k, v in root["items"] if k not in skip and (
+        tensors or not (is_tensor_node(v) or str(k).rsplit(".", 1)[-1] == "_extra_state"))]}
+    nested = tuple(s for s in skip if "." in s)  # a subtree within an entry (Lightning's state_dict.model)
+    return value(ckpt, _without(kept, "", nested) if nested else kept)
+
+
+def _without(node: Any, path: str, skip: tuple[str, ...]) -> Any:
+    """``node`` (at dotted ``path``) without what lies under the dotted paths ``skip``, a container that only
+    held such things left out too (the weights and optimizer state restored from within an entry: not read)."""
+    kind = node.get("type") if isinstance(node, Mapping) else None
+    if kind not in (*_MAPPING_KINDS, "list", "tuple"):
+        return node
+    pairs = node.get("items", []) if kind in _MAPPING_KINDS else list(enumerate(node.get("items", [])))
+    items = []
+    for k, child in pairs:
+        at = f"{path}.{k}" if path else str(k)
+        if at in skip or at.startswith(tuple(s + "." for s in skip)):
+            continue
+        if any(s.startswith(at + ".") for s in skip):
+            pruned = _without(child, at, skip)
+            if isinstance(pruned, Mapping) and pruned.get("type") in (*_MAPPING_KINDS, "list", "tuple") and not \
+                    pruned.get("items") and child.get("items"):
+                continue  # it held nothing else
+            child = pruned
+        items.append([k, child] if kind in _MAPPING_KINDS else child)
+    return {**node, "items": items}

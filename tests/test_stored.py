@@ -150,3 +150,39 @@ def test_a_flattened_optimizer_keeps_nested_state_under_its_parameter(tmp_path):
         assert set(saved.state) == {"blocks.0.w"} and set(saved.state["blocks.0.w"]) == {"step", "pre"}
         pre = value(ckpt, saved.state["blocks.0.w"]["pre"])
         assert torch.equal(pre["L"], torch.ones(2, 2)) and torch.equal(pre["R"], torch.zeros(3))
+
+
+def _lightning_checkpoint(path):
+    """PyTorch Lightning's layout: the LightningModule's state dict (its model under `model.`) in `state_dict`, the
+    optimizers' state dicts in the list `optimizer_states`, the rest beside them."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+                "optimizer_states": [opt.state_dict()], "lr_schedulers": [{"last_epoch": 1}], "epoch": 3,
+                "global_step": 10, "loops": {"fit_loop": {"epoch_progress": {"current": 3}}}}, path / "l.ckpt")
+    fsdp_restore.convert(path / "l.ckpt", path / "l.safetensors")
+    return model, opt
+
+
+def test_a_subtree_within_an_entry_is_neither_read_nor_handed_back(tmp_path):
+    """Restored from `state_dict.model` and `optimizer_states.0`, the result held both whole (every weight and
+    Adam moment, unsharded, on every rank), and without `optimizer=` the optimizer's state still came back: only
+    top-level names were left out, and only top-level optimizer state dicts were known."""
+    model, opt = _lightning_checkpoint(tmp_path)
+    torch.manual_seed(1)
+    ours = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    ours_opt = torch.optim.AdamW(ours.parameters(), lr=0.5)
+    rest = {"epoch": 3, "global_step": 10, "lr_schedulers": [{"last_epoch": 1}],
+            "loops": {"fit_loop": {"epoch_progress": {"current": 3}}}}
+    alone = fsdp_restore.restore(ours, tmp_path / "l.safetensors", model_prefix="state_dict.model")
+    assert dict(alone) == rest
+    result = fsdp_restore.restore(ours, tmp_path / "l.safetensors", optimizer=ours_opt,
+                                  model_prefix="state_dict.model", optim_prefix="optimizer_states.0")
+    assert dict(result) == rest
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), model.state_dict().values()))
+    assert torch.equal(ours_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    with pytest.raises(RestoreError, match=r"pass optim_prefix='optimizer_states\.0'"):  # found where it lies
+        fsdp_restore.restore(ours, tmp_path / "l.safetensors", optimizer=ours_opt, model_prefix="state_dict.model")
