@@ -154,7 +154,7 @@ def load_pt(path: str | os.PathLike[str], *, trust_pickle: bool = False, allow_g
         raise FormatError(path, "is a JSON index of a sharded checkpoint, not a torch.save file: the index of"
                                 " .safetensors shards needs no conversion (restore its directory); an index of .bin"
                                 " shards (pytorch_model-00001-of-0000N.bin ...): convert each shard (fsdp-restore"
-                                " convert SHARD.bin SHARD.safetensors)")
+                                " convert SHARD.bin SHARD.safetensors), then restore this index or its directory")
     if not is_zip and not is_legacy_torch_save(head) and not trust_pickle:
         # neither torch.save's zip nor its legacy pickle (torch's magic number first): not a "legacy file"
         raise FormatError(path, f"not a torch.save file (it starts with {magic!r}: neither a zip archive nor a"

@@ -46,6 +46,9 @@ SAMPLED_PAGES = 4  # data pages per file in `Checkpoint.content_sample`: the fir
 _PAGE = 4096
 
 
+_TORCH_INDEX_NAME = "pytorch_model.bin.index.json"  # transformers' index of torch.save shards
+
+
 def find_safetensors_for(path: str | os.PathLike[str]) -> Path | None:
     """The checkpoint that ``path`` names in our format, or None when it is only a ``torch.save`` file.
 
@@ -79,12 +82,28 @@ def stale_sibling(path: str | os.PathLike[str]) -> tuple[Path, str] | None:
     return (sibling, why) if why else None
 
 
+def _converted_shards(index_path: Path, weight_map: dict[str, Path]) -> dict[Path, Path]:
+    """``{torch.save shard: its converted sibling}`` for an index of ``.bin`` shards (transformers' older
+    ``pytorch_model.bin.index.json``) whose shards were each converted (``x.bin`` -> ``x.safetensors``, as the
+    converter's error for such an index says); `FormatError` naming the first shard not converted yet."""
+    torch_shards = sorted({shard for shard in weight_map.values() if shard.suffix in PT_SUFFIXES})
+    missing = [shard for shard in torch_shards if not shard.with_suffix(".safetensors").is_file()]
+    if missing:
+        raise FormatError(index_path, f"indexes torch.save shards, and {len(missing)} of {len(torch_shards)} have no"
+                          f" converted sibling ({missing[0].name}{', ...' if len(missing) > 1 else ''}): convert each"
+                          f" (fsdp-restore convert {missing[0]} {missing[0].with_suffix('.safetensors')}), then open"
+                          " this index again")
+    return {shard: shard.with_suffix(".safetensors") for shard in torch_shards}
+
+
 def _resolve_files(path: Path) -> tuple[Path | None, list[Path]]:
     """(index json or None, shard files) for a checkpoint path."""
     if path.is_dir():
         indexes = sorted(path.glob("*" + INDEX_SUFFIX))
         if (path / DEFAULT_INDEX_NAME).exists():
             indexes = [path / DEFAULT_INDEX_NAME]
+        if not indexes and (path / _TORCH_INDEX_NAME).is_file():  # its shards converted one by one beside it
+            indexes = [path / _TORCH_INDEX_NAME]
         if len(indexes) == 1:
             return indexes[0], []
         if len(indexes) > 1:
@@ -198,6 +217,8 @@ class Checkpoint:
                 os.close(index_fd)
             metadata, weight_map = read_index(index_path, raw)
             root = directory.resolve()
+            converted = _converted_shards(index_path, weight_map)
+            weight_map = {key: converted.get(shard, shard) for key, shard in weight_map.items()}
             files = sorted(set(weight_map.values()))
             _raise_fd_limit(len(files))
             for shard in files:
@@ -211,6 +232,15 @@ class Checkpoint:
                 self.headers[shard] = read_header(shard, fd)
         finally:
             os.close(dir_fd)
+        for torch_shard, shard in converted.items():  # each was converted from the torch.save shard as it is now
+            header = self.headers[shard]
+            raw_source = header.metadata.get(META_SOURCE)
+            source = parse_json(raw_source, shard, f"metadata '{META_SOURCE}'") if raw_source else None
+            why = mismatch(source if isinstance(source, dict) else None, torch_shard, shard,
+                           cast=_json_meta(header, META_CAST))
+            if why:
+                raise FormatError(shard, f"was not converted from {torch_shard.name} as it is now ({why}); convert it"
+                                  f" again: fsdp-restore convert {torch_shard} {shard} --force")
         set_id = metadata.get(META_SET_ID)
         for shard, header in self.headers.items():
             if set_id is not None and header.metadata.get(META_SET_ID) != set_id:

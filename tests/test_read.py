@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -192,3 +193,43 @@ def test_a_fault_of_the_sibling_read_in_place_of_a_pt_says_so(tmp_path):
     with pytest.raises(FormatError) as direct:  # named itself: as before
         fsdp_restore.open_checkpoint(tmp_path / "x.safetensors")
     assert "in place of" not in str(direct.value)
+
+
+def test_an_index_of_torch_shards_reads_their_conversions(tmp_path):
+    """transformers' older layout (pytorch_model-0000N-of-0000M.bin + pytorch_model.bin.index.json): each shard
+    converted as the converter says, the index or its directory was refused ("no index json", or the .bin read as
+    a safetensors header: "header length ... exceeds the limit"); now the index reads each shard's conversion,
+    checked to be of that shard as it is now."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=200))
+    # as transformers before 5.0 wrote it (save_pretrained(safe_serialization=False); 5.0 writes safetensors only)
+    state, weight_map, parts = model.state_dict(), {}, 3
+    for i in range(parts):
+        name = f"pytorch_model-{i + 1:05d}-of-{parts:05d}.bin"
+        part = {k: v.clone() for k, v in list(state.items())[i::parts]}
+        torch.save(part, tmp_path / name)
+        weight_map.update(dict.fromkeys(part, name))
+    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    shards = sorted(tmp_path.glob("pytorch_model-*.bin"))
+    assert len(shards) > 1 and (tmp_path / "pytorch_model.bin.index.json").exists()
+    with pytest.raises(FormatError, match=rf"{len(shards)} of {len(shards)} have no converted sibling .* convert each"):
+        Checkpoint(tmp_path / "pytorch_model.bin.index.json")
+    for shard in shards:
+        fsdp_restore.convert(shard, shard.with_suffix(".safetensors"))
+    oracle = {}
+    for shard in shards:  # torch's own loader, shard by shard
+        oracle.update(torch.load(shard, weights_only=True))
+    for path in (tmp_path, tmp_path / "pytorch_model.bin.index.json"):
+        fresh = LlamaForCausalLM(model.config)
+        report = fsdp_restore.restore_model(fresh, path)
+        assert not report.missing and not report.unexpected
+        state = fresh.state_dict()
+        assert all(torch.equal(state[k], v) for k, v in oracle.items())
+    changed = torch.load(shards[0], weights_only=True)
+    next(iter(changed.values())).add_(1)
+    torch.save(changed, shards[0])  # the shard rewritten after its conversion, with other values
+    with pytest.raises(FormatError, match=rf"was not converted from {shards[0].name} as it is now .* convert it again"):
+        Checkpoint(tmp_path)
