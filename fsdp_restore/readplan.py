@@ -56,6 +56,8 @@ class RestoreReport:
     bytes_read: int = 0
     seconds: float = 0.0
     cast: list[str] = field(default_factory=list)  # "name: stored dtype -> model dtype"
+    # tensors of which this rank read NaN stored in the file (so the check did not count them unrestored): this
+    # rank's shard only, not agreed (another rank's shard of the same tensor may hold NaN where this one holds none)
     nan_in_checkpoint: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)  # only when strict=False
     unexpected: list[str] = field(default_factory=list)  # only when strict=False
