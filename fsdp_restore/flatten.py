@@ -234,6 +234,8 @@ class _Flattener:
                 for ref in refs:
                     ref.node["key"] = key = self.key_for(ref.path, ref.tensor)
                     tensors[key] = ref.tensor
+                    if len(refs) > 1:  # declared: `verify` takes the storage no longer shared as this change
+                        ref.node["apart"] = True
                 continue
             base_key = self.key_for(base.path, base.tensor)
             tensors[base_key] = base.tensor

@@ -76,13 +76,16 @@ class VerifyReport:
     problems: list[tuple[str, str]] = field(default_factory=list)
     casts: list[CastChange] = field(default_factory=list)
     dropped: list[tuple[str, str]] = field(default_factory=list)  # (path, type) the file declares it dropped
+    # tensors that share storage in the source, none covering the others, stored apart as the file declares
+    apart: list[str] = field(default_factory=list)
 
     @property
     def verdict(self) -> str:
         if self.problems:
             return FAILED
         if self.against is not None:
-            return IDENTICAL_UP_TO_DECLARED if self.dropped else IDENTICAL_UP_TO_CAST if self.casts else IDENTICAL
+            return (IDENTICAL_UP_TO_DECLARED if self.dropped or self.apart else IDENTICAL_UP_TO_CAST if self.casts
+                    else IDENTICAL)
         return IDENTICAL if self.checksummed == self.tensors else HEADER_ONLY
 
     @property
@@ -468,7 +471,10 @@ class _Comparer:
         # safetensors file (no structure) is a dict of names whatever was saved, and cannot share storage.
         self.structured = ckpt.has_structure
         self.select = select
-        self.keys = {path: node["key"] for path, node in iter_nodes_with_keys(ckpt.structure["root"])}
+        nodes = list(iter_nodes_with_keys(ckpt.structure["root"]))
+        self.keys = {path: node["key"] for path, node in nodes}
+        self.stored_apart = {path for path, node in nodes if node.get("apart") is True}
+        self.apart: list[str] = []
         self.cast = ckpt.cast
         self.aliases = ckpt.tied_aliases()
         self.problems: list[tuple[str, str]] = []
@@ -575,7 +581,9 @@ class _Comparer:
         for groups, t in zip(self._groups, (src, out)):
             first = groups.setdefault(t.untyped_storage().data_ptr(), (where, t.storage_offset()))
             places.append((first[0], t.storage_offset() - first[1]))
-        if places[0] != places[1]:
+        if places[0] != places[1] and places[1][0] == where and where in self.stored_apart:
+            self.apart.append(where)  # shared in the source, none of its tensors covering the others: as declared
+        elif places[0] != places[1]:
             def say(p: tuple[str, int]) -> str:
                 return "its own storage" if p[0] == where else f"storage of '{p[0]}' at element offset {p[1]:+d}"
             self.problems.append((where, f"{say(places[1])} but in the source {say(places[0])}"))
@@ -762,6 +770,7 @@ def _verify_open(ckpt: Checkpoint, report: VerifyReport, against: Any, select: s
                 comparer.problems.append(("<root>", "nested too deeply to compare"))
             report.problems += comparer.problems
             report.dropped = comparer.dropped
+            report.apart = comparer.apart
     for key in list(source):
         mismatch = _source_mismatch(ckpt, key, source[key])
         if mismatch:
@@ -859,6 +868,11 @@ def render_verify(report: VerifyReport, console: Console) -> None:
                            " (on_unsupported=skip; load() returns None there): " + ", ".join(
                                f"{where} ({kind})" for where, kind in report.dropped[:10])), highlight=False,
                           soft_wrap=True)
+    if report.apart:
+        console.print(Text(f"{len(report.apart)} tensors are stored apart from the storage they share with another in"
+                           " the source (none of them covering the others), as the file declares: "
+                           + ", ".join(report.apart[:10])),
+                      highlight=False, soft_wrap=True)
     if report.verdict == HEADER_ONLY:
         console.print(f"[yellow]only the header was checked[/]: {report.tensors - report.checksummed} tensors carry no"
                       " checksum (a file written by another tool?); pass --against SOURCE.pt to compare every tensor",

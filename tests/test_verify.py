@@ -1,6 +1,7 @@
 """verify catches every kind of damage and names the key; a good file passes."""
 
 import collections
+import importlib
 import json
 import struct
 import subprocess
@@ -488,3 +489,26 @@ def test_a_source_whose_own_code_fails_is_not_called_damaged(tmp_path, monkeypat
     assert "ModuleNotFoundError" in trusted.problems[0][1] and "damaged" not in trusted.problems[0][1], trusted.problems
     safe = fsdp_restore.verify(tmp_path / "ck.safetensors", against=tmp_path / "ck.pt")
     assert "mycfg_for_verify.Config" in safe.problems[0][1] and "--allow-global" in safe.problems[0][1], safe.problems
+
+
+def test_views_stored_apart_are_a_declared_change(tmp_path, monkeypatch):
+    """Disjoint views of one flat buffer (Megatron's, a cuDNN LSTM's) are stored as separate tensors, with a
+    warning; verify --against then failed the file it was meant to pass ("its own storage but in the source the
+    storage of 'a'"). The file now declares it, and only what it declares is taken: without the mark, a failure."""
+    flat = torch.arange(24, dtype=torch.float32)
+    torch.save({"a": flat[0:6].view(2, 3), "b": flat[6:12].view(3, 2), "c": flat[12:16]}, tmp_path / "f.pt")
+    with pytest.warns(UserWarning, match="storing them as separate tensors"):
+        fsdp_restore.convert(tmp_path / "f.pt", tmp_path / "f.safetensors")
+    report = fsdp_restore.verify(tmp_path / "f.safetensors", against=tmp_path / "f.pt")
+    assert report.ok and report.verdict == "identical up to the declared changes", report.problems
+    assert report.apart == ["b", "c"] and report.compared == 3
+    verify = importlib.import_module("fsdp_restore.verify")
+    real = verify.iter_nodes_with_keys
+
+    def unmarked(node):  # what an older conversion holds: the same tensors apart, without the mark
+        for path, found in real(node):
+            yield path, {k: v for k, v in found.items() if k != "apart"}
+
+    monkeypatch.setattr(verify, "iter_nodes_with_keys", unmarked)
+    report = fsdp_restore.verify(tmp_path / "f.safetensors", against=tmp_path / "f.pt")
+    assert not report.ok and [p for p, _ in report.problems] == ["b", "c"], report.problems
