@@ -85,6 +85,10 @@ def _plan_extra_states(plan: ReadPlan, modules: dict[str, nn.Module], ckpt: Chec
     # values stored as a module's extra state (`load_state_dict` calls one stored for a module that takes none
     # unexpected, by that name: not the names of the tensors within it, and also where it holds none)
     held = whole_values(ckpt, prefix, _is_extra_state) if ckpt.structure_mentions(EXTRA_STATE) else {}
+    if held and not prefix:  # weights at the top level: not what lies in another top-level subtree (as the tensors)
+        tops = {name.split(".", 1)[0] for name in plan.stored_as.values()}
+        held = {name: node for name, node in held.items() if "." not in name or name.split(".", 1)[0] in tops
+                or name.removeprefix(_DDP_PREFIX).split(".", 1)[0] in tops}
     if not modules and not held:
         return
     stored_as, map_problems = key_maps.apply(key_map, list(modules))
@@ -100,8 +104,9 @@ def _plan_extra_states(plan: ReadPlan, modules: dict[str, nn.Module], ckpt: Chec
             report.missing.append(name)
     # what lies within a value given to a module is not unexpected; a value no module takes is, by its own name
     taken = {stored_as[name] for name, _, _ in plan.extra_states}
-    untaken = [name for name in held if name not in taken]
-    whole = (*taken, *untaken)
+    # (a held name is as stored: DDP's `module.` first, which the modules' own names were matched without)
+    untaken = [name for name in held if name not in taken and name.removeprefix(_DDP_PREFIX) not in taken]
+    whole = (*taken, *untaken, *(name.removeprefix(_DDP_PREFIX) for name in untaken))
     below = tuple(name + "." for name in whole)
     problems = sorted([n for n in plan.problems.get("unexpected", []) if n not in whole and not n.startswith(below)]
                       + (untaken if strict else []))
@@ -111,6 +116,9 @@ def _plan_extra_states(plan: ReadPlan, modules: dict[str, nn.Module], ckpt: Chec
         plan.problems.pop("unexpected", None)
     report.unexpected[:] = sorted([n for n in report.unexpected if n not in whole and not n.startswith(below)]
                                   + ([] if strict else untaken))
+
+
+_DDP_PREFIX = "module."
 
 
 def _is_extra_state(name: str) -> bool:

@@ -783,6 +783,26 @@ def test_an_extra_state_stored_for_a_module_that_takes_none_is_unexpected(tmp_pa
     assert report.unexpected == torch_says.unexpected_keys == ["0._extra_state"]
 
 
+def test_an_extra_state_under_ddps_prefix_or_beside_another_subtree_is_given(tmp_path):
+    """The check for values no module takes called `module.0._extra_state` (a DDP checkpoint) and `ema.0._extra_state`
+    (a subtree beside weights stored at the top level) unexpected: names as stored, not as the tensors' are read."""
+    saved = _net({"amax": 1.5})
+    ddp = {f"module.{k}": v for k, v in saved.state_dict().items()}
+    fsdp_restore.save(ddp, tmp_path / "ddp.safetensors")
+    oracle = _net(None)
+    consumed = dict(ddp)
+    torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(consumed, "module.")
+    oracle.load_state_dict(consumed)  # torch's verdict: every key matched
+    ours = _net(None)
+    restore_model(ours, tmp_path / "ddp.safetensors")
+    assert ours[0].given == oracle[0].given == [{"amax": 1.5}]
+    fsdp_restore.save({**saved.state_dict(), "ema": _net({"amax": 2.5}).state_dict(), "train_state": {"step": 5}},
+                      tmp_path / "top.safetensors")
+    ours = _net(None)
+    report = restore_model(ours, tmp_path / "top.safetensors")
+    assert ours[0].given == [{"amax": 1.5}] and not report.unexpected
+
+
 def test_an_extra_state_is_not_given_when_the_restore_fails(tmp_path):
     path = _converted(tmp_path, _net({"amax": torch.arange(4.0)}))
     ours = torch.nn.Sequential(_Scaling(None), torch.nn.Linear(4, 3))  # a shape the file does not hold
