@@ -434,10 +434,12 @@ def _from_bytes(payload: bytes) -> Any:
 
 
 def _check_arguments(model: Any, path: Any, optimizer: Any, extra: Any, process_group: Any, max_shard_size: Any,
-                     thread_count: Any, on_unsupported: Any) -> int | None:
+                     thread_count: Any, on_unsupported: Any) -> tuple[int | None, str | os.PathLike[str]]:
+    """The shard size, and the path the save writes to (where a symbolic link at ``path`` points)."""
     objects_argument("save_sharded(model, path, optimizer=optimizer)", model, optimizer, optional=True)
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise TypeError(f"path must be a str or os.PathLike, not {type(path).__name__}")
+    path = through_link(path)
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"extra must be a dict (step, scheduler state, RNG states...) or None, not"
                         f" {type(extra).__name__}")
@@ -448,7 +450,7 @@ def _check_arguments(model: Any, path: Any, optimizer: Any, extra: Any, process_
     size = shard_size_argument(max_shard_size)
     # an existing checkpoint is replaced, never a directory of other files
     check_destination(path, force=True, one_file=max_shard_size is None)
-    return size
+    return size, path
 
 
 def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: torch.optim.Optimizer | None = None,
@@ -477,7 +479,6 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
     hold as None, with a warning, as `convert` does.
     """
     t0 = time.perf_counter()
-    path = through_link(path)
     process_group_argument(process_group)  # before the group is asked for this rank's place in it
     rank, world = _rank(process_group)
     group = process_group
@@ -495,8 +496,8 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
             schema: dict[str, list[tuple]] | None = None
             remote_state = None
             with problems.guard():
-                size = _check_arguments(model, path, optimizer, extra, process_group, max_shard_size, thread_count,
-                                        on_unsupported)
+                size, path = _check_arguments(model, path, optimizer, extra, process_group, max_shard_size,
+                                              thread_count, on_unsupported)
                 if rank == 0:
                     dst0 = Path(path)
                     # the modules' extra states are rank 0's, as the state dict a gather to rank 0 makes holds them

@@ -415,6 +415,9 @@ def _bad_arguments(rank, world_size, path):
         with pytest.raises(SaveError) as info:
             save_sharded(model, path, **kwargs)
         texts.append(str(info.value))
+    for bad in (None, 3):  # the same SaveError on every rank (it was a raw TypeError before any agreement)
+        with pytest.raises(SaveError, match=f"path must be a str or os.PathLike, not {type(bad).__name__}"):
+            save_sharded(model, bad)
     with pytest.raises(SaveError, match=r"swapped: the call is save_sharded\(model, path, optimizer=optimizer\)"):
         save_sharded(torch.optim.SGD(model.parameters()), path, optimizer=model)  # the restore's door check too
     # torch's ZeroRedundancyOptimizer keeps its state in each rank's partition (.optim), none in .state: saved as
