@@ -21,6 +21,7 @@ rows is copied out of a mapping of its span (`read_rows`), since a system call p
 from __future__ import annotations
 
 import ctypes
+import json
 import mmap
 import os
 import threading
@@ -31,10 +32,10 @@ from typing import Any, NoReturn
 
 import torch
 from .errors import FormatError
-from .flatten import flat_structure, unflatten, validate_structure
+from .flatten import STRUCTURE_VERSION, flat_structure, iter_nodes_with_keys, unflatten, validate_structure
 from .format import (DEFAULT_INDEX_NAME, INDEX_SUFFIX, META_CAST, META_CHECKSUMS, META_HEADER_CRC, META_SET_ID,
-                     META_SOURCE, META_STRUCTURE, PT_SUFFIXES, SAFETENSORS, TORCH_LEGACY, TORCH_ZIP, FileHeader,
-                     TensorEntry, detect, parse_json, read_header, read_index)
+                     META_SOURCE, META_STRUCTURE, MISSING, PT_SUFFIXES, SAFETENSORS, TORCH_LEGACY, TORCH_ZIP,
+                     FileHeader, TensorEntry, detect, parse_json, read_header, read_index)
 from .provenance import mismatch
 
 # Rows at least this long are read with one positional read each; shorter rows (a column block of a
@@ -85,8 +86,10 @@ def stale_sibling(path: str | os.PathLike[str]) -> tuple[Path, str] | None:
 def _converted_shards(index_path: Path, weight_map: dict[str, Path]) -> dict[Path, Path]:
     """``{torch.save shard: its converted sibling}`` for an index of ``.bin`` shards (transformers' older
     ``pytorch_model.bin.index.json``) whose shards were each converted (``x.bin`` -> ``x.safetensors``, as the
-    converter's error for such an index says); `FormatError` naming the first shard not converted yet."""
-    torch_shards = sorted({shard for shard in weight_map.values() if shard.suffix in PT_SUFFIXES})
+    converter's error for such an index says; a ``.bin`` that is a safetensors file is read as it is); `FormatError`
+    naming the first shard not converted yet."""
+    torch_shards = sorted({shard for shard in weight_map.values()
+                           if shard.suffix in PT_SUFFIXES and detect(shard) in (TORCH_ZIP, TORCH_LEGACY, MISSING)})
     missing = [shard for shard in torch_shards if not shard.with_suffix(".safetensors").is_file()]
     if missing:
         raise FormatError(index_path, f"indexes torch.save shards, and {len(missing)} of {len(torch_shards)} have no"
@@ -96,14 +99,28 @@ def _converted_shards(index_path: Path, weight_map: dict[str, Path]) -> dict[Pat
     return {shard: shard.with_suffix(".safetensors") for shard in torch_shards}
 
 
+def _torch_index(directory: Path) -> Path | None:
+    """``pytorch_model.bin.index.json`` of a directory where nothing else is to be read: no ``.safetensors`` file
+    but the conversions of the shards it names (a ``model.safetensors`` beside it is what to read instead)."""
+    index = directory / _TORCH_INDEX_NAME
+    if not index.is_file():
+        return None
+    try:
+        _, weight_map = read_index(index)
+    except FormatError:
+        return index  # opened as the index it is, and said what is wrong with it
+    siblings = {shard.with_suffix(".safetensors") for shard in weight_map.values()}
+    return index if all(f in siblings for f in directory.glob("*.safetensors")) else None
+
+
 def _resolve_files(path: Path) -> tuple[Path | None, list[Path]]:
     """(index json or None, shard files) for a checkpoint path."""
     if path.is_dir():
         indexes = sorted(path.glob("*" + INDEX_SUFFIX))
         if (path / DEFAULT_INDEX_NAME).exists():
             indexes = [path / DEFAULT_INDEX_NAME]
-        if not indexes and (path / _TORCH_INDEX_NAME).is_file():  # its shards converted one by one beside it
-            indexes = [path / _TORCH_INDEX_NAME]
+        if not indexes and (torch_index := _torch_index(path)) is not None:  # shards converted one by one
+            indexes = [torch_index]
         if len(indexes) == 1:
             return indexes[0], []
         if len(indexes) > 1:
@@ -233,6 +250,8 @@ class Checkpoint:
         finally:
             os.close(dir_fd)
         for torch_shard, shard in converted.items():  # each was converted from the torch.save shard as it is now
+            if not torch_shard.exists():
+                continue  # converted, then deleted to free the space: the conversion is all there is
             header = self.headers[shard]
             raw_source = header.metadata.get(META_SOURCE)
             source = parse_json(raw_source, shard, f"metadata '{META_SOURCE}'") if raw_source else None
@@ -248,7 +267,24 @@ class Checkpoint:
                                   f" {header.metadata.get(META_SET_ID)}, the index's {set_id}): the directory mixes"
                                   " files of two versions of the checkpoint (copied or replaced file by file?); write"
                                   " it again as a whole: fsdp-restore convert SRC DIR --force")
-        return metadata.get(META_STRUCTURE), metadata, weight_map
+        structure = metadata.get(META_STRUCTURE)
+        if structure is None and converted and set(converted.values()) == set(self.headers):
+            structure = self._joined_structures(list(dict.fromkeys(converted.values())))
+        return structure, metadata, weight_map
+
+    def _joined_structures(self, shards: list[Path]) -> str | None:
+        """The structures of converted ``.bin`` shards joined into one (each a state dict's part): a shard may hold
+        a tied weight once, its other name a view in that shard's structure, which the index's names alone lose.
+        None where a shard's is not a dict of its own (the flat structure of the entries then)."""
+        items: list[Any] = []
+        for shard in shards:
+            raw = self.headers[shard].metadata.get(META_STRUCTURE)
+            root = parse_json(raw, shard, "structure metadata").get("root") if raw else None
+            if not (isinstance(root, dict) and root.get("type") in ("dict", "OrderedDict")
+                    and isinstance(root.get("items"), list)):
+                return None
+            items += root["items"]
+        return json.dumps({"version": STRUCTURE_VERSION, "root": {"type": "dict", "items": items}})
 
     def _keep(self, file: Path, fd: int) -> None:
         """Hold ``fd`` as the one descriptor of ``file`` (header and data reads) for this checkpoint's life."""
@@ -279,8 +315,13 @@ class Checkpoint:
                 if key in self.entries:
                     raise FormatError(file, f"tensor '{key}' also appears in {self.entries[key].file.name}")
                 self.entries[key] = entry
+        viewed: set[str] = set()  # names a joined structure of converted shards holds as views of another
+        if structure_json is not None and self.index_path is not None and any(k not in self.entries
+                                                                              for k in weight_map):
+            joined = parse_json(structure_json, self.index_path, "structure metadata")
+            viewed = {path for path, _ in iter_nodes_with_keys(joined["root"])}
         for key, shard in weight_map.items():
-            if key not in self.entries:
+            if key not in self.entries and key not in viewed:
                 raise FormatError(shard, f"index says tensor '{key}' is in this shard but it is not")
         if source_json is not None:
             source = parse_json(source_json, self.index_path or files[0], f"metadata '{META_SOURCE}'")

@@ -233,3 +233,33 @@ def test_an_index_of_torch_shards_reads_their_conversions(tmp_path):
     torch.save(changed, shards[0])  # the shard rewritten after its conversion, with other values
     with pytest.raises(FormatError, match=rf"was not converted from {shards[0].name} as it is now .* convert it again"):
         Checkpoint(tmp_path)
+
+
+def test_an_index_of_torch_shards_with_a_tie_within_one_then_deleted(tmp_path):
+    """A shard holding a tied weight twice (T5's embeddings) converts it once, the other name a view: the index
+    named it a tensor the shard did not hold. Shards deleted after their conversion (to free the space) made the
+    index unreadable (a raw FileNotFoundError); and a model.safetensors beside such an index is what to read."""
+    torch.manual_seed(0)
+    emb = torch.randn(5, 3)
+    parts = {"pytorch_model-00001-of-00002.bin": {"emb.weight": emb, "head.weight": emb, "q.weight": torch.randn(3)},
+             "pytorch_model-00002-of-00002.bin": {"n.weight": torch.randn(2)}}
+    for name, part in parts.items():
+        torch.save(part, tmp_path / name)
+    weight_map = {key: name for name, part in parts.items() for key in part}
+    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    for name in parts:
+        fsdp_restore.convert(tmp_path / name, (tmp_path / name).with_suffix(".safetensors"))
+    expected = {key: value for part in parts.values() for key, value in part.items()}
+    for _ in range(2):
+        with Checkpoint(tmp_path) as ckpt:
+            state = ckpt.load()
+        assert state.keys() == expected.keys() and all(torch.equal(state[k], v) for k, v in expected.items())
+        for name in parts:  # the second time round: only the conversions are there
+            (tmp_path / name).unlink(missing_ok=True)
+    fsdp_restore.save({"only": torch.ones(2)}, tmp_path / "model.safetensors")
+    with pytest.raises(FormatError, match="several .safetensors files"):  # which to read: the user's to say
+        Checkpoint(tmp_path)
+    for name in parts:
+        (tmp_path / name).with_suffix(".safetensors").unlink()
+    with Checkpoint(tmp_path) as ckpt:  # beside an index of shards never converted: model.safetensors is read
+        assert list(ckpt.load()) == ["only"]
