@@ -24,7 +24,7 @@ from math import prod
 import torch
 from torch import nn
 
-_WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+_WRAPPER_NAMES = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 
 
 @dataclass(slots=True)
@@ -55,17 +55,12 @@ class Target:
 
 
 def clean_name(name: str) -> str:
-    """Strip wrapper prefixes so names match an unwrapped model's ``state_dict`` keys."""
+    """Strip wrapper prefixes so names match an unwrapped model's ``state_dict`` keys: whole components named as
+    a wrapper's child (``_fsdp_wrapped_module``, ``_checkpoint_wrapped_module``, ``_orig_mod``), wherever they are
+    (an FSDP1 unit inside an activation-checkpoint wrapper ends with one); never a part of another name."""
     if "_fsdp_wrapped_module" not in name and "_checkpoint_wrapped_module" not in name and "_orig_mod" not in name:
         return name.rstrip(".")  # most names: called per tensor, several times per restore
-    for part in _WRAPPER_PARTS:
-        name = name.replace(part, "")
-    name = name.rstrip(".")
-    while True:  # a wrapper's own name at the end (an FSDP1 unit inside an activation-checkpoint wrapper)
-        last = name.rpartition(".")[2]
-        if f"{last}." not in _WRAPPER_PARTS:
-            return name
-        name = name[:-len(last)].rstrip(".")
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_NAMES).rstrip(".")
 
 
 def ddp_prefix(model: nn.Module) -> str:

@@ -18,6 +18,11 @@ def test_wrapper_names_are_normalized():
     # DDP's prefix only when every stored name has it, and the model's own names do not
     assert normalize_names(["module.a", "b"]) == {"module.a": "module.a", "b": "b"}
     assert normalize_names(["module.a"], model_names=["module.a"]) == {"module.a": "module.a"}
+    # whole components only: a name that holds a wrapper's as a part of its own is the user's ("x_orig_mod.weight"
+    # became "xweight"); a wrapper's name at the end is dropped (an FSDP1 unit inside a checkpoint wrapper)
+    assert list(normalize_names(["x_orig_mod.weight", "my_fsdp_wrapped_module.w", "a._checkpoint_wrapped_module",
+                                 "b._fsdp_wrapped_module._checkpoint_wrapped_module.c"]).values()) == [
+        "x_orig_mod.weight", "my_fsdp_wrapped_module.w", "a", "b.c"]
 
 
 def test_model_subtree_only_for_the_exact_top_level_key(tmp_path):
