@@ -289,17 +289,17 @@ def _same_on_every_rank(ckpt: Checkpoint, *, prefix: str | None, optim_prefix: s
               " they opened it, or the copies they read differ): give every rank the same file and restore again")]
     ignored = "(not used)"  # every rank has every slot, in the same order: the messages are the same everywhere
     options: dict[str, object] = {
-        "check": bool(check), "optimizer": optimizer is not None,
+        # check_buffers= decides only with the check: one slot, so that a rank differing in check= alone is told so
+        "check": (bool(check), bool(check_buffers) if check else None), "optimizer": optimizer is not None,
         "dtype_policy": dtype_policy,
         "model_prefix": (default_prefix(ckpt) if prefix is None else prefix) if weights else ignored,
         "strict": bool(strict) if weights or optimizer is not None else ignored,
         "method": method if weights else ignored,
         "optim_prefix": optim_prefix if optimizer is not None else ignored,
-        # without the check, its default: ranks that differ in check= alone are told of check= alone
-        "check_buffers": bool(check_buffers) if check else True,
         "verify_checksums": bool(verify_checksums)}
     for name in sorted(options):
-        pairs.append((repr(options[name]), f"the ranks called the restore with different values of {name}= (one"
+        also = " (or, with the check, of check_buffers=)" if name == "check" else ""
+        pairs.append((repr(options[name]), f"the ranks called the restore with different values of {name}={also} (one"
                                            " value on every rank)"))
     pairs.append((repr(zlib.crc32(json.dumps(sorted(stored_as.items())).encode())),
                   "the ranks hold different models (other parameter or buffer names), or called the restore with"

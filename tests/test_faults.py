@@ -378,10 +378,12 @@ _SWAP = {"blocks.0.weight": "blocks.1.weight", "blocks.1.weight": "blocks.0.weig
 
 
 @pytest.mark.parametrize("options", [[{"check": True}, {"check": False}],
+                                     [{"check": True, "check_buffers": False}, {"check": False, "check_buffers": False}],
+                                     [{"check_buffers": False}, {}],
                                      [{"model_prefix": "ema"}, {}],
                                      [{"strict": False}, {}],
                                      [{"key_map": {}}, {"key_map": _SWAP}]],
-                         ids=["check", "model_prefix", "strict", "key_map"])
+                         ids=["check", "check-without-buffers", "check_buffers", "model_prefix", "strict", "key_map"])
 def test_ranks_called_with_different_options_fail_together_naming_it(tmp_path, options):
     """A rank whose options differ reads other bytes or checks other memory with no error of its own (here:
     the weights or their moving average, both complete): every rank refuses, naming the option, before anything
@@ -391,7 +393,7 @@ def test_ranks_called_with_different_options_fail_together_naming_it(tmp_path, o
     path = tmp_path / "ck.safetensors"
     fsdp_restore.save({"model": build("mlp", seed=0).state_dict(), "ema": build("mlp", seed=2).state_dict()}, path)
     messages = run_ranks(_restore_with, 2, path, options)
-    name = next(iter(options[0]))
+    name = next(iter(options[0])).replace("check_buffers", "check")  # check_buffers= is told of with check=
     expected = "key_map= values that name them differently" if name == "key_map" else f"different values of {name}="
     assert len(set(messages)) == 1 and expected in messages[0], messages[0]
     assert messages[0].count("different values of") == (name != "key_map"), messages[0]  # that option alone
