@@ -858,7 +858,10 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
             for i, w in enumerate(writers):
                 for rank_segments in others:
                     w.add_segments(rank_segments[i])
-                w.finish()
+                try:
+                    w.finish()  # (a network file system may say the space ran out only at the fsync)
+                except OSError as e:
+                    raise said_of_space(e, dst, sum(w.size for w in writers)) from None
                 result.checksums.update(w.checksums)
             if sharded:
                 _write_small_file(tmp / DEFAULT_INDEX_NAME, index_bytes(files, structure_json=structure_json,
@@ -1050,10 +1053,12 @@ def make_parent(dst: Path) -> None:
     try:
         dst.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        if e.errno in (errno.EEXIST, errno.ENOTDIR):
-            in_the_way = next(d for d in [dst.parent, *dst.parent.parents] if d.exists())
-            raise type(e)(e.errno, f"cannot create the directory {dst.parent}: {in_the_way} is a file, not a"
-                          " directory; give a destination in a directory") from None
+        if e.errno in (errno.EEXIST, errno.ENOTDIR, errno.ELOOP):
+            in_the_way = next((d for d in [dst.parent, *dst.parent.parents] if os.path.lexists(d)), dst.parent)
+            what = ("a symbolic link that leads nowhere (broken, or a loop)" if os.path.islink(in_the_way)
+                    and not os.path.exists(in_the_way) else "a file, not a directory")
+            raise type(e)(e.errno, f"cannot create the directory {dst.parent}: {in_the_way} is {what}; give a"
+                          " destination in a directory") from None
         if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise
         raise type(e)(e.errno, f"cannot create the directory {dst.parent} ({e.strerror}): give a destination in a"
@@ -1061,16 +1066,14 @@ def make_parent(dst: Path) -> None:
 
 
 def said_of_space(e: OSError, dst: Path, needed: int) -> OSError:
-    """A full disk or quota said of the destination, with what the checkpoint needs and what is free (it was
-    "[Errno 28] No space left on device", no path); any other error as it is."""
+    """A full disk or quota said of the destination, with what the checkpoint needs (it was "[Errno 28] No space
+    left on device", no path); any other error as it is."""
     if e.errno not in (errno.ENOSPC, errno.EDQUOT):
         return e
-    try:
-        free = f"; {shutil.disk_usage(dst.parent).free / 1e9:.2f} GB are free there"
-    except OSError:
-        free = ""
+    # (not what is free now: the failed write's own temporary holds some of it until it is removed)
+    size = f"{needed / 1e9:.2f} GB" if needed >= 1e9 else f"{needed / 1e6:.1f} MB"
     return type(e)(e.errno, f"no space left for {dst.name} in {dst.parent} ({e.strerror}): the checkpoint needs"
-                            f" {needed / 1e9:.2f} GB{free}; free some, or give a destination on another disk")
+                            f" {size} there; free some, or give a destination on another disk")
 
 
 def said_of_the_directory(e: OSError, dst: Path) -> OSError:

@@ -793,7 +793,7 @@ def test_a_full_disk_is_said_of_the_destination(tmp_path, monkeypatch):
     torch.save({"a": torch.ones(1000)}, tmp_path / "a.pt")
     monkeypatch.setattr(write, "_write_block", full)
     with pytest.raises(OSError, match=r"no space left for x.safetensors in .* \(No space left on device\): the"
-                                      r" checkpoint needs 0.00 GB; [\d.]+ GB are free there"):
+                                      r" checkpoint needs 0.0 MB there; free some"):
         convert(tmp_path / "a.pt", tmp_path / "x.safetensors")
     assert sorted(os.listdir(tmp_path)) == ["a.pt"]
 
@@ -809,6 +809,10 @@ def test_missing_directories_are_created_and_a_file_in_the_way_is_named(tmp_path
         with pytest.raises(OSError, match=rf"cannot create the directory {dst.parent}: {tmp_path / 'a.pt'} is a file,"
                                           " not a directory"):
             convert(tmp_path / "a.pt", dst, max_shard_size=max_shard_size)
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")  # it was "... .: . is a file, not a directory"
+    with pytest.raises(OSError, match=rf"{tmp_path / 'dangling'} is a symbolic link that leads nowhere"):
+        convert(tmp_path / "a.pt", tmp_path / "dangling" / "x.safetensors", max_shard_size=max_shard_size)
+    (tmp_path / "dangling").unlink()
     if os.path.isdir("/sys/kernel"):  # a directory no one may create in
         with pytest.raises(OSError, match=r"cannot create the directory /sys/new \(.*\): give a destination"):
             convert(tmp_path / "a.pt", "/sys/new/x.safetensors", max_shard_size=max_shard_size)
