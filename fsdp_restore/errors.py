@@ -183,8 +183,9 @@ def objects_argument(call: str, model: object, optimizer: object = None, *, opti
         # a save would hold no moments and a restore would fill state the steps never read, both with no error
         raise TypeError(f"ZeroRedundancyOptimizer is not supported: each rank keeps the state of its own partition"
                         f" of the parameters (in .optim), which {call.partition('(')[0]} cannot map to the"
-                        " parameters; FSDP already shards the optimizer state, so use the plain optimizer"
-                        " (optimizer_class=...) on the sharded model, or consolidate_state_dict() and torch.save")
+                        " parameters; use the plain optimizer (optimizer_class=...; under FSDP its state is sharded"
+                        " with the parameters), or ZeroRedundancyOptimizer's own consolidate_state_dict() and"
+                        " state_dict() to save, load_state_dict() to restore")
 
 
 def process_group_argument(process_group: object) -> None:

@@ -216,8 +216,15 @@ def optimizer_prefixes(ckpt: Checkpoint) -> list[str]:
 
 
 def _is_optimizer(node: Any, prefix: str) -> bool:
-    return isinstance(node, dict) and ({"state", "param_groups"} <= {str(k) for k, _ in _items(node)}
-                                       or (bool(prefix) and _flattened(node)))
+    """An optimizer's state dict: ``state`` beside ``param_groups``, a list of groups with ``params`` (a config that
+    has keys of those names is not one), or a flattened one."""
+    if not isinstance(node, dict):
+        return False
+    groups = next((v for k, v in _items(node) if k == "param_groups"), None)
+    listed = groups.get("items") if isinstance(groups, Mapping) and groups.get("type") == "list" else None
+    return ((bool(listed) and all(any(k == "params" for k, _ in _items(g)) for g in listed)
+             and any(k == "state" for k, _ in _items(node)))
+            or (bool(prefix) and _flattened(node)))
 
 
 def top_level_subtrees(ckpt: Checkpoint) -> list[str]:
@@ -420,11 +427,13 @@ def _without(node: Any, path: str, skip: tuple[str, ...]) -> Any:
     for k, child in pairs:
         at = f"{path}.{k}" if path else str(k)
         if at in skip or at.startswith(tuple(s + "." for s in skip)):
+            if kind not in _MAPPING_KINDS:
+                items.append(None)  # in a list, its place kept: the items after it keep their indices
             continue
         if any(s.startswith(at + ".") for s in skip):
             pruned = _without(child, at, skip)
-            if isinstance(pruned, Mapping) and pruned.get("type") in (*_MAPPING_KINDS, "list", "tuple") and not \
-                    pruned.get("items") and child.get("items"):
+            if isinstance(pruned, Mapping) and pruned.get("type") in (*_MAPPING_KINDS, "list", "tuple") and all(
+                    item is None for item in pruned.get("items") or ()) and child.get("items"):
                 continue  # it held nothing else
             child = pruned
         items.append([k, child] if kind in _MAPPING_KINDS else child)

@@ -191,3 +191,17 @@ def test_a_subtree_within_an_entry_is_neither_read_nor_handed_back(tmp_path):
     assert torch.equal(ours_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
     with pytest.raises(RestoreError, match=r"pass optim_prefix='optimizer_states\.0'"):  # found where it lies
         fsdp_restore.restore(ours, tmp_path / "l.safetensors", optimizer=ours_opt, model_prefix="state_dict.model")
+
+
+def test_a_config_with_state_and_param_groups_keys_is_not_an_optimizer(tmp_path):
+    """Found by key names alone, such a dict was taken for an optimizer's state and left out of the result; and an
+    optimizer's state dropped from a list left the items after it at other indices."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    save({"model": model.state_dict(), "hparams": {"state": 1, "param_groups": [1]},
+          "optimizer_states": [opt.state_dict(), {"name": "second"}]}, tmp_path / "c.safetensors")
+    ours = torch.nn.Linear(2, 2)
+    rest = fsdp_restore.restore(ours, tmp_path / "c.safetensors", optimizer=torch.optim.SGD(ours.parameters(), lr=0.5),
+                                optim_prefix="optimizer_states.0")
+    assert dict(rest) == {"hparams": {"state": 1, "param_groups": [1]}, "optimizer_states": [None, {"name": "second"}]}
