@@ -267,17 +267,18 @@ def test_force_never_replaces_a_device_or_a_pipe(tmp_path):
 
 
 def test_a_name_too_long_for_the_temporary_is_refused_at_the_door(tmp_path):
-    """A 242-byte name is one the file system takes, not with the temporary's 26 bytes: it failed with a raw
-    ENAMETOOLONG naming the temporary (save_sharded: masked by its own cleanup's error)."""
-    dst = tmp_path / ("x" * 230 + ".safetensors")
+    """A name the file system takes (242 bytes where names hold 255), not with the temporary's 26 bytes: it failed
+    with a raw ENAMETOOLONG naming the temporary (save_sharded: masked by its own cleanup's error)."""
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    dst = tmp_path / ("x" * (limit - 25 - len(".safetensors")) + ".safetensors")
     model = nn.Linear(3, 2)
     for call in (lambda: save({"w": torch.ones(2)}, dst),
                  lambda: fsdp_restore.save_sharded(model, dst)):
-        with pytest.raises((ValueError, fsdp_restore.SaveError), match=r"its name is 242 bytes long; .* give a name of"
-                                                                        r" at most 229 bytes"):
+        with pytest.raises((ValueError, fsdp_restore.SaveError),
+                           match=rf"its name is {limit - 25} bytes long; .* give a name of at most {limit - 26} bytes"):
             call()
     assert os.listdir(tmp_path) == []
-    save({"w": torch.ones(2)}, tmp_path / ("x" * 217 + ".safetensors"))  # the longest name taken
+    save({"w": torch.ones(2)}, tmp_path / ("x" * (limit - 26 - len(".safetensors")) + ".safetensors"))  # the longest
 
 
 @pytest.mark.parametrize("sharded", [False, True])
