@@ -65,6 +65,7 @@ class Problems:
     """This rank's problems in one phase, by kind."""
 
     items: dict[str, list[str]] = field(default_factory=dict)
+    interrupted: bool = False  # a KeyboardInterrupt met in `guard`: raised again once every rank has the verdict
 
     def add(self, kind: str, texts: Sequence[str]) -> None:
         if texts:
@@ -79,9 +80,14 @@ class Problems:
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
-        """Any exception inside becomes an "error" problem naming its type (not KeyboardInterrupt)."""
+        """Any exception inside becomes an "error" problem naming its type. A KeyboardInterrupt too, so that the
+        other ranks learn of it at the next verdict instead of waiting for the process group's timeout; `agree`
+        raises it again on this rank once the verdict is shared."""
         try:
             yield
+        except KeyboardInterrupt:
+            self.interrupted = True
+            self.add("error", ["KeyboardInterrupt: interrupted on this rank"])
         except Exception as e:  # noqa: BLE001 - every failure must reach the verdict, whatever it is
             text = str(e.args[0] if isinstance(e, KeyError) and e.args else e).strip() or "(no message)"
             self.add("error", [f"{type(e).__name__}: {text}"])
@@ -150,7 +156,19 @@ def agree(problems: Problems, what: str, group: dist.ProcessGroup | None = None,
     same order.
 
     Success costs one all-reduce of 31 integers. Failure costs a bounded number of small collectives,
-    whatever the world size: no rank gathers anything per rank (see `_reports`)."""
+    whatever the world size: no rank gathers anything per rank (see `_reports`). A rank whose ``problems`` met a
+    KeyboardInterrupt raises that, from the verdict, once every rank has it."""
+    try:
+        _agree(problems, what, group, coverage=coverage, buffer_prints=buffer_prints, same=same)
+    except RestoreError as e:
+        if problems.interrupted:
+            raise KeyboardInterrupt(str(e)) from e
+        raise
+
+
+def _agree(problems: Problems, what: str, group: dist.ProcessGroup | None, *,
+           coverage: dict[str, tuple[int, int]] | None, buffer_prints: list[tuple[str, int]] | None,
+           same: Sequence[tuple[str, str]]) -> None:
     if len(same) > MAX_SAME:
         raise ValueError(f"agree compares at most {MAX_SAME} values, not {len(same)}")
     rank, world = _rank(group)

@@ -374,6 +374,36 @@ def test_fault_every_rank_raises_the_same_error_and_the_old_file_stays(tmp_path,
     assert max(s for _, s in results) < 30, results
 
 
+def _interrupted(rank, world_size, path):
+    import time
+
+    model, opt, extra = _old_checkpoint(rank, world_size, path, "fsdp2")
+    if rank == 1:
+        def interrupt(fd, data, offset):
+            raise KeyboardInterrupt
+
+        os.pwrite = interrupt  # Ctrl-C (or a signal handler's KeyboardInterrupt) on this rank, mid-write
+    t0 = time.perf_counter()
+    try:
+        save_sharded(model, path, optimizer=opt, extra=extra)
+    except KeyboardInterrupt as e:
+        return "KeyboardInterrupt", str(e), time.perf_counter() - t0
+    except SaveError as e:
+        return "SaveError", str(e), time.perf_counter() - t0
+    return "saved", "", time.perf_counter() - t0
+
+
+def test_an_interrupted_rank_fails_every_rank_at_once(tmp_path):
+    """A KeyboardInterrupt on one rank left it at once while the others waited in the verdict until the process
+    group's timeout (30 minutes by default): now every rank has the verdict, and that rank is still interrupted."""
+    path = str(tmp_path / "ckpt.safetensors")
+    results = run_ranks(_interrupted, 2, path, pg_timeout=120)
+    assert [kind for kind, _, _ in results] == ["SaveError", "KeyboardInterrupt"], results
+    assert all("KeyboardInterrupt: interrupted on this rank [rank 1]" in text for _, text, _ in results), results
+    assert max(seconds for _, _, seconds in results) < 30, results
+    assert not _leftovers(path)
+
+
 def _reader_during_replacement(rank, world_size, path):
     import hashlib
 
