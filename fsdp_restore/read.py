@@ -253,13 +253,8 @@ class Checkpoint:
             if not torch_shard.exists():
                 continue  # converted, then deleted to free the space: the conversion is all there is
             header = self.headers[shard]
-            raw_source = header.metadata.get(META_SOURCE)
-            source = parse_json(raw_source, shard, f"metadata '{META_SOURCE}'") if raw_source else None
-            why = mismatch(source if isinstance(source, dict) else None, torch_shard, shard,
-                           cast=_json_meta(header, META_CAST))
-            if why:
-                raise FormatError(shard, f"was not converted from {torch_shard.name} as it is now ({why}); convert it"
-                                  f" again: fsdp-restore convert {torch_shard} {shard} --force")
+            _refuse_stale(_source_record(header.metadata.get(META_SOURCE), shard), _json_meta(header, META_CAST),
+                          torch_shard, shard, source_named=torch_shard.name)
         set_id = metadata.get(META_SET_ID)
         for shard, header in self.headers.items():
             if set_id is not None and header.metadata.get(META_SET_ID) != set_id:
@@ -323,15 +318,11 @@ class Checkpoint:
         for key, shard in weight_map.items():
             if key not in self.entries and key not in viewed:
                 raise FormatError(shard, f"index says tensor '{key}' is in this shard but it is not")
-        if source_json is not None:
-            source = parse_json(source_json, self.index_path or files[0], f"metadata '{META_SOURCE}'")
-            self.source = source if isinstance(source, dict) else None
+        self.source = _source_record(source_json, self.index_path or files[0])
         if resolved != Path(path) and Path(path).is_file():  # opened through x.pt: must be x.pt's conversion
-            why = mismatch(self.source, path, resolved, cast=self.cast)  # what this header records: no second read
-            if why:
-                raise FormatError(resolved, f"was not converted from {path} as it is now ({why}); convert it"
-                                  f" again: fsdp-restore convert {path} {resolved} --force (or open {resolved}"
-                                  " itself to use it as it is)")
+            # (what this header records: no second read)
+            _refuse_stale(self.source, self.cast, path, resolved, source_named=str(path),
+                          also=f" (or open {resolved} itself to use it as it is)")
         self.index_metadata = metadata  # the index's metadata ({} for a single file)
         self.has_structure = structure_json is not None
         self._structure_json = structure_json
@@ -653,6 +644,22 @@ class _LazyTensors(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self._ckpt.entries)
+
+
+def _source_record(raw: str | None, where: Path) -> dict[str, Any] | None:
+    """The converted source's identity a header (or an index) records (`provenance.source_identity`), if any."""
+    record = parse_json(raw, where, f"metadata '{META_SOURCE}'") if raw is not None else None
+    return record if isinstance(record, dict) else None
+
+
+def _refuse_stale(recorded: dict[str, Any] | None, cast: Mapping[str, str], source: str | os.PathLike[str],
+                  converted: Path, *, source_named: str, also: str = "") -> None:
+    """`FormatError` naming ``converted`` and the command that converts it again, where it is not a conversion of
+    all of ``source`` (named ``source_named`` in the text) as it is now (`provenance.mismatch`)."""
+    why = mismatch(recorded, source, converted, cast=cast)
+    if why:
+        raise FormatError(converted, f"was not converted from {source_named} as it is now ({why}); convert it again:"
+                          f" fsdp-restore convert {source} {converted} --force{also}")
 
 
 def _json_meta(header: FileHeader, name: str) -> dict[str, str]:
