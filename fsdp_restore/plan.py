@@ -24,7 +24,7 @@ from .optim_plan import plan_optimizer
 from .read import Checkpoint
 from .readplan import OptimizerPlan, ReadItem, ReadPlan, RestoreReport
 from .shards import EXTRA_STATE, Target, clean_name, extra_state_modules, local_targets, module_walk
-from .stored import (Source, default_prefix, optimizer_prefixes, tensor_sources, top_level_subtrees,
+from .stored import (_DDP_PREFIX, Source, default_prefix, optimizer_prefixes, tensor_sources, top_level_subtrees,
                      whole_values)
 
 __all__ = ["OptimizerPlan", "ReadItem", "ReadPlan", "RestoreReport", "Source", "build_plan", "default_prefix",
@@ -116,9 +116,6 @@ def _plan_extra_states(plan: ReadPlan, modules: dict[str, nn.Module], ckpt: Chec
         plan.problems.pop("unexpected", None)
     report.unexpected[:] = sorted([n for n in report.unexpected if n not in whole and not n.startswith(below)]
                                   + ([] if strict else untaken))
-
-
-_DDP_PREFIX = "module."
 
 
 def _is_extra_state(name: str) -> bool:

@@ -446,6 +446,7 @@ def _optimizer_object(model: nn.Module, optimizer: torch.optim.Optimizer, target
     entries: list[tuple[int, dict[str, Any]]] = []
     for slot in (s for slots in groups for s in slots):
         param_state = optimizer.state.get(slot.param)
+        sharded = any(by_name[t].layout != "full" for t in slot.global_shapes)  # its state: each rank's own part
         for name in slot.names:
             pid = id_of[name]
             fields: dict[str, Any] = {}
@@ -459,11 +460,11 @@ def _optimizer_object(model: nn.Module, optimizer: torch.optim.Optimizer, target
                                   for target, off, piece in slot.pieces if target.name == name]
                         fields[fld] = shaped(tuple(slot.global_shapes[name]), value.dtype, pieces, replicas[name])
                     elif isinstance(value, torch.Tensor):
-                        if value.dim() > 0 and any(by_name[t].layout != "full" for t in slot.global_shapes):
+                        if value.dim() > 0 and sharded:
                             _refuse_own_state(value, where, slot)
                         fields[fld] = whole(value, where, owner)
                     else:
-                        if any(by_name[t].layout != "full" for t in slot.global_shapes):
+                        if sharded:
                             _refuse_nested_state(value, f"optim.state.{pid}.{fld}", name, slot)
                         fields[fld] = _group_value(value, where, whole)
             elif remote_state and name in remote_state:
