@@ -44,6 +44,7 @@ PAGE_BYTES = 4096
 ALIGN_SLACK = PAGE_BYTES  # spare bytes per staging buffer, to place a read at the source's page offset
 PINNED_ALIGNMENT = 64  # a read into pinned memory starts on a cache line, as the copy engine saw it before placement
 ALIASED_MIN_BYTES = 256 * 1024  # a smaller read costs more in the detour through staging than it saves
+PINNED_STAGING = True  # GPU path: stage reads in pinned memory (False: pageable, the driver's own staging copies)
 
 
 def aliased(dest_ptr: int, file_offset: int) -> bool:
@@ -173,6 +174,7 @@ class _Worker:
     events: list[torch.cuda.Event | None] = field(default_factory=list)
     stream: torch.cuda.Stream | None = None
     ones: torch.Tensor | None = None  # 0xFF bytes on the device: the source that re-poisons a pinned buffer
+    pinned: bool = field(default_factory=lambda: PINNED_STAGING)  # GPU staging in pinned (else pageable) memory
     turn: int = 0
     overflowed: Counter[str] = field(default_factory=Counter)  # per stored key: finite values a cast made inf/NaN
 
@@ -208,7 +210,7 @@ class _Worker:
         """A staging buffer for reads of up to ``max(nbytes, chunk_bytes)`` bytes, placed anywhere within it
         (`ALIGN_SLACK`); pinned for a GPU; all 0xFF (NaN) with the check on."""
         size = max(nbytes, self.chunk_bytes) + ALIGN_SLACK
-        buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.device.type == "cuda" and self.pinned)
         if self.poison:
             buf.fill_(0xFF)
         return buf
@@ -313,7 +315,12 @@ class _Worker:
 
     def _repoison_and_record(self, i: int, raw_bytes: torch.Tensor) -> None:
         """(On the worker's stream) make pinned buffer ``i`` NaN again once its upload is done, and record
-        the event that says when the host may reuse it."""
+        the event that says when the host may reuse it. A pageable buffer is free again at once: the driver
+        copied it into its own staging before the copy call returned."""
+        if not self.pinned:
+            if self.poison:
+                raw_bytes.fill_(0xFF)
+            return
         if self.poison:
             if self.ones is None or self.ones.numel() < raw_bytes.numel():
                 self.ones = torch.full((max(raw_bytes.numel(), self.chunk_bytes),), 0xFF, dtype=torch.uint8,
