@@ -10,7 +10,8 @@ Per rank (world size = the GPUs present, NCCL): the rank's share of the model in
   (the host side's ceiling); read-direct: the same with ``O_DIRECT`` (page-aligned, past the page cache: cold);
 - ours / ours-nocheck: `restore_model` into an FSDP2 model on the GPU, with and without the NaN check;
   ours-profile: ours, with the read threads' time summed per kind of work (`_profile_read_threads`);
-  ``--staging pageable`` / ``--chunk-mb N``: ours with pageable staging buffers or another read size (one row each);
+  ``--staging pinned|pageable`` / ``--chunk-mb N``: ours with staging buffers pinned one by one by torch's
+  allocator or pageable, instead of the pinned pool, or another read size (one row each);
 - dcp: ``dcp.load`` with ``HuggingFaceStorageReader``; broadcast: ``set_model_state_dict`` with
   ``broadcast_from_rank0`` from a memory-mapped load on rank 0.
 Warm: from the page cache (the warm-up run left it there). Cold: the cache is dropped before the
@@ -62,14 +63,14 @@ def _rank_bytes(model: torch.nn.Module) -> int:
 
 
 def worker(rank: int, world_size: int, method: str, kind: str, mb: float, path: str, cold: bool,
-           threads: int, repeat: int = 1, staging: str = "pinned", chunk_mb: int = 0) -> list[dict[str, Any]]:
+           threads: int, repeat: int = 1, staging: str = "pool", chunk_mb: int = 0) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
     import fsdp_restore
     from fsdp_restore import execute
     from fsdp_restore.measure import PeakAnonMemory
 
-    execute.PINNED_STAGING = staging == "pinned"  # this rank process only
+    execute.STAGING = staging  # this rank process only
     if chunk_mb:
         execute.READ_CHUNK_BYTES = chunk_mb * 2**20
 
@@ -213,7 +214,7 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=METHODS)
     parser.add_argument("--threads", type=int, nargs="+", default=[4], help="read threads (ours: one row each)")
     parser.add_argument("--repeat", type=int, default=3, help="measured runs per method (>= 1)")
-    parser.add_argument("--staging", nargs="+", choices=["pinned", "pageable"], default=["pinned"],
+    parser.add_argument("--staging", nargs="+", choices=["pool", "pinned", "pageable"], default=["pool"],
                         help="ours: GPU staging buffers (one row each)")
     parser.add_argument("--chunk-mb", type=int, nargs="+", default=[0], help="ours: read size in MB (0: the default)")
     parser.add_argument("--workdir")
@@ -245,7 +246,7 @@ def main() -> None:
             console.print(f"dd, cold: {info['dd_cold_gbps']:.2f} GB/s")
         cases = [(m, t, st, ch) for m in args.methods
                  for t in (args.threads if m.startswith(("ours", "read")) else args.threads[:1])
-                 for st in (args.staging if m.startswith("ours") else ["pinned"])
+                 for st in (args.staging if m.startswith("ours") else ["pool"])
                  for ch in (args.chunk_mb if m.startswith("ours") else [0])]
         for method, threads, staging, chunk_mb in cases:
             try:

@@ -63,10 +63,10 @@ for s in $STEPS; do
     cold)
       # shellcheck disable=SC2086
       step cold ${COLD_LIMIT:-70} $PY scripts/benchmark_gpu.py --restore-mb 4096 --cache cold --methods ${COLD_METHODS:-read ours ours-nocheck} \
-        --threads "${BEST:-4}" --staging ${STAGING:-pinned} --repeat 2 --workdir "$WORK" --out "$OUT/cold.json" ;;
+        --threads "${BEST:-4}" --staging ${STAGING:-pool} --repeat 2 --workdir "$WORK" --out "$OUT/cold.json" ;;
     llama)
       step llama ${LLAMA_LIMIT:-100} $PY scripts/benchmark_gpu.py --model llama --restore-mb 4096 --cache warm \
-        --methods ${LLAMA_METHODS:-h2d read ours ours-nocheck dcp} --threads "${BEST:-4}" --staging ${STAGING:-pinned} \
+        --methods ${LLAMA_METHODS:-h2d read ours ours-nocheck dcp} --threads "${BEST:-4}" --staging ${STAGING:-pool} \
         --repeat 3 --workdir "$WORK-llama" \
         --out "$OUT/llama.json" ;;
     staging)
