@@ -4,10 +4,10 @@ Items are cut into chunks of at most ``READ_CHUNK_BYTES`` and taken in file orde
 tensor (an embedding) is read by every thread at once and the disk sees near-sequential reads.
 
 - CPU memory of the stored dtype is read into directly.
-- GPU memory: each worker thread owns a few pinned host buffers, taken from one pinned region made while
-  the restore planned (pinned.py) and reused, and a CUDA stream of its own. It reads chunk k+1 into the
-  next buffer while chunk k is copied to the device with ``non_blocking=True`` on its stream; an event per
-  buffer says when it may be reused, so the host waits only when it is a whole pool ahead. A dtype cast runs on the device after
+- GPU memory: each worker thread owns a few pinned host buffers, allocated once per call and reused
+  (the pool), and a CUDA stream of its own. It reads chunk k+1 into the next buffer while chunk k is
+  copied to the device with ``non_blocking=True`` on its stream; an event per buffer says when it may be
+  reused, so the host waits only when it is a whole pool ahead. A dtype cast runs on the device after
   the copy (through a device buffer of the pool's size). Worker threads set the destination's device,
   so no thread creates a context on GPU 0 by accident.
 - CPU memory of another dtype: a reused per-worker buffer, cast by ``copy_``.
@@ -30,7 +30,6 @@ from typing import NamedTuple
 
 import torch
 
-from .pinned import PinnedPool
 from .plan import ReadItem
 from .read import Checkpoint
 from .write import cast_overflow, overflow_listing
@@ -45,9 +44,6 @@ PAGE_BYTES = 4096
 ALIGN_SLACK = PAGE_BYTES  # spare bytes per staging buffer, to place a read at the source's page offset
 PINNED_ALIGNMENT = 64  # a read into pinned memory starts on a cache line, as the copy engine saw it before placement
 ALIASED_MIN_BYTES = 256 * 1024  # a smaller read costs more in the detour through staging than it saves
-# GPU path's staging: "pool" (one pinned region per restore, `pinned_pool`); for measuring only: "pinned" (each buffer
-# pinned by torch's allocator, as before the pool), "pageable" (the driver's own staging copies; BENCHMARKS.md, "GPU")
-STAGING = "pool"
 
 
 def aliased(dest_ptr: int, file_offset: int) -> bool:
@@ -177,8 +173,6 @@ class _Worker:
     events: list[torch.cuda.Event | None] = field(default_factory=list)
     stream: torch.cuda.Stream | None = None
     ones: torch.Tensor | None = None  # 0xFF bytes on the device: the source that re-poisons a pinned buffer
-    pinned: bool = field(default_factory=lambda: STAGING != "pageable")  # GPU staging in pinned memory
-    pool: PinnedPool | None = None  # where pinned staging buffers come from first (`pinned_pool`)
     turn: int = 0
     overflowed: Counter[str] = field(default_factory=Counter)  # per stored key: finite values a cast made inf/NaN
 
@@ -214,10 +208,7 @@ class _Worker:
         """A staging buffer for reads of up to ``max(nbytes, chunk_bytes)`` bytes, placed anywhere within it
         (`ALIGN_SLACK`); pinned for a GPU; all 0xFF (NaN) with the check on."""
         size = max(nbytes, self.chunk_bytes) + ALIGN_SLACK
-        pinned = self.device.type == "cuda" and self.pinned
-        if pinned and self.pool is not None and (taken := self.pool.take(size)) is not None:
-            return taken  # all 0xFF bytes already
-        buf = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+        buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
         if self.poison:
             buf.fill_(0xFF)
         return buf
@@ -322,12 +313,7 @@ class _Worker:
 
     def _repoison_and_record(self, i: int, raw_bytes: torch.Tensor) -> None:
         """(On the worker's stream) make pinned buffer ``i`` NaN again once its upload is done, and record
-        the event that says when the host may reuse it. A pageable buffer is free again at once: the driver
-        copied it into its own staging before the copy call returned."""
-        if not self.pinned:
-            if self.poison:
-                raw_bytes.fill_(0xFF)
-            return
+        the event that says when the host may reuse it."""
         if self.poison:
             if self.ones is None or self.ones.numel() < raw_bytes.numel():
                 self.ones = torch.full((max(raw_bytes.numel(), self.chunk_bytes),), 0xFF, dtype=torch.uint8,
@@ -426,20 +412,10 @@ def overflow_message(overflowed: dict[str, int]) -> str:
               " (fp16 tops out at 65504), or bring those values into range before casting")
 
 
-def pinned_pool(device: torch.device, threads: int) -> PinnedPool | None:
-    """For a restore into memory on ``device`` with ``threads`` read threads: the pinned staging pool its
-    `execute_reads` will take buffers from (``pool=``), started now on a thread of its own so that it is made
-    while the restore plans; None off the GPU or with pageable staging. The caller closes it after the reads."""
-    if device.type != "cuda" or STAGING != "pool":
-        return None
-    slot = _read_bytes(device, READ_CHUNK_BYTES) + ALIGN_SLACK
-    return PinnedPool.start(device, max(1, threads) * PINNED_BUFFERS_PER_THREAD, slot)
-
-
 def execute_reads(ckpt: Checkpoint, items: Sequence[ReadItem], threads: int = DEFAULT_READ_THREADS, *,
                   before: Callable[[list[torch.Tensor]], None] | None = None,
                   after: Callable[[list[torch.Tensor]], None] | None = None, poison_staging: bool = False,
-                  chunk_bytes: int | None = None, pool: PinnedPool | None = None) -> None:
+                  chunk_bytes: int | None = None) -> None:
     """Run every read of ``items`` on ``threads`` threads; positional reads release the GIL, so reads
     overlap each other and the copies into device memory. Marks each item done once all its
     chunks were read; the first failed read raises. ``before`` / ``after`` are called with the
@@ -447,8 +423,7 @@ def execute_reads(ckpt: Checkpoint, items: Sequence[ReadItem], threads: int = DE
     right after the read (the check's ledger: host memory only, where the read is complete when it
     returns). ``poison_staging``: keep staging buffers NaN between uses (the check is on), so that no
     stale bytes can pass for a read. ``chunk_bytes``: the most one read (a chunk, a group) takes, default
-    `READ_CHUNK_BYTES` (the ledger's caller passes `cache_chunk_bytes`). ``pool``: pinned staging buffers made
-    ahead (`pinned_pool`), taken first on the GPU path."""
+    `READ_CHUNK_BYTES` (the ledger's caller passes `cache_chunk_bytes`)."""
     devices = {item.dest.device for item in items if item.dest.numel()}
     device = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
     cuda = device.type == "cuda"
@@ -466,7 +441,7 @@ def execute_reads(ckpt: Checkpoint, items: Sequence[ReadItem], threads: int = DE
         w = getattr(local, "worker", None)
         if w is None:
             w = local.worker = _Worker(ckpt, device, after=caller_stream, poison=poison_staging,
-                                       chunk_bytes=chunk_bytes, pool=pool if pool and pool.device == device else None)
+                                       chunk_bytes=chunk_bytes)
             with lock:
                 workers.append(w)
         return w

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import itertools
 import json
 import os
 import time
@@ -33,7 +32,7 @@ from . import check as checks
 from .buffers import buffer_problems
 from .errors import (RestoreError, objects_argument, process_group_argument, renamed_argument,
                      thread_count_argument)
-from .execute import DEFAULT_READ_THREADS, cache_chunk_bytes, execute_reads, pinned_pool
+from .execute import DEFAULT_READ_THREADS, cache_chunk_bytes, execute_reads
 from .key_map import KeyMap
 from .plan import ReadPlan, RestoreReport, build_plan, default_prefix
 from .read import Checkpoint, open_checkpoint
@@ -148,7 +147,6 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
     extra: dict[str, Any] = {}
     extra_states: list[tuple[nn.Module, Any]] = []
     what = "restore" if weights else "optimizer restore"
-    pool = None
     try:
         # -- phase 1: open, plan, validate the plan against the model's memory (nothing is modified) --------
         problems = new_problems()
@@ -158,8 +156,6 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
             if verify_checksums and method != "read":
                 raise ValueError("verify_checksums=True checks what the read route restored: use method='read'")
             ckpt = open_checkpoint(checkpoint)
-            if method == "read":  # a GPU model's pinned staging, made while the rest of this phase runs
-                pool = pinned_pool(_first_device(model), threads)
             modules = module_walk(model)  # one walk of the module tree for every step below
             _reshard_fsdp2(model, modules)
             _refuse_unsharded_fsdp1(model, modules)
@@ -221,7 +217,7 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
                     execute_reads(ckpt, plan.items, threads, before=ledger.before, after=ledger.after,
                                   poison_staging=True, chunk_bytes=cache_chunk_bytes(threads))
                 else:
-                    execute_reads(ckpt, plan.items, threads, poison_staging=check, pool=pool)
+                    execute_reads(ckpt, plan.items, threads, poison_staging=check)
                 for module, state in extra_states:  # as load_state_dict gives them, with the tensors
                     module.set_extra_state(state)
                 t2 = time.perf_counter()
@@ -258,18 +254,8 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
             plan.optim.install()
         return plan, extra
     finally:
-        if pool is not None:
-            pool.close()
         if own and ckpt is not None:
             ckpt.close()
-
-
-def _first_device(model: nn.Module) -> torch.device:
-    """Where the model's first parameter (else buffer) lives: the device of a restore's reads, as a guess made
-    before the plan (a model across devices reads as `execute_reads` finds it)."""
-    for tensor in itertools.chain(model.parameters(), model.buffers()):
-        return tensor.device
-    return torch.device("cpu")
 
 
 def _flag(name: str, value: object, what: str, group: dist.ProcessGroup | None) -> bool:

@@ -10,8 +10,7 @@ Per rank (world size = the GPUs present, NCCL): the rank's share of the model in
   (the host side's ceiling); read-direct: the same with ``O_DIRECT`` (page-aligned, past the page cache: cold);
 - ours / ours-nocheck: `restore_model` into an FSDP2 model on the GPU, with and without the NaN check;
   ours-profile: ours, with the read threads' time summed per kind of work (`_profile_read_threads`);
-  ``--staging pinned|pageable`` / ``--chunk-mb N``: ours with staging buffers pinned one by one by torch's
-  allocator or pageable, instead of the pinned pool, or another read size (one row each);
+  ``--chunk-mb N``: ours with another read size (one row each);
 - dcp: ``dcp.load`` with ``HuggingFaceStorageReader``; broadcast: ``set_model_state_dict`` with
   ``broadcast_from_rank0`` from a memory-mapped load on rank 0.
 Warm: from the page cache (the warm-up run left it there). Cold: the cache is dropped before the
@@ -63,15 +62,14 @@ def _rank_bytes(model: torch.nn.Module) -> int:
 
 
 def worker(rank: int, world_size: int, method: str, kind: str, mb: float, path: str, cold: bool,
-           threads: int, repeat: int = 1, staging: str = "pool", chunk_mb: int = 0) -> list[dict[str, Any]]:
+           threads: int, repeat: int = 1, chunk_mb: int = 0) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
     import fsdp_restore
     from fsdp_restore import execute
     from fsdp_restore.measure import PeakAnonMemory
 
-    execute.STAGING = staging  # this rank process only
-    if chunk_mb:
+    if chunk_mb:  # this rank process only
         execute.READ_CHUNK_BYTES = chunk_mb * 2**20
 
     model = _sharded_model(kind, mb)
@@ -154,7 +152,7 @@ def worker(rank: int, world_size: int, method: str, kind: str, mb: float, path: 
             run()
             seconds = time.perf_counter() - t0
         dist.barrier()
-        results.append({"method": method, "threads": threads, "staging": staging, "chunk_mb": chunk_mb or 16,
+        results.append({"method": method, "threads": threads, "chunk_mb": chunk_mb or 16,
                         "timings": state.get("timings"), "seconds": seconds,
                         "bytes": nbytes, "gbps": nbytes / seconds / 1e9, "host_peak": host.peak - host.start,
                         "gpu_extra": torch.cuda.max_memory_allocated() - base_gpu})
@@ -214,8 +212,6 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=METHODS)
     parser.add_argument("--threads", type=int, nargs="+", default=[4], help="read threads (ours: one row each)")
     parser.add_argument("--repeat", type=int, default=3, help="measured runs per method (>= 1)")
-    parser.add_argument("--staging", nargs="+", choices=["pool", "pinned", "pageable"], default=["pool"],
-                        help="ours: GPU staging buffers (one row each)")
     parser.add_argument("--chunk-mb", type=int, nargs="+", default=[0], help="ours: read size in MB (0: the default)")
     parser.add_argument("--workdir")
     parser.add_argument("--out")
@@ -244,14 +240,13 @@ def main() -> None:
         if cache == "cold":
             info["dd_cold_gbps"] = dd_rate(str(path))
             console.print(f"dd, cold: {info['dd_cold_gbps']:.2f} GB/s")
-        cases = [(m, t, st, ch) for m in args.methods
+        cases = [(m, t, ch) for m in args.methods
                  for t in (args.threads if m.startswith(("ours", "read")) else args.threads[:1])
-                 for st in (args.staging if m.startswith("ours") else ["pool"])
                  for ch in (args.chunk_mb if m.startswith("ours") else [0])]
-        for method, threads, staging, chunk_mb in cases:
+        for method, threads, chunk_mb in cases:
             try:
                 per_rank = run_ranks(worker, gpus, method, args.model, args.restore_mb, str(path), cache == "cold",
-                                     threads, args.repeat, staging, chunk_mb, backend="nccl", timeout=600)
+                                     threads, args.repeat, chunk_mb, backend="nccl", timeout=600)
             except RankFailure as e:
                 console.print(f"[red]{method} {cache} failed[/]: {str(e)[:2000]}")
                 continue
@@ -263,16 +258,16 @@ def main() -> None:
             rows.append(row)
             if args.out:  # after every row: a run cut short still leaves what it measured
                 Path(args.out).write_text(json.dumps({"info": info, "rows": rows}, indent=2))
-            console.print(f"  {cache} {method} t={threads} {staging} {chunk_mb or 16} MB: {row['runs_gbps']} GB/s per rank, {row['seconds']:.3f} s,"
+            console.print(f"  {cache} {method} t={threads} {chunk_mb or 16} MB: {row['runs_gbps']} GB/s per rank, {row['seconds']:.3f} s,"
                           f" host +{row['host_peak'] / 1e6:.0f} MB, GPU +{row['gpu_extra'] / 1e6:.0f} MB"
                           f"{', phases ' + str(row['timings']) if row.get('timings') else ''}")
-    lines = ["| cache | method | threads | staging | GB/s per rank | x h2d | seconds | host peak above baseline |"
+    lines = ["| cache | method | threads | read size | GB/s per rank | x h2d | seconds | host peak above baseline |"
              " GPU peak above model |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         h2d = next((x for x in rows if x["method"] == "h2d" and x["cache"] == r["cache"]), None)
         h2d = h2d or next((x for x in rows if x["method"] == "h2d"), None)
         ratio = f"{r['gbps'] / h2d['gbps']:.2f}" if h2d else "-"
-        lines.append(f"| {r['cache']} | {r['method']} | {r['threads']} | {r['staging']} {r['chunk_mb']} MB | {r['gbps']:.2f} | {ratio} | {r['seconds']:.3f} |"
+        lines.append(f"| {r['cache']} | {r['method']} | {r['threads']} | {r['chunk_mb']} MB | {r['gbps']:.2f} | {ratio} | {r['seconds']:.3f} |"
                      f" {r['host_peak'] / 1e6:.0f} MB | {r['gpu_extra'] / 1e6:.0f} MB |")
     console.print("\n".join(lines))
     if args.out:

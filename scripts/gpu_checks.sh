@@ -2,7 +2,7 @@
 # Every GPU measurement and test of the suite, in one run, on a machine with an NVIDIA GPU and torch installed:
 #   OUT=gpu-out bash scripts/gpu_checks.sh [steps...]     (steps: warm tests llama cold rest; default: all)
 # Also, by name only: staging (what pinning, registering, pageable copies and GDS cost here), variants (ours with
-# pageable staging and smaller reads beside the default), tests-pageable (the GPU cases with pageable staging).
+# smaller reads beside the default).
 # Each step has a time limit and writes its log and JSON under $OUT as it goes, so a run cut short keeps what
 # it measured. The numbers go to BENCHMARKS.md ("GPU").
 set -u
@@ -63,10 +63,10 @@ for s in $STEPS; do
     cold)
       # shellcheck disable=SC2086
       step cold ${COLD_LIMIT:-70} $PY scripts/benchmark_gpu.py --restore-mb 4096 --cache cold --methods ${COLD_METHODS:-read ours ours-nocheck} \
-        --threads "${BEST:-4}" --staging ${STAGING:-pool} --repeat 2 --workdir "$WORK" --out "$OUT/cold.json" ;;
+        --threads "${BEST:-4}" --repeat 2 --workdir "$WORK" --out "$OUT/cold.json" ;;
     llama)
       step llama ${LLAMA_LIMIT:-100} $PY scripts/benchmark_gpu.py --model llama --restore-mb 4096 --cache warm \
-        --methods ${LLAMA_METHODS:-h2d read ours ours-nocheck dcp} --threads "${BEST:-4}" --staging ${STAGING:-pool} \
+        --methods ${LLAMA_METHODS:-h2d read ours ours-nocheck dcp} --threads "${BEST:-4}" \
         --repeat 3 --workdir "$WORK-llama" \
         --out "$OUT/llama.json" ;;
     staging)
@@ -75,16 +75,8 @@ for s in $STEPS; do
         --out "$OUT/gds.json" ;;
     variants)
       # shellcheck disable=SC2086
-      step variants ${VARIANTS_LIMIT:-150} $PY scripts/benchmark_gpu.py --restore-mb 4096 --cache warm --methods ours \
-        --threads $THREADS --staging pageable --repeat 3 --workdir "$WORK" --out "$OUT/variants.json"
-      step variants-8mb ${VARIANTS_8MB_LIMIT:-60} $PY scripts/benchmark_gpu.py --restore-mb 4096 --cache warm --methods ours \
-        --threads 4 8 --chunk-mb 8 --repeat 3 --workdir "$WORK" --out "$OUT/variants-8mb.json" ;;
-    tests-pageable)
-      parallel=$($PY -c 'import xdist' 2>/dev/null && echo "-n 8")
-      # shellcheck disable=SC2086
-      FSDP_RESTORE_TEST_STAGING=pageable step tests-pageable ${PAGEABLE_LIMIT:-120} $PY -m pytest -q $parallel \
-        -m "not slow" -k "$TESTS_K" -p no:cacheprovider tests/test_gpu.py tests/test_faults.py tests/test_execute.py \
-        --junitxml="$OUT/tests-pageable.xml" ;;
-    *) echo "unknown step $s (warm tests llama cold rest staging variants tests-pageable)"; exit 2 ;;
+      step variants ${VARIANTS_LIMIT:-90} $PY scripts/benchmark_gpu.py --restore-mb 4096 --cache warm --methods ours \
+        --threads $THREADS --chunk-mb 0 8 --repeat 3 --workdir "$WORK" --out "$OUT/variants.json" ;;
+    *) echo "unknown step $s (warm tests llama cold rest staging variants)"; exit 2 ;;
   esac
 done

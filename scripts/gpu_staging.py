@@ -5,8 +5,9 @@
 - pin: allocating pinned memory (torch's pinned allocator, `cudaHostAlloc`) of 4-256 MB, alone and as 16 MB
   buffers pinned by 1-16 threads at once (does the driver pin in parallel?);
 - register: the same bytes as pageable memory, first touched (page faults), then `cudaHostRegister`-ed;
-- h2d: 1 GB in 16 MB copies from pinned and from pageable (already touched) memory, on 1-8 threads, each
-  with its own stream (a pageable copy goes through the driver's own staging);
+- h2d: 1 GB in 16 MB copies from pinned, registered and pageable (already touched) memory, on 1-8 threads,
+  each with its own stream (a pageable copy goes through the driver's own staging); and whether torch's
+  ``is_pinned`` sees registered memory as pinned;
 - gds (``--gds FILE``): `torch.cuda.gds.GdsFile` reading the file's first GB into device memory.
 Run by ``scripts/gpu_checks.sh staging``; the numbers go to BENCHMARKS.md ("GPU").
 """
@@ -79,9 +80,14 @@ def register(results: dict) -> None:
 def h2d(results: dict) -> None:
     total, step = 1024 * MB, 16 * MB
     dst = torch.empty(total, dtype=torch.uint8, device="cuda")
-    for kind in ("pinned", "pageable"):
+    cudart = torch.cuda.cudart()
+    for kind in ("pinned", "registered", "pageable"):
         for n in (1, 2, 4, 8):
             bufs = [torch.full((step,), 1, dtype=torch.uint8, pin_memory=kind == "pinned") for _ in range(n)]
+            if kind == "registered":
+                for b in bufs:
+                    assert int(cudart.cudaHostRegister(b.data_ptr(), b.numel(), 0)) == 0, "cudaHostRegister failed"
+                results["registered_is_pinned"] = bufs[0].is_pinned()
             streams = [torch.cuda.Stream() for _ in range(n)]
 
             def copy(i: int) -> None:
@@ -92,6 +98,9 @@ def h2d(results: dict) -> None:
 
             _timed_threads(n, copy)  # warm-up
             results[f"h2d_{kind}_x{n}_threads_gbps"] = total / _timed_threads(n, copy) / 1e9
+            if kind == "registered":
+                for b in bufs:
+                    cudart.cudaHostUnregister(b.data_ptr())
 
 
 def gds(results: dict, path: str) -> None:

@@ -4,13 +4,11 @@ AssertionError, parametrized over backends.
 Backends: ``gloo`` (CPU tensors, everywhere); ``nccl`` (one GPU per rank; skipped unless the machine has
 that many); ``gloo-cuda`` (gloo collectives, every rank's model on a GPU, ranks sharing GPUs when there
 are fewer than ranks: the device path of a multi-rank restore on a one-GPU machine; skipped without a
-GPU). Inside a rank, `models.DEVICE` is that rank's device. ``FSDP_RESTORE_TEST_STAGING=pinned`` (or ``pageable``)
-runs the GPU path's reads through that staging instead of the pinned pool (`execute.STAGING`), in every rank.
+GPU). Inside a rank, `models.DEVICE` is that rank's device.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -54,10 +52,6 @@ def cases(world_size: int, *values: Any, only: tuple[str, ...] = ALL) -> list[An
 def _on_device(rank: int, world_size: int, fn: Callable[..., Any], backend: str, *args: Any) -> Any:
     import models
 
-    if staging := os.environ.get("FSDP_RESTORE_TEST_STAGING"):
-        from fsdp_restore import execute
-
-        execute.STAGING = staging
     if backend == "gloo":
         models.DEVICE = torch.device("cpu")
     else:
