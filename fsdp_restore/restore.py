@@ -37,7 +37,7 @@ from .key_map import KeyMap
 from .plan import ReadPlan, RestoreReport, build_plan, default_prefix
 from .read import Checkpoint, open_checkpoint
 from .restored_sums import ChecksumVerdict, joined_verdict, local_sums
-from .shards import module_walk
+from .shards import module_walk, state_dict_code
 from .stored import extras
 from .stored import value as stored_value
 from .verdict import agree, new_problems
@@ -90,6 +90,19 @@ def _refuse_unsharded_fsdp1(model: nn.Module, modules: list[tuple[str, nn.Module
     if unsharded:
         raise ValueError(f"FSDP1 units {', '.join(unsharded[:5])} hold unsharded parameters (inside"
                          " summon_full_params, or between forward and backward): restore outside them")
+
+
+def _refuse_load_code(modules: list[tuple[str, nn.Module]]) -> None:
+    """Modules whose ``load_state_dict`` runs code that may rename or transform what it is given (`state_dict_code`):
+    the restore writes the checkpoint's values into the parameters and buffers as they are, past that code, so the
+    model would not hold what ``load_state_dict`` would have made of them."""
+    offenders = state_dict_code(modules, loading=True)
+    if offenders:
+        raise ValueError(
+            f"modules whose load_state_dict() transforms what it is given ({len(offenders)}): "
+            f"{'; '.join(offenders[:10])}{' ...' if len(offenders) > 10 else ''}; the restore writes the checkpoint's"
+            " values as they are stored, past that code: remove the hook, or load this model with load_state_dict"
+            " (or torch.distributed.checkpoint's set_model_state_dict)")
 
 
 @contextlib.contextmanager
@@ -157,6 +170,8 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
                 raise ValueError("verify_checksums=True checks what the read route restored: use method='read'")
             ckpt = open_checkpoint(checkpoint)
             modules = module_walk(model)  # one walk of the module tree for every step below
+            if weights:
+                _refuse_load_code(modules)
             _reshard_fsdp2(model, modules)
             _refuse_unsharded_fsdp1(model, modules)
             plan = build_plan(model, ckpt, prefix=prefix, strict=strict, dtype_policy=dtype_policy, weights=weights,

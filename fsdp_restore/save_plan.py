@@ -23,7 +23,6 @@ all-reduce): plus a count term per tensor, so that the ranks together write ever
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from math import prod
@@ -38,7 +37,7 @@ from .flatten import flatten, iter_tensor_nodes
 from .format import META_SET_ID
 from .jobs import plan_jobs
 from .shards import (EXTRA_STATE, Piece, Target, _fsdp1_units, _is_dtensor, _join, clean_name, ddp_prefix,
-                     local_targets, local_tensor)
+                     local_targets, local_tensor, state_dict_code)
 from .write import HeldInPieces, OutputFile, TensorJob, file_header, file_layout, stand_in
 
 from .optim_plan import live_groups
@@ -498,36 +497,15 @@ def _optimizer_object(model: nn.Module, optimizer: torch.optim.Optimizer, target
 
 
 def _refuse_state_dict_hooks(model: nn.Module) -> None:
-    """Modules whose ``state_dict()`` is not their parameters and buffers as they hold them: a class that overrides
-    ``_save_to_state_dict`` (quantized and packed layers), or a state-dict hook from outside torch (one that renames
-    or transforms entries). The save writes what the modules hold under their names, so the file would not be the
-    state dict it stands for; torch's own hooks (FSDP's, the activation-checkpoint wrapper's) keep names and values."""
-    offenders = []
-    for name, module in model.named_modules():
-        if type(module)._save_to_state_dict is not nn.Module._save_to_state_dict:
-            offenders.append(f"{name or '<root>'} ({type(module).__name__} overrides _save_to_state_dict)")
-            continue
-        hooks = [*module._state_dict_pre_hooks.values(), *module._state_dict_hooks.values()]
-        foreign = [h for h in hooks if not _torch_own(h)]
-        if foreign:
-            offenders.append(f"{name or '<root>'} (a state_dict hook of {_hook_module(foreign[0])})")
+    """Modules whose ``state_dict()`` is not their parameters and buffers as they hold them (`state_dict_code`): the
+    save writes what the modules hold under their names, so the file would not be the state dict it stands for."""
+    offenders = state_dict_code(list(model.named_modules()), loading=False)
     if offenders:
         raise FsdpRestoreError(
             f"modules whose state_dict() is not what they hold ({len(offenders)}): {'; '.join(offenders[:10])}"
             f"{' ...' if len(offenders) > 10 else ''}; save_sharded writes the parameters and buffers as they are,"
             " which would not be the state dict the file stands for: remove the hook, or save this model with"
             " torch.distributed.checkpoint (get_model_state_dict)")
-
-
-def _hook_module(hook: Any) -> str:
-    while isinstance(hook, functools.partial):
-        hook = hook.func
-    hook = getattr(hook, "__func__", hook)  # a bound method
-    return getattr(hook, "__module__", None) or type(hook).__module__
-
-
-def _torch_own(hook: Any) -> bool:
-    return _hook_module(hook).split(".", 1)[0] == "torch"
 
 
 def _refuse_own_state(value: torch.Tensor, where: str, slot: Any) -> None:

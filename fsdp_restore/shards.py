@@ -187,6 +187,56 @@ def local_targets(model: nn.Module, modules: list[tuple[str, nn.Module]] | None 
     return targets, aliases
 
 
+def state_dict_code(modules: list[tuple[str, nn.Module]], *, loading: bool) -> list[str]:
+    """Modules whose state dict (``loading``: whose ``load_state_dict``) runs code that may rename or transform what
+    they hold, one "name (why)" each: the save writes, and the restore fills, the parameters and buffers as they are
+    held, which such code would have changed. Saving: a class overriding ``state_dict`` or ``_save_to_state_dict``
+    (quantized and packed layers; a metric that leaves its states out), or a state-dict hook from outside torch.
+    Loading: a class overriding ``load_state_dict`` or ``_load_from_state_dict``, or a load hook from outside
+    torch. torch's own hooks (FSDP's, the activation-checkpoint wrapper's) keep names and values, and so do
+    torch.nn's overrides of ``_load_from_state_dict`` (BatchNorm and InstanceNorm: for checkpoints of old versions
+    that lack an entry, which the restore reports as missing instead)."""
+    offenders = []
+    for name, module in modules:
+        overridden = _overridden(type(module), loading)
+        if overridden:
+            offenders.append(f"{clean_name(name) or '<root>'} ({type(module).__name__} overrides {overridden})")
+            continue
+        pre, post = ((module._load_state_dict_pre_hooks, module._load_state_dict_post_hooks) if loading
+                     else (module._state_dict_pre_hooks, module._state_dict_hooks))
+        if not (pre or post):  # most modules
+            continue
+        foreign = [h for h in (*pre.values(), *post.values()) if _hook_module(h).split(".", 1)[0] != "torch"]
+        if foreign:
+            offenders.append(f"{clean_name(name) or '<root>'} (a {'load_' if loading else ''}state_dict hook of"
+                             f" {_hook_module(foreign[0])})")
+    return offenders
+
+
+@functools.cache  # per class: a model repeats a few classes thousands of times
+def _overridden(cls: type, loading: bool) -> str | None:
+    """The first of the state-dict methods ``cls`` overrides that `state_dict_code` refuses; None if none."""
+    methods = ("load_state_dict", "_load_from_state_dict") if loading else ("state_dict", "_save_to_state_dict")
+    for method in methods:
+        code = getattr(cls, method)
+        if code is not getattr(nn.Module, method) and not (loading and _hook_module(code).startswith("torch.nn.")):
+            return method
+    return None
+
+
+def _hook_module(hook: object) -> str:
+    """The module that defined a hook's code (through partials, bound methods and torch's hook wrapper)."""
+    while True:
+        if isinstance(hook, functools.partial):
+            hook = hook.func
+        elif type(hook).__name__ == "_WrappedHook" and hasattr(hook, "hook"):  # torch's wrapper of a load pre-hook
+            hook = hook.hook
+        else:
+            break
+    hook = getattr(hook, "__func__", hook)  # a bound method
+    return getattr(hook, "__module__", None) or type(hook).__module__
+
+
 EXTRA_STATE = "_extra_state"  # the state-dict entry of a module's own state beside its tensors (nn.Module)
 
 

@@ -903,3 +903,54 @@ def test_fsdp1_units_inside_activation_checkpoint_wrappers(tmp_path, params):
         assert all(torch.equal(restored[k], oracle[k]) for k in oracle)
         written = load_file(saved)
         assert written.keys() == oracle.keys() and all(torch.equal(written[k], oracle[k]) for k in oracle)
+
+
+class _LoadsTransposed(torch.nn.Linear):
+    """Its load_state_dict transposes the stored weight (a checkpoint of an older layout, as some libraries do)."""
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        state_dict[prefix + "weight"] = state_dict[prefix + "weight"].t()
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def _halve_on_load(state_dict, prefix, *args):  # a load pre-hook from outside torch
+    state_dict[prefix + "weight"] = state_dict[prefix + "weight"] / 2
+
+
+def _halve_after_load(module, incompatible_keys):  # a load post-hook from outside torch
+    module.weight.data.mul_(0.5)
+
+
+@pytest.mark.parametrize("how", ["override", "pre-hook", "post-hook"])
+def test_a_model_whose_load_state_dict_transforms_values_is_refused(tmp_path, how):
+    """The restore wrote the stored values past the module's own load code: the model then held other values than
+    load_state_dict gives it, without a word. torch's (the oracle) shows the code would have changed them."""
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3), torch.nn.InstanceNorm1d(3))
+    path = _converted(tmp_path, plain)
+
+    def target() -> torch.nn.Sequential:
+        model = torch.nn.Sequential(_LoadsTransposed(3, 3) if how == "override" else torch.nn.Linear(3, 3),
+                                    torch.nn.BatchNorm1d(3), torch.nn.InstanceNorm1d(3))
+        if how == "pre-hook":
+            model[0]._register_load_state_dict_pre_hook(_halve_on_load)
+        elif how == "post-hook":
+            model[0].register_load_state_dict_post_hook(_halve_after_load)
+        return model
+
+    oracle = target()
+    oracle.load_state_dict(plain.state_dict())
+    assert not torch.equal(oracle[0].weight, plain[0].weight)  # what torch would have made of them
+    ours = target()
+    before = ours[0].weight.detach().clone()
+    why = {"override": "_LoadsTransposed overrides _load_from_state_dict", "pre-hook": "a load_state_dict hook of",
+           "post-hook": "a load_state_dict hook of"}[how]
+    with pytest.raises(RestoreError, match=r"modules whose load_state_dict\(\) transforms what it is given \(1\): 0 \("
+                                           + why):
+        restore_model(ours, path)
+    assert torch.equal(ours[0].weight, before)  # refused before any byte was written
+    # torch.nn's own overrides (BatchNorm, InstanceNorm) do not transform present entries: restored as before
+    plain_target = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3), torch.nn.InstanceNorm1d(3))
+    restore_model(plain_target, path)
+    for name, value in plain.state_dict().items():
+        assert torch.equal(plain_target.state_dict()[name], value), name

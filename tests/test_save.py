@@ -720,6 +720,28 @@ def test_a_model_whose_state_dict_is_not_what_it_holds_is_refused(tmp_path):
     assert list(load_file(tmp_path / "x.safetensors")) == list(wrapped.state_dict())
 
 
+class _MetricLike(torch.nn.Module):
+    """Leaves a state out of state_dict() by overriding it (torchmetrics' Metric does, for non-persistent states)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("total", torch.ones(3))
+
+    def state_dict(self, *, destination=None, prefix="", keep_vars=False):
+        out = super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        out.pop(prefix + "total")
+        return out
+
+
+def test_a_class_overriding_state_dict_is_refused(tmp_path):
+    """A module whose state_dict() drops a buffer had the buffer written anyway: the file was not its state dict."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), _MetricLike())
+    assert list(model.state_dict()) == ["0.weight", "0.bias"]  # torch's (the oracle): no "1.total"
+    with pytest.raises(SaveError, match=r"\(1\): 1 \(_MetricLike overrides state_dict\)"):
+        save_sharded(model, tmp_path / "x.safetensors")
+    assert os.listdir(tmp_path) == []
+
+
 def _nested_state(rank, world_size, path, kind):
     model, opt, _ = _trained("mlp", "fsdp2", world_size)
     for p, state in opt.state.items():
