@@ -19,6 +19,7 @@ import gc
 import json
 import os
 import time
+import warnings
 import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -92,17 +93,18 @@ def _refuse_unsharded_fsdp1(model: nn.Module, modules: list[tuple[str, nn.Module
                          " summon_full_params, or between forward and backward): restore outside them")
 
 
-def _refuse_load_code(modules: list[tuple[str, nn.Module]]) -> None:
-    """Modules whose ``load_state_dict`` runs code that may rename or transform what it is given (`state_dict_code`):
-    the restore writes the checkpoint's values into the parameters and buffers as they are, past that code, so the
-    model would not hold what ``load_state_dict`` would have made of them."""
+def _warn_of_load_code(modules: list[tuple[str, nn.Module]], group: dist.ProcessGroup | None) -> None:
+    """Warn (rank 0) of modules whose ``load_state_dict`` runs code of their own (`state_dict_code`): the restore
+    writes the stored values into their parameters and buffers as they are, past that code. Most such code renames
+    or drops entries of old checkpoints (names the restore matches itself, strictly); code that changes values
+    (quantized layers, fused projections) would have given the model other values than the restore does."""
     offenders = state_dict_code(modules, loading=True)
-    if offenders:
-        raise ValueError(
-            f"modules whose load_state_dict() transforms what it is given ({len(offenders)}): "
-            f"{'; '.join(offenders[:10])}{' ...' if len(offenders) > 10 else ''}; the restore writes the checkpoint's"
-            " values as they are stored, past that code: remove the hook, or load this model with load_state_dict"
-            " (or torch.distributed.checkpoint's set_model_state_dict)")
+    if offenders and (not dist.is_initialized() or dist.get_rank(group) == 0):
+        warnings.warn(
+            f"the restore writes the checkpoint's values as stored, past the load_state_dict code of"
+            f" {len(offenders)} module(s): {'; '.join(offenders[:5])}{' ...' if len(offenders) > 5 else ''}. If that"
+            " code changes values rather than names (quantized layers, fused projections), load such a model with"
+            " load_state_dict (or torch.distributed.checkpoint's set_model_state_dict) instead", stacklevel=5)
 
 
 @contextlib.contextmanager
@@ -171,7 +173,7 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
             ckpt = open_checkpoint(checkpoint)
             modules = module_walk(model)  # one walk of the module tree for every step below
             if weights:
-                _refuse_load_code(modules)
+                _warn_of_load_code(modules, group)
             _reshard_fsdp2(model, modules)
             _refuse_unsharded_fsdp1(model, modules)
             plan = build_plan(model, ckpt, prefix=prefix, strict=strict, dtype_policy=dtype_policy, weights=weights,

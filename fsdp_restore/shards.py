@@ -23,6 +23,7 @@ from math import prod
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _WrappedHook
 
 _WRAPPER_NAMES = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 
@@ -188,29 +189,62 @@ def local_targets(model: nn.Module, modules: list[tuple[str, nn.Module]] | None 
 
 
 def state_dict_code(modules: list[tuple[str, nn.Module]], *, loading: bool) -> list[str]:
-    """Modules whose state dict (``loading``: whose ``load_state_dict``) runs code that may rename or transform what
-    they hold, one "name (why)" each: the save writes, and the restore fills, the parameters and buffers as they are
-    held, which such code would have changed. Saving: a class overriding ``state_dict`` or ``_save_to_state_dict``
-    (quantized and packed layers; a metric that leaves its states out), or a state-dict hook from outside torch.
-    Loading: a class overriding ``load_state_dict`` or ``_load_from_state_dict``, or a load hook from outside
-    torch. torch's own hooks (FSDP's, the activation-checkpoint wrapper's) keep names and values, and so do
-    torch.nn's overrides of ``_load_from_state_dict`` (BatchNorm and InstanceNorm: for checkpoints of old versions
-    that lack an entry, which the restore reports as missing instead)."""
+    """Modules whose state dict (``loading``: whose ``load_state_dict``) runs code of their own that may rename or
+    transform what they hold, one "name (why)" each: the save writes, and the restore fills, the parameters and
+    buffers as they are held, past that code. Saving: a class overriding ``state_dict`` or ``_save_to_state_dict``
+    (quantized and packed layers; a metric adding its states), or a state-dict hook from outside torch, unless
+    the module's own ``state_dict(keep_vars=True)`` gives exactly its parameters and buffers (`_passes_through`).
+    Loading: a class overriding ``load_state_dict`` or ``_load_from_state_dict``, or a load hook from outside torch.
+    torch's own hooks (FSDP's, the activation-checkpoint wrapper's) keep names and values, and so do torch.nn's
+    overrides of ``_load_from_state_dict`` (BatchNorm and InstanceNorm: for old checkpoints lacking an entry)."""
     offenders = []
     for name, module in modules:
+        why = None
         overridden = _overridden(type(module), loading)
         if overridden:
-            offenders.append(f"{clean_name(name) or '<root>'} ({type(module).__name__} overrides {overridden})")
-            continue
-        pre, post = ((module._load_state_dict_pre_hooks, module._load_state_dict_post_hooks) if loading
-                     else (module._state_dict_pre_hooks, module._state_dict_hooks))
-        if not (pre or post):  # most modules
-            continue
-        foreign = [h for h in (*pre.values(), *post.values()) if _hook_module(h).split(".", 1)[0] != "torch"]
-        if foreign:
-            offenders.append(f"{clean_name(name) or '<root>'} (a {'load_' if loading else ''}state_dict hook of"
-                             f" {_hook_module(foreign[0])})")
+            why = f"{type(module).__name__} overrides {overridden}"
+        else:
+            pre, post = ((module._load_state_dict_pre_hooks, module._load_state_dict_post_hooks) if loading
+                         else (module._state_dict_pre_hooks, module._state_dict_hooks))
+            if not (pre or post):  # most modules
+                continue
+            foreign = [h for h in (*pre.values(), *post.values()) if _hook_module(h).split(".", 1)[0] != "torch"]
+            if foreign:
+                why = f"a {'load_' if loading else ''}state_dict hook of {_hook_module(foreign[0])}"
+        if why and not (not loading and _passes_through(module)):
+            offenders.append(f"{clean_name(name) or '<root>'} ({why})")
     return offenders
+
+
+def _passes_through(module: nn.Module) -> bool:
+    """Whether ``module.state_dict(keep_vars=True)`` is exactly its parameters and persistent buffers, the same
+    tensor objects under their own names (a metric whose states are not persistent): asked of the module's own
+    code, so only of a module holding no sharded tensor (a sharded model's state dict is FSDP's to give, and FSDP1
+    gathers for it)."""
+    own: dict[str, torch.Tensor] = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        if _is_fsdp1(sub):
+            return False
+        for kind, tensors in (("p", sub._parameters), ("b", sub._buffers)):
+            for key, t in tensors.items():
+                if t is None or (kind == "b" and key in sub._non_persistent_buffers_set):
+                    continue
+                if _is_dtensor(t):
+                    return False
+                own.setdefault(_join(prefix, key), t)
+    try:
+        given = module.state_dict(keep_vars=True)
+    except Exception:  # noqa: BLE001 - its code failed: not shown to pass through
+        return False
+    return given.keys() == own.keys() and all(given[k] is own[k] for k in own)
+
+
+def _is_fsdp1(module: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(module, FullyShardedDataParallel)
 
 
 @functools.cache  # per class: a model repeats a few classes thousands of times
@@ -229,7 +263,7 @@ def _hook_module(hook: object) -> str:
     while True:
         if isinstance(hook, functools.partial):
             hook = hook.func
-        elif type(hook).__name__ == "_WrappedHook" and hasattr(hook, "hook"):  # torch's wrapper of a load pre-hook
+        elif isinstance(hook, _WrappedHook):  # torch's wrapper of a load pre-hook
             hook = hook.hook
         else:
             break

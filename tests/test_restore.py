@@ -922,9 +922,11 @@ def _halve_after_load(module, incompatible_keys):  # a load post-hook from outsi
 
 
 @pytest.mark.parametrize("how", ["override", "pre-hook", "post-hook"])
-def test_a_model_whose_load_state_dict_transforms_values_is_refused(tmp_path, how):
-    """The restore wrote the stored values past the module's own load code: the model then held other values than
-    load_state_dict gives it, without a word. torch's (the oracle) shows the code would have changed them."""
+def test_a_model_whose_load_state_dict_runs_code_of_its_own_is_warned_of(tmp_path, how):
+    """The restore writes the stored values past a module's own load code, without a word: a value-changing hook or
+    override then left other values in the model than load_state_dict gives it (torch's, the oracle). It is not
+    refused (most such code renames old checkpoints' entries: Mamba, DETR's frozen batch norm, TransformerEngine),
+    but named in a warning; torch.nn's own overrides (BatchNorm, InstanceNorm) are not."""
     torch.manual_seed(0)
     plain = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3), torch.nn.InstanceNorm1d(3))
     path = _converted(tmp_path, plain)
@@ -942,15 +944,15 @@ def test_a_model_whose_load_state_dict_transforms_values_is_refused(tmp_path, ho
     oracle.load_state_dict(plain.state_dict())
     assert not torch.equal(oracle[0].weight, plain[0].weight)  # what torch would have made of them
     ours = target()
-    before = ours[0].weight.detach().clone()
     why = {"override": "_LoadsTransposed overrides _load_from_state_dict", "pre-hook": "a load_state_dict hook of",
            "post-hook": "a load_state_dict hook of"}[how]
-    with pytest.raises(RestoreError, match=r"modules whose load_state_dict\(\) transforms what it is given \(1\): 0 \("
-                                           + why):
+    with pytest.warns(UserWarning, match=r"past the load_state_dict code of 1 module\(s\): 0 \(" + why) as caught:
         restore_model(ours, path)
-    assert torch.equal(ours[0].weight, before)  # refused before any byte was written
-    # torch.nn's own overrides (BatchNorm, InstanceNorm) do not transform present entries: restored as before
+    assert caught[0].filename == __file__  # pointed at the caller's line
+    assert torch.equal(ours[0].weight, plain[0].weight)  # the stored values, as the warning says
     plain_target = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3), torch.nn.InstanceNorm1d(3))
-    restore_model(plain_target, path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch.nn's own overrides: no warning
+        restore_model(plain_target, path)
     for name, value in plain.state_dict().items():
         assert torch.equal(plain_target.state_dict()[name], value), name

@@ -721,22 +721,38 @@ def test_a_model_whose_state_dict_is_not_what_it_holds_is_refused(tmp_path):
 
 
 class _MetricLike(torch.nn.Module):
-    """Leaves a state out of state_dict() by overriding it (torchmetrics' Metric does, for non-persistent states)."""
+    """Overrides state_dict() as torchmetrics' Metric does: its states are given only where persistent ("adds"), and
+    here also one that drops a buffer ("drops"); "passes" gives exactly what it holds (non-persistent states)."""
 
-    def __init__(self):
+    def __init__(self, how: str):
         super().__init__()
+        self.how = how
         self.register_buffer("total", torch.ones(3))
+        self.count = torch.tensor(4)  # a metric state, not a buffer
 
     def state_dict(self, *, destination=None, prefix="", keep_vars=False):
         out = super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-        out.pop(prefix + "total")
+        if self.how == "drops":
+            out.pop(prefix + "total")
+        elif self.how == "adds":
+            out[prefix + "count"] = self.count
         return out
 
 
-def test_a_class_overriding_state_dict_is_refused(tmp_path):
-    """A module whose state_dict() drops a buffer had the buffer written anyway: the file was not its state dict."""
-    model = torch.nn.Sequential(torch.nn.Linear(2, 2), _MetricLike())
-    assert list(model.state_dict()) == ["0.weight", "0.bias"]  # torch's (the oracle): no "1.total"
+@pytest.mark.parametrize("how", ["drops", "adds", "passes"])
+def test_a_class_overriding_state_dict_is_refused_unless_it_gives_what_it_holds(tmp_path, how):
+    """A module whose state_dict() drops a buffer had it written anyway, and one that adds a state had it left out:
+    the file was not its state dict. Refused then; saved where its state_dict() is what it holds."""
+    from safetensors.torch import load_file
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), _MetricLike(how))
+    oracle = model.state_dict()  # torch's
+    if how == "passes":
+        save_sharded(model, tmp_path / "x.safetensors")
+        saved = load_file(tmp_path / "x.safetensors")
+        assert list(saved) == list(oracle) and all(torch.equal(saved[k], v) for k, v in oracle.items())
+        return
+    assert list(oracle) == (["0.weight", "0.bias"] if how == "drops" else ["0.weight", "0.bias", "1.total", "1.count"])
     with pytest.raises(SaveError, match=r"\(1\): 1 \(_MetricLike overrides state_dict\)"):
         save_sharded(model, tmp_path / "x.safetensors")
     assert os.listdir(tmp_path) == []
