@@ -211,7 +211,7 @@ def state_dict_code(modules: list[tuple[str, nn.Module]], *, loading: bool) -> l
             foreign = [h for h in (*pre.values(), *post.values()) if _hook_module(h).split(".", 1)[0] != "torch"]
             if foreign:
                 why = f"a {'load_' if loading else ''}state_dict hook of {_hook_module(foreign[0])}"
-        if why and not (not loading and _passes_through(module)):
+        if why and (loading or not _passes_through(module)):
             offenders.append(f"{clean_name(name) or '<root>'} ({why})")
     return offenders
 
