@@ -103,7 +103,8 @@ def init_non_persistent_buffers(model: nn.Module) -> list[str]:
     return done
 
 
-def _fingerprint(t: torch.Tensor) -> int:
+def fingerprint(t: torch.Tensor) -> int:
+    """crc32 of the tensor's bytes modulo `FINGERPRINT_MODULUS`: equal tensors print alike on every rank."""
     data = t.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy().tobytes()
     return zlib.crc32(data) % FINGERPRINT_MODULUS
 
@@ -124,5 +125,5 @@ def buffer_problems(model: nn.Module) -> tuple[list[str], list[tuple[str, int]]]
             if expected is not None and (expected.shape != buf.shape or not torch.allclose(
                     buf.detach().float().cpu(), expected.float(), rtol=_tolerance(buf.dtype), atol=0)):
                 problems.append(f"{name} differs from its module's own initialisation")
-        prints.append((name, _fingerprint(buf)))
+        prints.append((name, fingerprint(buf)))
     return problems, prints

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .buffers import fingerprint
 from .check import coverage_terms, name_weight
 from .errors import FsdpRestoreError
 from .flatten import flatten, iter_tensor_nodes
@@ -98,6 +99,9 @@ class WritePlan:
     where: dict[str, tuple[int, int]] = field(default_factory=dict)  # key -> (file index, absolute offset)
     jobs: dict[str, TensorJob] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)  # extra metadata of every file (and the index)
+    # (name, fingerprint) of each parameter every rank holds whole with nothing keeping the copies equal (no DDP):
+    # the ranks compare them before writing, as the file takes each from whichever replica writes it
+    replica_prints: list[tuple[str, int]] = field(default_factory=list)
 
     def coverage(self, rank: int) -> dict[str, tuple[int, int]]:
         """The restore's moment terms of this rank's items, plus per tensor a count term (the elements this
@@ -238,6 +242,17 @@ def _replicas(model: nn.Module, targets: Sequence[Target], rank: int, world: int
         else:
             out[target.name] = (world, rank)
     return out
+
+
+def _unsynced_replica_prints(model: nn.Module, targets: Sequence[Target], replicas: dict[str, tuple[int, int]],
+                             world: int) -> list[tuple[str, int]]:
+    """`WritePlan.replica_prints`: plain (neither DTensor nor FSDP1) parameters held whole by every rank of a model
+    that DistributedDataParallel does not wrap. FSDP, tensor parallel and DDP keep their replicas equal; such a
+    parameter is kept equal by nothing (a module outside ``fully_shard``), and its replicas may have drifted."""
+    if world <= 1 or ddp_prefix(model):
+        return []
+    return [(t.name, fingerprint(t.pieces[0].dest) if t.pieces else 0) for t in targets
+            if t.kind == "param" and t.layout not in ("dtensor", "fsdp1") and replicas[t.name][0] > 1]
 
 
 def _my_part(key: str, data: torch.Tensor, start: int, rows: int, stride: int, replicas: int,
@@ -383,7 +398,8 @@ def build_write_plan(model: nn.Module, *, optimizer: torch.optim.Optimizer | Non
                     if path != node["key"] and "view" not in node}
     if max_shard_size is not None and set_id is not None:
         metadata[META_SET_ID] = set_id
-    plan = WritePlan(structure_json, [], metadata=metadata)
+    plan = WritePlan(structure_json, [], metadata=metadata,
+                     replica_prints=_unsynced_replica_prints(model, targets, replicas, world))
     for f in file_layout(jobs, structure_json=structure_json, max_shard_size=max_shard_size, metadata=metadata):
         header, offsets = file_header(f.jobs, f.metadata)
         plan.files.append(FilePlan(f.name, header, offsets, f.jobs, f.metadata))

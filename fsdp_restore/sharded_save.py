@@ -56,7 +56,7 @@ from .jobs import shard_size_argument
 from .restore import _no_cyclic_gc, _refuse_unsharded_fsdp1, _reshard_fsdp2
 from .save_plan import WriteItem, WritePlan
 from .shards import extra_state_modules
-from .verdict import _LABELS, _collective, _device, _rank, agree, new_problems, problem_line
+from .verdict import _HINTS, _LABELS, _collective, _device, _rank, agree, new_problems, problem_line
 from .write import (CHUNK_BYTES, ReplacedError, _fsync_dir, _remove, _replace, _write_small_file, carry_kept_files,
                     check_destination, index_bytes, make_parent, refuse_foreign_directory, remove_stale_temporaries,
                     said_of_space, said_of_the_directory, tensor_bytes, through_link, with_checksums)
@@ -361,6 +361,8 @@ def _save_error(e: RestoreError, what: str, died_hint: str | None = None) -> Sav
             lines.append("  " + problem_line(_LABELS.get(kind, kind), items, e.counts.get(kind)))
     if any(text.startswith("a rank died") for text in e.problems.get("error", [])):
         lines.append(f"  hint: {died_hint or _DIED_HINT}")
+    if "replicas" in e.problems:
+        lines.append(f"  hint: {_HINTS['replicas']}")
     return SaveError("\n".join(lines), e.problems, e.counts)
 
 
@@ -388,12 +390,14 @@ def _exchange(what: str, step: str) -> Iterator[None]:
 
 def _agree(problems: Any, what: str, group: dist.ProcessGroup | None,
            coverage: dict[str, tuple[int, int]] | None = None, header: str | None = None,
-           died_hint: str | None = None, destination: str | None = None) -> None:
+           died_hint: str | None = None, destination: str | None = None,
+           replica_prints: list[tuple[str, int]] | None = None) -> None:
     same = [(header, _DIFFERENT_HEADERS)] if header is not None else []
     if destination is not None:  # the file name: a directory may be mounted under other paths on other nodes
         same.append((destination, _DIFFERENT_DESTINATIONS))
     try:
-        agree(problems, what, group, coverage=coverage, same=same)
+        agree(problems, what, group, coverage=coverage, same=same, buffer_prints=replica_prints,
+              prints_kind="replicas")
     except RestoreError as e:
         raise _save_error(e, what, died_hint) from None
 
@@ -542,7 +546,8 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
                         created = True
                         _create_temp(dst, tmp, plan, size is not None)
             _agree(problems, "save_sharded (plan)", group, coverage, header,
-                   destination=Path(path).name if isinstance(path, (str, os.PathLike)) else None)
+                   destination=Path(path).name if isinstance(path, (str, os.PathLike)) else None,
+                   replica_prints=plan.replica_prints if plan is not None else [])
             assert plan is not None and tmp is not None
             timings["plan"] = time.perf_counter() - t0
             sharded = size is not None

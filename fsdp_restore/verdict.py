@@ -35,6 +35,7 @@ _LABELS = {
     "coverage": "plan: the ranks' reads do not cover these tensors exactly (a planner bug)",
     "key_map": "key_map problems", "unreadable": "stored in a form a restore cannot read",
     "checksum": "restored values that are not the bytes the file records a crc32 of (verify_checksums=True)",
+    "replicas": "parameters every rank holds whole that differ between the ranks",
 }
 _NAMES_HINT = ("check model_prefix= (CLI: --model-prefix; the subtree holding the weights), pass key_map= when the"
                " model names its tensors differently, or strict=False to restore the keys that match (in the restore"
@@ -56,8 +57,12 @@ _HINTS = {
                " fsdp_restore.init_non_persistent_buffers(model) (Hugging Face rotary embeddings, modules with"
                " reset_buffers()), re-run your own buffer initialisation, or build these modules on the real"
                " device; pass check_buffers=False if they are meant to differ",
+    "replicas": "parameters that every rank holds whole differ between the ranks, so the file would take each from"
+                " whichever rank writes it: nothing keeps them in sync (a module left outside fully_shard, whose"
+                " gradients no rank all-reduces): shard it too (fully_shard(model) on the root as well), wrap the"
+                " model in DistributedDataParallel, or keep them equal yourself before saving",
 }
-_PER_RANK = ("error", "unrestored", "buffers")  # kinds whose items may differ between ranks
+_PER_RANK = ("error", "unrestored", "buffers", "replicas")  # kinds whose items may differ between ranks
 
 
 @dataclass
@@ -147,10 +152,12 @@ MAX_SAME = 12  # values `agree` compares between ranks (``same``): a fixed numbe
 
 def agree(problems: Problems, what: str, group: dist.ProcessGroup | None = None, *,
           coverage: dict[str, tuple[int, int]] | None = None,
-          buffer_prints: list[tuple[str, int]] | None = None, same: Sequence[tuple[str, str]] = ()) -> None:
+          buffer_prints: list[tuple[str, int]] | None = None, same: Sequence[tuple[str, str]] = (),
+          prints_kind: str = "buffers") -> None:
     """Raise the same `RestoreError` on every rank if any rank has a problem, the ranks' plans do not
     cover every tensor exactly (``coverage``: `check.coverage_terms`), a non-persistent buffer differs
-    between ranks (``buffer_prints``), or a value of ``same`` (pairs ``(value, what it means if it differs)``,
+    between ranks (``buffer_prints``: (name, fingerprint) pairs; ``prints_kind``: what they are, "buffers", or
+    "replicas" for a save's replicated parameters), or a value of ``same`` (pairs ``(value, what it means if it differs)``,
     at most `MAX_SAME`: the checkpoint version each rank opened, the options it was called with) is not the
     same text on every rank. Every rank calls it at the same point of the protocol, with its ``same`` in the
     same order.
@@ -159,7 +166,8 @@ def agree(problems: Problems, what: str, group: dist.ProcessGroup | None = None,
     whatever the world size: no rank gathers anything per rank (see `_reports`). A rank whose ``problems`` met a
     KeyboardInterrupt raises that, from the verdict, once every rank has it."""
     try:
-        _agree(problems, what, group, coverage=coverage, buffer_prints=buffer_prints, same=same)
+        _agree(problems, what, group, coverage=coverage, buffer_prints=buffer_prints, same=same,
+               prints_kind=prints_kind)
     except RestoreError as e:
         if problems.interrupted:
             raise KeyboardInterrupt(str(e)) from e
@@ -168,7 +176,7 @@ def agree(problems: Problems, what: str, group: dist.ProcessGroup | None = None,
 
 def _agree(problems: Problems, what: str, group: dist.ProcessGroup | None, *,
            coverage: dict[str, tuple[int, int]] | None, buffer_prints: list[tuple[str, int]] | None,
-           same: Sequence[tuple[str, str]]) -> None:
+           same: Sequence[tuple[str, str]], prints_kind: str = "buffers") -> None:
     if len(same) > MAX_SAME:
         raise ValueError(f"agree compares at most {MAX_SAME} values, not {len(same)}")
     rank, world = _rank(group)
@@ -197,7 +205,7 @@ def _agree(problems: Problems, what: str, group: dist.ProcessGroup | None, *,
         # the per-buffer all-reduce needs the same number of buffers on every rank
         with _collective(what, "finding the buffers that differ between ranks"):
             differing = _differing_buffers(buffer_prints or [], _same_everywhere(n1, n2, world), group, world)
-        _raise({"buffers": differing}, what)
+        _raise({prints_kind: differing}, what)
 
 
 def _same_everywhere(total: int, total_of_squares: int, world: int) -> bool:

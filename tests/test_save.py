@@ -1139,3 +1139,49 @@ def test_a_set_of_shards_saved_into_a_model_directory_keeps_its_config(tmp_path)
     """save_sharded(max_shard_size=) into a Hugging Face model directory holding its config.json was refused."""
     names = run_ranks(_into_a_model_directory, 2, str(tmp_path))[0]
     assert "config.json" in names and "model.safetensors.index.json" in names and len(names) >= 3, names
+
+
+def _root_left_unsharded(rank, world_size, path, drift, how):
+    """FSDP2 on the blocks only (the root's parameters stay plain tensors on every rank), or DDP."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = build("llama")
+    if how == "fsdp2-blocks":
+        for block in model.model.layers:
+            fully_shard(block)
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    core = model.module if how == "ddp" else model
+    if drift:  # what training does to parameters whose gradients no rank all-reduces
+        with torch.no_grad():
+            core.model.norm.weight.add_(rank)
+            core.lm_head.weight.mul_(1 + rank)
+    try:
+        save_sharded(model, path)
+    except SaveError as e:
+        assert not os.path.exists(path) and not _leftovers(path)
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("drift", [True, False], ids=["drifted", "equal"])
+def test_replicated_parameters_that_differ_between_ranks_are_refused(tmp_path, drift):
+    """A root left outside fully_shard keeps plain parameters on every rank that nothing keeps equal: the file took
+    each from whichever rank wrote it (norm from rank 0, lm_head from rank 1: a model no rank held), without a word.
+    Refused now, naming them; equal replicas save as before, and DDP (which keeps them equal) is not compared."""
+    from safetensors.torch import load_file
+
+    path = str(tmp_path / "x.safetensors")
+    texts = run_ranks(_root_left_unsharded, 2, path, drift, "fsdp2-blocks")
+    if drift:
+        assert texts[0] == texts[1] and "differ between the ranks" in texts[0], texts[0]
+        assert "model.norm.weight" in texts[0] and "lm_head.weight" in texts[0]
+        assert "model.embed_tokens.weight" not in texts[0]  # equal on both ranks: not named
+        return
+    assert texts == [None, None]
+    torch.manual_seed(0)
+    oracle = build("llama").state_dict()
+    saved = load_file(path)
+    assert list(saved) == list(oracle) and all(torch.equal(saved[k], v) for k, v in oracle.items())
+    assert run_ranks(_root_left_unsharded, 2, str(tmp_path / "d.safetensors"), False, "ddp") == [None, None]
