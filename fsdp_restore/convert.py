@@ -235,9 +235,7 @@ def _refuse_unsafe_globals(path: Path, extra: list[Any]) -> None:
     if refused:
         raise UnsafePickleError(
             f"{path}: the pickle references {', '.join(sorted(refused))}, which loading would import and"
-            f" may call (arbitrary code execution). {allow_global_hint(sorted(refused))}. An allowed class's values"
-            " are not stored (only plain types are): drop them with on_unsupported=skip (load() returns None there;"
-            " verify --allow-global accepts the drop the file declares)")
+            f" may call (arbitrary code execution). {allow_global_hint(sorted(refused))}")
 
 
 def _load_error(path: Path, e: Exception) -> Exception:

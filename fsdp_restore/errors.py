@@ -64,13 +64,20 @@ def refused_global(where: str, e: BaseException) -> UnsafePickleError | None:
 
 def allow_global_hint(names: list[str]) -> str:
     """The two ways on from a refused global, with what each one runs: ``--allow-global`` lets the unpickler call
-    a class with the pickle's arguments (so only a data class may be allowed: a function is refused at the door,
-    `allowed_global`), ``--trust-pickle`` runs the whole pickle."""
-    return (f"If {'it is a data class' if len(names) == 1 else 'each is a data class'} you know (a config, a"
-            f" dataclass, datetime.timedelta), allow it with --allow-global {names[0]} (allow_globals=[...]): the"
+    a class with the pickle's arguments (so only a data class may be allowed: a function, or a class of a module
+    whose classes act, is refused at the door, `allowed_global`, and is not offered), ``--trust-pickle`` runs the
+    whole pickle."""
+    allowable = [n for n in names if n.split(".", 1)[0] not in _ACTING_MODULES and n not in _ACTING_CLASSES]
+    trust = ("If you trust the file, pass --trust-pickle (trust_pickle=True). Either way such a value is not stored"
+             " (only plain types are): add on_unsupported=skip to drop it (load() returns None there; verify, given the"
+             " same flags, accepts the drop the file declares)")
+    if not allowable:
+        return (f"{'It is a class' if len(names) == 1 else 'Each is a class'} of a module whose classes act when"
+                f" called (files, processes, code), so it cannot be allowed. {trust}")
+    return (f"If {'it is a data class' if len(allowable) == 1 else 'each is a data class'} you know (a config, a"
+            f" dataclass, datetime.timedelta), allow it with --allow-global {allowable[0]} (allow_globals=[...]): the"
             " unpickler then calls the class with the pickle's arguments, so never allow one that acts (a file,"
-            " a process, a function such as shutil.rmtree: that is running the pickle). If you trust the file, pass"
-            " --trust-pickle (trust_pickle=True)")
+            f" a process, a function such as shutil.rmtree: that is running the pickle). {trust}")
 
 
 # modules whose classes act when called (open or write files, start processes, load libraries, connect, run code):

@@ -10,6 +10,7 @@ import os
 import pickle
 import re
 import struct
+import warnings
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -267,7 +268,9 @@ def _sharded_source(against: Any, select: str | None, tag: str | None = None,
     trust_pickle, allowed = trusted
     safe = {"safe_globals": _allowlist() + list(allowed), "trust_pickle": trust_pickle}
     obj, pieces = read_dcp(against, **safe) if is_dcp_checkpoint(against) else read_zero(against, tag=tag, **safe)[:2]
-    tensors, structure = flatten(select_subtree(obj, select))
+    with warnings.catch_warnings():  # a value no file can hold is a skipped node here, compared with what the file
+        warnings.simplefilter("ignore")  # declares it dropped (the structures must match), never a failure
+        tensors, structure = flatten(select_subtree(obj, select), on_unsupported="skip")
     for key, t in list(tensors.items()):
         held = pieces.get(t.data_ptr())
         if held is not None:
@@ -433,6 +436,11 @@ def _skipped_values(node: Any, parts: tuple[Any, ...] = (), found: dict[tuple[An
             for i, value in enumerate(node.get("items", [])):
                 _skipped_values(value, (*parts, ("item", i)), found)
     return found
+
+
+def _typed_path_text(parts: tuple[Any, ...]) -> str:
+    """A typed path of `_skipped_values` as text, dotted as the structure's names are."""
+    return ".".join(str(step[2]) if step[0] == "key" else str(step[1]) for step in parts) or "<root>"
 
 
 def _same_float(a: float, b: float) -> bool:
@@ -761,6 +769,9 @@ def _verify_open(ckpt: Checkpoint, report: VerifyReport, against: Any, select: s
             if ckpt.has_structure and src_structure != ckpt.structure:
                 report.problems.append(("<structure>", "nested structure differs from the source"
                                         " (keys, types or non-tensor values)"))
+            elif ckpt.has_structure:  # the values the source holds and the file declares it dropped (and nothing else)
+                report.dropped = [(_typed_path_text(parts), kind) for parts, kind in
+                                  _skipped_values(ckpt.structure["root"]).items()]
             source = _match_by_name(ckpt, src_tensors, src_structure, report, select)
         elif loaded is not _UNLOADED:
             comparer = _Comparer(ckpt, select)

@@ -210,9 +210,42 @@ def test_values_a_pt_may_hold_convert_from_dcp_too(tmp_path):
                for a, b in zip(back["np_state"], values["np_state"]))
     assert fsdp_restore.verify(tmp_path / "ok.safetensors", against=tmp_path / "ok").verdict == "identical"
     dcp.save({"w": torch.arange(3.0), "hook": subprocess.Popen}, checkpoint_id=tmp_path / "code", no_dist=True)
-    with pytest.raises(fsdp_restore.UnsafePickleError, match=r"Popen, .*--allow-global.*--trust-pickle"):
+    with pytest.raises(fsdp_restore.UnsafePickleError, match=r"Popen, .*--trust-pickle"):
         fsdp_restore.convert(tmp_path / "code", tmp_path / "code.safetensors")
     assert not (tmp_path / "code.safetensors").exists()
+
+
+@pytest.mark.parametrize("value", ["timedelta", "BytesIO"])
+def test_a_value_dropped_on_conversion_verifies_against_its_dcp_source(tmp_path, value):
+    """A DCP directory holding a value no safetensors file can hold (a timedelta; torchtitan's losses as a BytesIO)
+    converts with it dropped (on_unsupported=skip, declared in the file), and verify against the directory failed
+    ("cannot store object of type ..."), where the same drop from a .pt verified as a declared change."""
+    import datetime
+    import io
+
+    import torch.distributed.checkpoint as dcp
+
+    if value == "BytesIO":
+        held = io.BytesIO()
+        torch.save([3.1, 2.9], held)
+        unpickling = {"trust_pickle": True}  # (a BytesIO is of _io, whose classes act: it cannot be allowed)
+    else:
+        held, unpickling = datetime.timedelta(seconds=5), {"allow_globals": ["datetime.timedelta"]}
+    dcp.save({"w": torch.arange(3.0), "state": {"step": 3, "held": held}}, checkpoint_id=tmp_path / "d", no_dist=True)
+    with pytest.raises(fsdp_restore.UnsafePickleError) as refused:  # the advice is what works: it advised
+        fsdp_restore.convert(tmp_path / "d", tmp_path / "d.safetensors")  # --allow-global _io.BytesIO, then refused it
+    text = str(refused.value)
+    assert "on_unsupported=skip" in text and "--trust-pickle" in text
+    assert ("cannot be allowed" in text and "--allow-global" not in text if value == "BytesIO"
+            else "--allow-global datetime.timedelta" in text)
+    fsdp_restore.convert(tmp_path / "d", tmp_path / "d.safetensors", on_unsupported="skip", **unpickling)
+    assert fsdp_restore.load(tmp_path / "d.safetensors")["state"] == {"step": 3, "held": None}
+    report = fsdp_restore.verify(tmp_path / "d.safetensors", against=tmp_path / "d", **unpickling)
+    assert report.verdict == "identical up to the declared changes", report.problems
+    assert report.dropped == [("state.held", f"{type(held).__module__}.{type(held).__qualname__}")]
+    fsdp_restore.convert(tmp_path / "d", tmp_path / "other.safetensors", on_unsupported="skip", **unpickling)
+    dcp.save({"w": torch.arange(3.0), "state": {"step": 4, "held": held}}, checkpoint_id=tmp_path / "e", no_dist=True)
+    assert fsdp_restore.verify(tmp_path / "other.safetensors", against=tmp_path / "e", **unpickling).problems
 
 
 def test_verify_against_the_dcp_directory(saved, tmp_path):
