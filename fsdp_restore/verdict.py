@@ -157,8 +157,8 @@ def agree(problems: Problems, what: str, group: dist.ProcessGroup | None = None,
     """Raise the same `RestoreError` on every rank if any rank has a problem, the ranks' plans do not
     cover every tensor exactly (``coverage``: `check.coverage_terms`), a non-persistent buffer differs
     between ranks (``buffer_prints``: (name, fingerprint) pairs; ``prints_kind``: what they are, "buffers", or
-    "replicas" for a save's replicated parameters), or a value of ``same`` (pairs ``(value, what it means if it differs)``,
-    at most `MAX_SAME`: the checkpoint version each rank opened, the options it was called with) is not the
+    "replicas" for a save's replicated parameters), or a value of ``same`` (pairs ``(value, what it means if it
+    differs)``, at most `MAX_SAME`: the checkpoint version each rank opened, the options it was called with) is not the
     same text on every rank. Every rank calls it at the same point of the protocol, with its ``same`` in the
     same order.
 

@@ -258,7 +258,8 @@ def main() -> None:
             rows.append(row)
             if args.out:  # after every row: a run cut short still leaves what it measured
                 Path(args.out).write_text(json.dumps({"info": info, "rows": rows}, indent=2))
-            console.print(f"  {cache} {method} t={threads} {chunk_mb or 16} MB: {row['runs_gbps']} GB/s per rank, {row['seconds']:.3f} s,"
+            console.print(f"  {cache} {method} t={threads} {chunk_mb or 16} MB: {row['runs_gbps']} GB/s per rank,"
+                          f" {row['seconds']:.3f} s,"
                           f" host +{row['host_peak'] / 1e6:.0f} MB, GPU +{row['gpu_extra'] / 1e6:.0f} MB"
                           f"{', phases ' + str(row['timings']) if row.get('timings') else ''}")
     lines = ["| cache | method | threads | read size | GB/s per rank | x h2d | seconds | host peak above baseline |"
@@ -267,7 +268,8 @@ def main() -> None:
         h2d = next((x for x in rows if x["method"] == "h2d" and x["cache"] == r["cache"]), None)
         h2d = h2d or next((x for x in rows if x["method"] == "h2d"), None)
         ratio = f"{r['gbps'] / h2d['gbps']:.2f}" if h2d else "-"
-        lines.append(f"| {r['cache']} | {r['method']} | {r['threads']} | {r['chunk_mb']} MB | {r['gbps']:.2f} | {ratio} | {r['seconds']:.3f} |"
+        lines.append(f"| {r['cache']} | {r['method']} | {r['threads']} | {r['chunk_mb']} MB | {r['gbps']:.2f} | {ratio} |"
+                     f" {r['seconds']:.3f} |"
                      f" {r['host_peak'] / 1e6:.0f} MB | {r['gpu_extra'] / 1e6:.0f} MB |")
     console.print("\n".join(lines))
     if args.out:

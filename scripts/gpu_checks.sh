@@ -62,7 +62,8 @@ for s in $STEPS; do
         --ignore=tests/test_cli.py --junitxml="$OUT/tests.xml" tests ;;  # (the CLI has no GPU case)
     cold)
       # shellcheck disable=SC2086
-      step cold ${COLD_LIMIT:-70} $PY scripts/benchmark_gpu.py --restore-mb 4096 --cache cold --methods ${COLD_METHODS:-read ours ours-nocheck} \
+      step cold ${COLD_LIMIT:-70} $PY scripts/benchmark_gpu.py --restore-mb 4096 --cache cold \
+        --methods ${COLD_METHODS:-read ours ours-nocheck} \
         --threads "${BEST:-4}" --repeat 2 --workdir "$WORK" --out "$OUT/cold.json" ;;
     llama)
       step llama ${LLAMA_LIMIT:-100} $PY scripts/benchmark_gpu.py --model llama --restore-mb 4096 --cache warm \
