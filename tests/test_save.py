@@ -1185,3 +1185,27 @@ def test_replicated_parameters_that_differ_between_ranks_are_refused(tmp_path, d
     saved = load_file(path)
     assert list(saved) == list(oracle) and all(torch.equal(saved[k], v) for k, v in oracle.items())
     assert run_ranks(_root_left_unsharded, 2, str(tmp_path / "d.safetensors"), False, "ddp") == [None, None]
+
+
+def _doubles_weight(module, state_dict, prefix, local_metadata):  # a state-dict hook from outside torch
+    if prefix + "weight" in state_dict:  # (called also where the module holds no weight of its own)
+        state_dict[prefix + "weight"] = state_dict[prefix + "weight"] * 2
+
+
+def _fsdp1_with_a_hook(rank, world_size, path, use_orig_params):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    model[1]._register_state_dict_hook(_doubles_weight)
+    model = FSDP(model, use_orig_params=use_orig_params, device_id=torch.device("cpu"))
+    with pytest.raises(SaveError, match=r"\(1\): 1 \(a state_dict hook of test_save\)"):
+        save_sharded(model, path)
+    return not os.path.exists(path)
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
+def test_a_state_dict_hook_under_fsdp1_is_refused(tmp_path, use_orig_params):
+    """FSDP1 takes a wrapped module's parameters out of it, so its own state_dict() gave nothing, which passed for
+    "gives exactly what it holds": a hook that doubles a weight in FSDP1's state dict was then saved undoubled."""
+    assert run_ranks(_fsdp1_with_a_hook, 2, str(tmp_path / "x.safetensors"), use_orig_params) == [True, True]
