@@ -108,9 +108,9 @@ def named_parameters_of(modules: list[tuple[str, nn.Module]]) -> Iterator[tuple[
                 yield (f"{prefix}.{name}" if prefix else name), param
 
 
-def _fsdp1_units(model: nn.Module, modules: list[tuple[str, nn.Module]] | None = None):
+def _fsdp1_units(model: nn.Module | None, modules: list[tuple[str, nn.Module]] | None = None):
     """(clean prefix, FlatParamHandle) for every FSDP1 unit that owns parameters (``modules``: `module_walk`'s
-    list, when the caller has it)."""
+    list, when the caller has it; then ``model`` is not needed)."""
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     except ImportError:  # pragma: no cover
@@ -200,7 +200,7 @@ def state_dict_code(modules: list[tuple[str, nn.Module]], *, loading: bool) -> l
     offenders = []
     # under FSDP1 a wrapped module's own state_dict() shows none of the parameters its unit flattened away, so it
     # cannot show that it passes through: asked of no module of such a model
-    may_pass = not loading and not any(_is_fsdp1(module) for _, module in modules)
+    may_pass = not loading and next(_fsdp1_units(None, modules), None) is None
     for name, module in modules:
         why = None
         overridden = _overridden(type(module), loading)
@@ -238,14 +238,6 @@ def _passes_through(module: nn.Module) -> bool:
     except Exception:  # noqa: BLE001 - its code failed: not shown to pass through
         return False
     return given.keys() == own.keys() and all(given[k] is own[k] for k in own)
-
-
-def _is_fsdp1(module: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(module, FullyShardedDataParallel)
 
 
 @functools.cache  # per class: a model repeats a few classes thousands of times
