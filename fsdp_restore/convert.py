@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import (ConvertError, FormatError, UnsafePickleError, allow_global_hint, allowed_global, first_line,
                      on_unsupported_argument, thread_count_argument)
 from .flatten import flatten
-from .format import META_SOURCE, PT_SUFFIXES, SNIFF_BYTES, is_legacy_torch_save
+from .format import META_SOURCE, PT_SUFFIXES, SNIFF_BYTES, StoredDtype, is_legacy_torch_save
 from .jobs import ConvertReport, cast_groups, cast_target, plan_jobs, shard_size_argument, write_converted
 from .measure import PeakAnonMemory, Stopwatch
 from .provenance import source_identity
@@ -297,7 +297,7 @@ def _same_source(share: Share, identity: Any) -> None:
                            " read it): every rank must convert the same source")
 
 
-def _convert_directory(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: torch.dtype | None,
+def _convert_directory(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: StoredDtype | None,
                        cast_include: Sequence[str] | None, cast_exclude: Sequence[str], max_shard_size: int | str | None,
                        select: str | None, threads: int | None, force: bool, on_unsupported: str,
                        progress: Callable[[int, int], None] | None, tag: str | None, share: Share,
@@ -370,7 +370,7 @@ def _report(src: str | os.PathLike[str], dst: str | os.PathLike[str], result: An
 
 def _convert_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, select: str | None,
                    on_unsupported: str, threads: int, max_shard_size: int | str | None, force: bool,
-                   progress: Callable[[int, int], None] | None, dtype: torch.dtype | None = None,
+                   progress: Callable[[int, int], None] | None, dtype: StoredDtype | None = None,
                    cast_include: Sequence[str] | None = None,
                    cast_exclude: Sequence[str] = ()) -> ConvertReport | None:
     """`convert` of a plain checkpoint without torch (`plain_pt`): the same file, byte for byte, as the conversion
@@ -429,7 +429,7 @@ def _same_file(src: str | os.PathLike[str], before: os.stat_result, now: os.stat
 
 def _convert_zero_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, select: str, tag: str | None,
                         on_unsupported: str, threads: int, max_shard_size: int | str | None, force: bool,
-                        progress: Callable[[int, int], None] | None, dtype: torch.dtype | None = None,
+                        progress: Callable[[int, int], None] | None, dtype: StoredDtype | None = None,
                         cast_include: Sequence[str] | None = None,
                         cast_exclude: Sequence[str] = ()) -> ConvertReport | None:
     """`convert` of a ZeRO checkpoint's weights (``select``: ``model`` or within it) without torch (`zero_plain`):
@@ -536,8 +536,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
 
     A plain checkpoint of dicts, lists, tuples, Python scalars and tensors (one process, no ``trust_pickle`` or
     ``allow_globals``) is read without torch's unpickler (`plain_pt`: a subset of what torch's weights-only
-    unpickler takes, built as it builds it; torch is imported only to cast, so a same-dtype conversion in a process
-    that has not imported it never does); anything else is memory-mapped (``torch.load(mmap=True,
+    unpickler takes, built as it builds it; torch is imported only to cast, and not for an fp32 -> bf16 cast of
+    finite values (`plain_cast`), so such a conversion in a process that has not imported it never does); anything else is memory-mapped (``torch.load(mmap=True,
     weights_only=True)``) to read its structure. Either way the result is the same file, byte for byte. The
     tensors' bytes are read with ``pread`` at their offsets into 32 MB blocks of the output, one per
     thread at a time (``thread_count``, default: every core, at least 4 and at most 16), cast if asked and
@@ -572,7 +572,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
     cast_include = cast_include if cast_include is None or isinstance(cast_include, str) else list(cast_include)
     cast_exclude = cast_exclude if isinstance(cast_exclude, str) else list(cast_exclude)
 
-    def check_arguments() -> tuple[int | None, torch.dtype | None]:
+    def check_arguments() -> tuple[int | None, StoredDtype | None]:
         if tag is not None and not (Path(src).is_dir() and is_zero_checkpoint(src)):
             kind = "a file" if Path(src).is_file() else "not one"
             raise ValueError(f"tag='{tag}' (--tag) picks a tag of a DeepSpeed checkpoint directory; {src} is {kind}:"

@@ -94,17 +94,52 @@ def as_torch_dtype(dtype: Any) -> torch.dtype:
     return dtype if plain is None else _torch_tables()[1][plain]
 
 
+class StoredDtype:
+    """A tensor dtype described without torch: its torch name, its safetensors name and its item size. One instance
+    per dtype (`STORED_DTYPES`; compared by identity, as torch's dtypes are). The torch-free readers
+    (`fsdp_restore.plain_pt`) give their tensors these, and a cast between them needs no torch (`plain_cast`)."""
+
+    def __init__(self, name: str, safetensors_name: str, itemsize: int, floating: bool) -> None:
+        self.name, self.safetensors_name, self.itemsize, self.floating = name, safetensors_name, itemsize, floating
+
+    def __str__(self) -> str:
+        return f"torch.{self.name}"  # as str(torch.float32) reads
+
+    __repr__ = __str__
+
+
+# by torch's name: the dtypes a torch-free reader meets (those of torch's typed storages)
+STORED_DTYPES = {name: StoredDtype(name, st_name, size, floating) for name, st_name, size, floating in [
+    ("float32", "F32", 4, True), ("float64", "F64", 8, True), ("float16", "F16", 2, True),
+    ("bfloat16", "BF16", 2, True), ("int64", "I64", 8, False), ("int32", "I32", 4, False),
+    ("int16", "I16", 2, False), ("int8", "I8", 1, False), ("uint8", "U8", 1, False), ("bool", "BOOL", 1, False)]}
+_BY_SAFETENSORS_NAME = {d.safetensors_name: d for d in STORED_DTYPES.values()}
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+                  "float": "float32", "fp64": "float64", "double": "float64"}
+
+
+def stored_dtype(dtype: Any) -> StoredDtype | None:
+    """The `StoredDtype` of ``dtype`` without importing torch: one itself, a torch dtype, or a name as
+    `torch_dtype_from_string` reads it (``"bf16"``, ``"torch.bfloat16"``, ``"BF16"``); None for any other
+    (complex, float8, unsigned above 8 bits: torch's alone)."""
+    if isinstance(dtype, StoredDtype):
+        return dtype
+    if not isinstance(dtype, str):  # a torch dtype prints as torch.<name>
+        return STORED_DTYPES.get(str(dtype).removeprefix("torch.")) if type(dtype).__module__ == "torch" else None
+    key = dtype.strip().removeprefix("torch.")
+    found = STORED_DTYPES.get(key) or _BY_SAFETENSORS_NAME.get(key)
+    return found or STORED_DTYPES.get(_DTYPE_ALIASES.get(key.lower(), key.lower()))
+
+
 def torch_dtype_from_string(text: str) -> torch.dtype:
     """Parse ``"bf16"``, ``"bfloat16"``, ``"torch.bfloat16"`` or ``"BF16"`` into a torch dtype."""
     import torch
 
-    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
-               "float": "float32", "fp64": "float64", "double": "float64"}
     key = text.strip().removeprefix("torch.")
     name_to_dtype = _torch_tables()[1]
     if key in name_to_dtype:
         return name_to_dtype[key]
-    key = aliases.get(key.lower(), key.lower())
+    key = _DTYPE_ALIASES.get(key.lower(), key.lower())
     dtype = getattr(torch, key, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype '{text}' (try bf16, fp16, fp32 or fp64)")

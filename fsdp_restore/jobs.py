@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .flatten import holds_model_subtree, iter_nodes_with_keys
-from .format import as_torch_dtype, torch_dtype_from_string, torch_dtype_name
+from .format import StoredDtype, as_torch_dtype, stored_dtype, torch_dtype_from_string, torch_dtype_name
 from .share import Share
 from .write import Location, Reader, TensorJob, write_safetensors
 
@@ -27,24 +27,23 @@ if TYPE_CHECKING:
 _GLOB = re.compile(r"[*?\[]")
 
 
-def _castable() -> tuple[torch.dtype, ...]:
-    """The floating dtypes a conversion casts to and from (imports torch: only a cast needs it)."""
-    import torch
-
-    return (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+_CASTABLE = ("float64", "float32", "float16", "bfloat16")  # the floating dtypes a conversion casts to and from
 
 
-def cast_target(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    """The ``--dtype`` of a conversion: floating targets only. A cast to an integer type turns weights into
-    zeros and wraps counters (301 -> 45 in int8); nothing in a checkpoint is meant to be stored that way."""
+def cast_target(dtype: torch.dtype | StoredDtype | str | None) -> StoredDtype | None:
+    """The ``--dtype`` of a conversion, described without torch (`format.StoredDtype`: a cast between two dtypes a
+    torch-free reader gives needs no torch, `plain_cast`): floating targets only. A cast to an integer type turns
+    weights into zeros and wraps counters (301 -> 45 in int8); nothing in a checkpoint is meant to be stored that
+    way."""
     if dtype is None:
         return None
-    if isinstance(dtype, str):
+    described = stored_dtype(dtype)
+    if described is None and isinstance(dtype, str):  # not one of ours: torch's name for it, or its error
         dtype = torch_dtype_from_string(dtype)
-    if dtype not in _castable():
+    if described is None or described.name not in _CASTABLE:
         raise ValueError(f"dtype {str(dtype).removeprefix('torch.')} is not a floating target: --dtype takes bf16,"
                          " fp16, fp32 or fp64 (casting to an integer or bool type would silently change values)")
-    return dtype
+    return described
 
 
 def default_cast_scope(structure: dict[str, Any]) -> list[str]:
@@ -119,18 +118,22 @@ def plan_jobs(tensors: dict[str, torch.Tensor], structure: dict[str, Any], dtype
         return [TensorJob(key, t, t.dtype) for key, t in tensors.items()]
     tensor_keys = {node["key"] for _, node in iter_nodes_with_keys(structure["root"]) if node["type"] == "tensor"}
     include = list(cast_include) if cast_include is not None else default_cast_scope(structure)
-    castable = _castable()
+    as_torch = {}  # the target as a torch tensor's cast needs it (imports torch: only for such a tensor)
 
-    def out_dtype(key: str, t: torch.Tensor) -> torch.dtype:
-        source = as_torch_dtype(t.dtype)  # a torch-free path's dtype stands for torch's; kept where no cast is made
-        if source not in castable or source == dtype or key not in tensor_keys:
+    def out_dtype(key: str, t: torch.Tensor) -> torch.dtype | StoredDtype:
+        source = stored_dtype(t.dtype)  # a torch-free reader's dtype, or torch's described alike
+        if source is None or source is dtype or source.name not in _CASTABLE or key not in tensor_keys:
             return t.dtype
         if any(fnmatch.fnmatchcase(key, p) for p in cast_exclude):
             return t.dtype
         named = [p for p in include if fnmatch.fnmatchcase(key, p)]
         if not named or (t.dim() == 0 and not any(p == key and not _GLOB.search(p) for p in named)):
             return t.dtype
-        return dtype
+        if t.dtype is source:  # described without torch: so is its target
+            return dtype
+        if not as_torch:
+            as_torch[0] = as_torch_dtype(dtype)
+        return as_torch[0]
 
     return [TensorJob(key, t, out_dtype(key, t)) for key, t in tensors.items()]
 

@@ -26,6 +26,8 @@ from collections import OrderedDict
 from math import prod
 from typing import Any, NamedTuple
 
+from .format import STORED_DTYPES, StoredDtype
+
 MAX_PICKLE_BYTES = 64 * 2**20  # a checkpoint's pickle is kilobytes to a few megabytes
 _INT64 = 2**63  # torch's sizes, strides, offsets and element counts are int64: anything past it, torch refuses
 MAX_DIRECTORY_BYTES = 256 * 2**20  # a zip central directory of millions of records (such a pickle is past its cap)
@@ -65,25 +67,10 @@ class NotPlain(Exception):
     """This file is not one this module reads exactly as torch's weights-only loader would: load it with torch."""
 
 
-class StoredDtype:
-    """A tensor dtype described without torch: its torch name, its safetensors name and its item size. One instance
-    per dtype (compared by identity, as torch's dtypes are)."""
-
-    def __init__(self, name: str, safetensors_name: str, itemsize: int, floating: bool) -> None:
-        self.name, self.safetensors_name, self.itemsize, self.floating = name, safetensors_name, itemsize, floating
-
-    def __str__(self) -> str:
-        return f"torch.{self.name}"  # as str(torch.float32) reads
-
-    __repr__ = __str__
-
-
-_DTYPES = {storage: StoredDtype(name, st_name, size, floating) for storage, name, st_name, size, floating in [
-    ("FloatStorage", "float32", "F32", 4, True), ("DoubleStorage", "float64", "F64", 8, True),
-    ("HalfStorage", "float16", "F16", 2, True), ("BFloat16Storage", "bfloat16", "BF16", 2, True),
-    ("LongStorage", "int64", "I64", 8, False), ("IntStorage", "int32", "I32", 4, False),
-    ("ShortStorage", "int16", "I16", 2, False), ("CharStorage", "int8", "I8", 1, False),
-    ("ByteStorage", "uint8", "U8", 1, False), ("BoolStorage", "bool", "BOOL", 1, False)]}
+_DTYPES = {storage: STORED_DTYPES[name] for storage, name in [
+    ("FloatStorage", "float32"), ("DoubleStorage", "float64"), ("HalfStorage", "float16"),
+    ("BFloat16Storage", "bfloat16"), ("LongStorage", "int64"), ("IntStorage", "int32"), ("ShortStorage", "int16"),
+    ("CharStorage", "int8"), ("ByteStorage", "uint8"), ("BoolStorage", "bool")]}
 
 
 class StoredStorage:

@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING, Any
 
 from .checksum import combine_segments
 from .format import (DEFAULT_INDEX_NAME, FORMAT_VERSION, HEADER_SEAL_PREFIX, META_CAST, META_CHECKSUMS, META_FORMAT,
-                     META_SET_ID, META_STRUCTURE, META_VERSION, as_torch_dtype, build_header, build_index, seal,
-                     torch_dtype_name)
+                     META_SET_ID, META_STRUCTURE, META_VERSION, STORED_DTYPES, StoredDtype, as_torch_dtype,
+                     build_header, build_index, seal, torch_dtype_name)
 from .errors import ConvertError
 from .mapped import pread_exactly
 from .share import DIED_NOTE, Share
@@ -52,6 +52,7 @@ from .share import DIED_NOTE, Share
 CHUNK_BYTES = 16 * 1024 * 1024  # per-thread working set when casting or copying non-contiguous data
 CAST_STAGING_BYTES = 4 * 1024 * 1024  # source bytes per step of a cast (`_copy_piece_into`): it stays in cache
 _PLACEHOLDER = "0" * 8
+_F32, _BF16 = STORED_DTYPES["float32"], STORED_DTYPES["bfloat16"]  # the cast made without torch (`plain_cast`)
 
 ProgressFn = Callable[[int], None]
 
@@ -86,7 +87,7 @@ class TensorJob:
 
     key: str
     source: torch.Tensor
-    dtype: torch.dtype
+    dtype: torch.dtype | StoredDtype  # a `StoredDtype` where ``source`` is described (`_described`)
     reader: Reader | None = None
     # where ``source``'s bytes lie: (open file, offset), or the (open file, offset, length) runs that hold them in
     # turn (a tensor held in pieces by several files: `zero_plain`)
@@ -100,6 +101,11 @@ class TensorJob:
     def source_dtype(self) -> torch.dtype:
         """``source``'s dtype as torch's (a torch-free reader's stands for one; asked only where a cast is made)."""
         return as_torch_dtype(self.source.dtype)
+
+    @functools.cached_property
+    def target_dtype(self) -> torch.dtype:
+        """``dtype`` as torch's (asked only where torch casts)."""
+        return as_torch_dtype(self.dtype)
 
 
 @dataclass
@@ -440,11 +446,62 @@ def _copy_piece(piece: _Piece, memory: mmap.mmap) -> tuple[int, bool]:
     """Copy (and cast) one piece of a tensor that is not read from a file at its offset into the block buffer
     (``memory``); returns how many finite source values a narrowing cast made infinite or NaN (`narrowing`), and
     whether the cast may have changed the tensor as `changed_by_cast` says (decided over the whole tensor
-    afterwards)."""
+    afterwards). An fp32 -> bf16 cast of a described tensor is made without torch where every value is finite
+    after it (`_cast_without_torch`), else by torch."""
+    done = _cast_without_torch(piece, memory)
+    if done is not None:
+        return done
     import torch
 
     with torch.no_grad():
         return _copy_piece_into(piece, _BUFFERS.as_tensor(memory))
+
+
+class _PlainCastStaging(threading.local):
+    """This thread's buffers for `_cast_without_torch`: the source bytes' staging (as `_CastStaging`) and the
+    cast's scratch."""
+
+    def get(self) -> tuple[mmap.mmap, memoryview, Any]:
+        if getattr(self, "memory", None) is None:
+            import numpy as np
+
+            self.memory = mmap.mmap(-1, CAST_STAGING_BYTES + mmap.PAGESIZE)
+            self.view = memoryview(self.memory)
+            self.work = np.empty(CAST_STAGING_BYTES // 4, dtype=np.uint32)
+        return self.memory, self.view, self.work
+
+
+_PLAIN_CAST_STAGING = _PlainCastStaging()
+
+
+def _cast_without_torch(piece: _Piece, memory: mmap.mmap) -> tuple[int, bool] | None:
+    """`_copy_piece` of an fp32 tensor described without torch (`_described`, read from where it lies) into bf16,
+    with numpy (`plain_cast`), in steps of `CAST_STAGING_BYTES` of source as the torch path takes them; None where
+    it does not apply (another cast, a piece not on whole elements) or a step holds a value that is not finite
+    after the cast: the torch path then makes the whole piece."""
+    job = piece.job
+    if (job.dtype is not _BF16 or job.source.dtype is not _F32 or job.reader is not None or job.location is None
+            or piece.first % 2 or piece.nbytes % 2 or piece.at % 2):
+        return None
+    import numpy as np
+
+    from .plain_cast import cast_f32_to_bf16
+
+    staging, view, work = _PLAIN_CAST_STAGING.get()
+    first, stop = piece.first // 2, (piece.first + piece.nbytes) // 2
+    step = CAST_STAGING_BYTES // 4
+    large = False
+    for lo in range(first, stop, step):
+        n = min(stop, lo + step) - lo
+        shift = _placement(job.location, lo * 4, 4)
+        _read_location(job.location, view[shift:shift + n * 4], lo * 4)
+        source = np.frombuffer(staging, dtype=np.uint32, count=n, offset=shift)
+        out = np.frombuffer(memory, dtype=np.uint16, count=n, offset=piece.at + (lo - first) * 2)
+        step_large = cast_f32_to_bf16(source, out, work)
+        if step_large is None:
+            return None
+        large = large or step_large
+    return 0, job.source.dim() == 0 or large
 
 
 class _CastStaging(threading.local):
@@ -501,8 +558,8 @@ def _copy_piece_into(piece: _Piece, buffer: torch.Tensor) -> tuple[int, bool]:
     first, stop = piece.first // size, -(-(piece.first + piece.nbytes) // size)
     aligned = piece.first % size == 0 and piece.nbytes % size == 0 and piece.at % size == 0
     # else the tensor does not start at a multiple of its element size (after an odd-length one): cast aside
-    whole = (buffer[piece.at:piece.at + piece.nbytes].view(job.dtype) if aligned
-             else torch.empty(stop - first, dtype=job.dtype))
+    whole = (buffer[piece.at:piece.at + piece.nbytes].view(job.target_dtype) if aligned
+             else torch.empty(stop - first, dtype=job.target_dtype))
     step = CAST_STAGING_BYTES // source_dtype.itemsize
     # a reader is asked once per piece (one of a DCP tensor split by columns reloads every chunk per call)
     read = _source_elements(job, first, stop)[0] if job.reader is not None else None
@@ -521,8 +578,8 @@ def _copy_piece_into(piece: _Piece, buffer: torch.Tensor) -> tuple[int, bool]:
     if not aligned:
         skip = piece.first - first * size
         buffer[piece.at:piece.at + piece.nbytes].copy_(whole.view(torch.uint8)[skip:skip + piece.nbytes])
-    rounded = job.dtype != source_dtype and (job.source.dim() == 0 or (large and rounds_whole_numbers(
-        source_dtype, job.dtype)))
+    rounded = job.target_dtype != source_dtype and (job.source.dim() == 0 or (large and rounds_whole_numbers(
+        source_dtype, job.target_dtype)))
     return overflowed, rounded
 
 
@@ -611,7 +668,7 @@ def changed_by_cast(job: TensorJob, chunk: int = 1 << 22) -> float | None:
         finite = flat[flat.isfinite()]
         if job.source.dim() and not bool((finite == finite.trunc()).all()):
             return None  # not a tensor of whole numbers: weights, whose cast is the point
-        back = flat.to(job.dtype).to(flat.dtype)
+        back = flat.to(job.target_dtype).to(flat.dtype)
         differs = (back != flat) & ~(back.isnan() & flat.isnan())
         if bool(differs.any()):
             changed = True
@@ -676,7 +733,7 @@ def cast_error(overflowed: Mapping[str, int], changed: Mapping[str, float], jobs
 
     keys = sorted(set(overflowed) | set(changed))
     by_key = {j.key: j for j in jobs}
-    target = by_key[keys[0]].dtype
+    target = by_key[keys[0]].target_dtype
     name = str(target).removeprefix("torch.")
     said = []
     if overflowed:

@@ -285,11 +285,13 @@ def test_a_tensor_past_its_storage_is_declined(tmp_path):
         torch.load(src, weights_only=True)
 
 
-@pytest.mark.parametrize("args,unused", [([], "torch"), (["--dtype", "bf16"], "fsdp_restore.torch_zip")],
-                         ids=["same dtype", "cast"])
+@pytest.mark.parametrize("args,unused", [([], "torch"), (["--dtype", "bf16"], "torch"),
+                                         (["--dtype", "fp16"], "fsdp_restore.torch_zip")],
+                         ids=["same dtype", "cast to bf16", "cast to fp16"])
 def test_the_cli_converts_a_plain_checkpoint_without_torch_or_its_loader(tmp_path, args, unused):
-    """The CLI in a fresh process: a same-dtype conversion never imports torch, and ``--dtype`` imports it for the
-    cast alone (torch's loader, `torch_zip`, never); either way the file is the torch path's."""
+    """The CLI in a fresh process: a same-dtype conversion never imports torch, nor does an fp32 -> bf16 cast of
+    finite values (`plain_cast`); another cast imports it for the cast alone (torch's loader, `torch_zip`, never);
+    either way the file is the torch path's."""
     obj = {"model": {"w": torch.randn(4, 3), "b": torch.zeros(3)}, "optim": {"m": torch.randn(4, 3)}, "step": 7,
            "names": ["a", "b"]}
     torch.save(obj, tmp_path / "src.pt")
@@ -335,6 +337,7 @@ def test_a_cast_is_the_cast_torch_makes_of_what_torch_load_gives(tmp_path, targe
     ("fp16", {"model": {"w": torch.tensor([1.0, 1e6, -7e4]), "ok": torch.ones(3)}}, None),
     ("bf16", {"model": {"w": torch.ones(3)}, "optim": {"step": torch.arange(300.0), "lr": torch.tensor(0.1)}},
      ["model.*", "optim.step", "optim.lr"]),
+    ("bf16", {"model": {"w": torch.tensor([1.0, 3.4e38, -3.39e38]), "ok": torch.ones(3)}}, None),
 ])
 def test_a_cast_the_lane_refuses_is_refused_as_the_torch_path_refuses_it(tmp_path, target, obj, include):
     """Values a cast makes infinite, and whole numbers or 0-dim values it changes: the same error from the lane as
@@ -345,12 +348,12 @@ def test_a_cast_the_lane_refuses_is_refused_as_the_torch_path_refuses_it(tmp_pat
     with pytest.raises(ConvertError) as torch_path:
         convert(tmp_path / "src.pt", tmp_path / "torch.safetensors", dtype=target, cast_include=include)
     assert str(lane.value) == str(torch_path.value)
-    assert ("model.w" in str(lane.value)) if target == "fp16" else ("optim.step" in str(lane.value))
+    assert ("optim.step" in str(lane.value)) if include else ("model.w" in str(lane.value))
     assert not any(p.name != "src.pt" for p in tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("source,target,n", [(torch.float16, "fp32", 2 * 1024 * 1024 + 2),
-                                             (torch.float64, "bf16", 524_290)])
+                                             (torch.float64, "bf16", 524_290), (torch.float32, "bf16", 1_048_579)])
 def test_a_cast_of_nans_writes_the_torch_paths_bytes(tmp_path, source, target, n):
     """torch's cast kernel writes a NaN one way in its vectorised loop and another in its scalar one (fp16 -> fp32,
     fp64 -> bf16), so by the NaN's place within a call and within each thread's share of it (the suite runs torch
@@ -361,6 +364,23 @@ def test_a_cast_of_nans_writes_the_torch_paths_bytes(tmp_path, source, target, n
         _same_output(tmp_path, {"w": torch.full((n,), -float("nan"), dtype=source)}, dtype=target)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_step_holding_a_nan_among_finite_values_is_cast_as_the_torch_path_casts_it(tmp_path):
+    """An fp32 -> bf16 cast is made without torch step by step until a step holds a value whose cast is not finite
+    (a NaN, an inf): that tensor's piece is then cast by torch, whole, as the torch path casts it."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(1_500_001, generator=g)
+    w[1_200_000] = float("nan")  # in the second step of the cast's staging
+    w[7] = float("inf")
+    obj = {"model": {"w": w, "v": torch.randn(3000, generator=g)}, "optim": {"m": torch.randn(5, generator=g)}}
+    _same_output(tmp_path, obj, dtype="bf16")
+    written = safetensors.torch.load_file(tmp_path / "lane.safetensors")
+    for key in ("model.w", "model.v"):
+        expected = torch.load(tmp_path / "src.pt", weights_only=True)["model"][key.split(".")[1]].to(torch.bfloat16)
+        assert torch.equal(written[key].isnan(), expected.isnan()), key
+        finite = ~expected.isnan()
+        assert torch.equal(_bits(written[key][finite]), _bits(expected[finite])), key
 
 
 def test_a_load_endianness_torch_was_told_sends_the_conversion_through_torch(tmp_path, monkeypatch):
