@@ -526,14 +526,17 @@ def test_the_weights_of_stage_3_sub_groups_without_torch(zero_root, tmp_path):
     assert (tmp_path / "lane.safetensors").read_bytes() == (tmp_path / "torch.safetensors").read_bytes()
 
 
-def test_the_cli_converts_the_weights_without_importing_torch(zero_root, tmp_path):
+@pytest.mark.parametrize("cast", [[], ["--dtype", "bf16"]], ids=["same dtype", "cast to bf16"])
+def test_the_cli_converts_the_weights_without_importing_torch(zero_root, tmp_path, cast):
+    """``--select model``, and with ``--dtype bf16`` (the fp32 masters cast without torch: `plain_cast`): torch is
+    never imported, and the file is the torch path's, byte for byte."""
     src = _checkpoint(zero_root, 3, 3, "bf16")
-    code = ("import sys; from fsdp_restore.cli import main; rc = main(['convert', sys.argv[1], sys.argv[2],"
+    code = ("import sys; from fsdp_restore.cli import main; rc = main(['convert', *sys.argv[1:],"
             " '--select', 'model']); assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)")
-    run = subprocess.run([sys.executable, "-c", code, str(src), str(tmp_path / "cli.safetensors")],
+    run = subprocess.run([sys.executable, "-c", code, str(src), str(tmp_path / "cli.safetensors"), *cast],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
-    fsdp_restore.convert(src, tmp_path / "torch.safetensors", select="model")
+    fsdp_restore.convert(src, tmp_path / "torch.safetensors", select="model", dtype=cast[1] if cast else None)
     assert (tmp_path / "cli.safetensors").read_bytes() == (tmp_path / "torch.safetensors").read_bytes()
 
 
