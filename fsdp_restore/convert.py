@@ -536,15 +536,15 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
 
     A plain checkpoint of dicts, lists, tuples, Python scalars and tensors (one process, no ``trust_pickle`` or
     ``allow_globals``) is read without torch's unpickler (`plain_pt`: a subset of what torch's weights-only
-    unpickler takes, built as it builds it; torch is imported only to cast, and not for an fp32 -> bf16 cast of
-    finite values (`plain_cast`), so such a conversion in a process that has not imported it never does); anything else is memory-mapped (``torch.load(mmap=True,
-    weights_only=True)``) to read its structure. Either way the result is the same file, byte for byte. The
-    tensors' bytes are read with ``pread`` at their offsets into 32 MB blocks of the output, one per
-    thread at a time (``thread_count``, default: every core, at least 4 and at most 16), cast if asked and
+    unpickler takes, built as it builds it; torch is imported only to cast, and not for an fp32 -> bf16 cast
+    (`plain_cast`) unless a value is NaN or inf after it, or reaches 256 in magnitude, or is 0-dim: a same-dtype
+    conversion, or such a cast, in a process that has not imported torch never does); anything else is memory-mapped
+    (``torch.load(mmap=True, weights_only=True)``) to read its structure. Either way the result is the same file,
+    byte for byte. The tensors' bytes are read with ``pread`` at their offsets into 32 MB blocks of the output, one
+    per thread at a time (``thread_count``, default: every core, at least 4 and at most 16), cast if asked and
     written with ``O_DIRECT`` where the file system allows it, so anonymous memory stays near
-    ``thread_count x 32 MB``. ``select`` keeps one subtree (``"model"`` writes the weights
-    with plain keys a ``load_state_dict`` accepts). ``progress(done_bytes, total_bytes)`` is
-    called as data is written.
+    ``thread_count x 32 MB``. ``select`` keeps one subtree (``"model"`` writes the weights with plain keys a
+    ``load_state_dict`` accepts). ``progress(done_bytes, total_bytes)`` is called as data is written.
 
     ``src`` may also be a DeepSpeed ZeRO checkpoint directory (stages 1-3; ``tag`` picks a tag, default:
     ``latest``), consolidated into the same format: the fp32 master weights, frozen parameters and buffers

@@ -118,29 +118,34 @@ _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp3
                   "float": "float32", "fp64": "float64", "double": "float64"}
 
 
+def _spellings(text: str) -> tuple[str, str]:
+    """A dtype's name as given (``"BF16"``, ``"torch.bfloat16"``: without torch's prefix) and as torch's attribute
+    name where it is an alias (``"bf16"`` -> ``"bfloat16"``), else lowercased: the two ways a name is looked up."""
+    key = text.strip().removeprefix("torch.")
+    return key, _DTYPE_ALIASES.get(key.lower(), key.lower())
+
+
 def stored_dtype(dtype: Any) -> StoredDtype | None:
-    """The `StoredDtype` of ``dtype`` without importing torch: one itself, a torch dtype, or a name as
-    `torch_dtype_from_string` reads it (``"bf16"``, ``"torch.bfloat16"``, ``"BF16"``); None for any other
-    (complex, float8, unsigned above 8 bits: torch's alone)."""
+    """The `StoredDtype` of ``dtype`` without importing torch: one itself (the table's own instance: dtypes are
+    compared by identity), a torch dtype, or a name as `torch_dtype_from_string` reads it (``"bf16"``,
+    ``"torch.bfloat16"``, ``"BF16"``); None for any other (complex, float8, unsigned above 8 bits: torch's alone)."""
     if isinstance(dtype, StoredDtype):
-        return dtype
+        return STORED_DTYPES.get(dtype.name)
     if not isinstance(dtype, str):  # a torch dtype prints as torch.<name>
         return STORED_DTYPES.get(str(dtype).removeprefix("torch.")) if type(dtype).__module__ == "torch" else None
-    key = dtype.strip().removeprefix("torch.")
-    found = STORED_DTYPES.get(key) or _BY_SAFETENSORS_NAME.get(key)
-    return found or STORED_DTYPES.get(_DTYPE_ALIASES.get(key.lower(), key.lower()))
+    key, name = _spellings(dtype)
+    return STORED_DTYPES.get(key) or _BY_SAFETENSORS_NAME.get(key) or STORED_DTYPES.get(name)
 
 
 def torch_dtype_from_string(text: str) -> torch.dtype:
     """Parse ``"bf16"``, ``"bfloat16"``, ``"torch.bfloat16"`` or ``"BF16"`` into a torch dtype."""
     import torch
 
-    key = text.strip().removeprefix("torch.")
+    key, name = _spellings(text)
     name_to_dtype = _torch_tables()[1]
     if key in name_to_dtype:
         return name_to_dtype[key]
-    key = _DTYPE_ALIASES.get(key.lower(), key.lower())
-    dtype = getattr(torch, key, None)
+    dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype '{text}' (try bf16, fp16, fp32 or fp64)")
     return dtype

@@ -41,8 +41,9 @@ def cast_target(dtype: torch.dtype | StoredDtype | str | None) -> StoredDtype | 
     if described is None and isinstance(dtype, str):  # not one of ours: torch's name for it, or its error
         dtype = torch_dtype_from_string(dtype)
     if described is None or described.name not in _CASTABLE:
-        raise ValueError(f"dtype {str(dtype).removeprefix('torch.')} is not a floating target: --dtype takes bf16,"
-                         " fp16, fp32 or fp64 (casting to an integer or bool type would silently change values)")
+        name = described.name if described is not None else str(dtype).removeprefix("torch.")
+        raise ValueError(f"dtype {name} is not a floating target: --dtype takes bf16, fp16, fp32 or fp64 (casting"
+                         " to an integer or bool type would silently change values)")
     return described
 
 
@@ -94,7 +95,7 @@ class ConvertReport:
         return self.nbytes / self.seconds if self.seconds else 0.0
 
 
-def plan_jobs(tensors: dict[str, torch.Tensor], structure: dict[str, Any], dtype: torch.dtype | None,
+def plan_jobs(tensors: dict[str, torch.Tensor], structure: dict[str, Any], dtype: torch.dtype | StoredDtype | None,
               cast_include: Sequence[str] | None = None, cast_exclude: Sequence[str] = ()) -> list[TensorJob]:
     """One job per stored tensor, with the output dtype chosen by the cast policy.
 
@@ -118,8 +119,6 @@ def plan_jobs(tensors: dict[str, torch.Tensor], structure: dict[str, Any], dtype
         return [TensorJob(key, t, t.dtype) for key, t in tensors.items()]
     tensor_keys = {node["key"] for _, node in iter_nodes_with_keys(structure["root"]) if node["type"] == "tensor"}
     include = list(cast_include) if cast_include is not None else default_cast_scope(structure)
-    as_torch = {}  # the target as a torch tensor's cast needs it (imports torch: only for such a tensor)
-
     def out_dtype(key: str, t: torch.Tensor) -> torch.dtype | StoredDtype:
         source = stored_dtype(t.dtype)  # a torch-free reader's dtype, or torch's described alike
         if source is None or source is dtype or source.name not in _CASTABLE or key not in tensor_keys:
@@ -129,11 +128,8 @@ def plan_jobs(tensors: dict[str, torch.Tensor], structure: dict[str, Any], dtype
         named = [p for p in include if fnmatch.fnmatchcase(key, p)]
         if not named or (t.dim() == 0 and not any(p == key and not _GLOB.search(p) for p in named)):
             return t.dtype
-        if t.dtype is source:  # described without torch: so is its target
-            return dtype
-        if not as_torch:
-            as_torch[0] = as_torch_dtype(dtype)
-        return as_torch[0]
+        # described without torch: so is its target; a torch tensor's, as torch's (importing it: only for such one)
+        return dtype if t.dtype is source else as_torch_dtype(dtype)
 
     return [TensorJob(key, t, out_dtype(key, t)) for key, t in tensors.items()]
 

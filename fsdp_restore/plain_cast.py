@@ -6,7 +6,9 @@ cost as much again (BENCHMARKS.md, "Casts without torch"). bf16 is fp32's upper 
 even: ``(bits + 0x7FFF + (bits >> 16 & 1)) >> 16``, the rule torch's kernels use for every finite value. NaN is
 where torch's kernels differ among themselves (its scalar and vector paths write different NaN bits), and a value
 that rounds to inf is an overflow the writer must count, so a step that holds either is left to the torch path
-(`screen_f32` says so): this module writes only finite results, exactly as torch writes them.
+(`cast_f32_to_bf16` says so, writing nothing): this module writes only finite results, exactly as torch writes them.
+A cast that reaches 256 in magnitude, or of a 0-dim value, is made here too; the writer then reads that tensor
+again through torch to decide whether the cast changed a tensor of whole numbers (`write.changed_by_cast`).
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ Location = tuple[int, int] | list[tuple[int, int, int]]  # `TensorJob.location`
 @dataclass
 class TensorJob:
     """One tensor to write: ``source`` (any CPU tensor, typically memory-mapped, or one a torch-free reader described:
-    `plain_pt.StoredTensor`, whose dtype is a `plain_pt.StoredDtype`) stored as ``dtype``.
+    `plain_pt.StoredTensor`, whose dtype is a `format.StoredDtype`) stored as ``dtype``.
     With a ``reader``, the elements come from it instead (a tensor held in pieces by several files, as
     in a ZeRO or DCP checkpoint), and ``source`` only gives the shape and dtype (a meta tensor)."""
 
@@ -457,21 +457,53 @@ def _copy_piece(piece: _Piece, memory: mmap.mmap) -> tuple[int, bool]:
         return _copy_piece_into(piece, _BUFFERS.as_tensor(memory))
 
 
-class _PlainCastStaging(threading.local):
-    """This thread's buffers for `_cast_without_torch`: the source bytes' staging (as `_CastStaging`) and the
-    cast's scratch."""
+class _CastStaging(threading.local):
+    """This thread's page-aligned buffer for the source bytes of a cast (`_stage`), as memory, and as a uint8 tensor
+    or with a numpy scratch array for the cast that uses each (made on first use: only a cast needs them)."""
 
-    def get(self) -> tuple[mmap.mmap, memoryview, Any]:
+    def get(self) -> mmap.mmap:
         if getattr(self, "memory", None) is None:
-            import numpy as np
-
             self.memory = mmap.mmap(-1, CAST_STAGING_BYTES + mmap.PAGESIZE)
             self.view = memoryview(self.memory)
-            self.work = np.empty(CAST_STAGING_BYTES // 4, dtype=np.uint32)
-        return self.memory, self.view, self.work
+        return self.memory
+
+    def tensor(self) -> torch.Tensor:
+        if getattr(self, "as_tensor", None) is None:
+            import torch
+
+            self.as_tensor = torch.frombuffer(self.get(), dtype=torch.uint8)
+        return self.as_tensor
+
+    def work(self) -> Any:
+        """numpy's uint32 scratch for `plain_cast`, one per step's elements."""
+        if getattr(self, "scratch", None) is None:
+            import numpy as np
+
+            self.scratch = np.empty(CAST_STAGING_BYTES // 4, dtype=np.uint32)
+        return self.scratch
 
 
-_PLAIN_CAST_STAGING = _PlainCastStaging()
+_CAST_STAGING = _CastStaging()
+
+
+def _stage(job: TensorJob, first: int, count: int, itemsize: int) -> int:
+    """Read elements ``[first, first + count)`` (of ``itemsize`` bytes; at most `CAST_STAGING_BYTES` of them) of a
+    tensor a torch-free reader described (`_described`) with ``pread`` from where they lie (``job.location``) into
+    this thread's staging buffer, placed as the bytes lie in their page (the kernel's copy is fastest so); returns
+    where in the buffer they start: valid until the thread's next call."""
+    _CAST_STAGING.get()
+    shift = _placement(job.location, first * itemsize, itemsize)  # type: ignore[arg-type]
+    nbytes = count * itemsize
+    _read_location(job.location, _CAST_STAGING.view[shift:shift + nbytes], first * itemsize)  # type: ignore[arg-type]
+    return shift
+
+
+def _staged(job: TensorJob, first: int, stop: int) -> torch.Tensor:
+    """Elements ``[first, stop)`` of a tensor a torch-free reader described, as a tensor of its dtype in this thread's
+    staging buffer (`_stage`): valid until the thread's next call."""
+    itemsize = job.source_dtype.itemsize
+    shift = _stage(job, first, stop - first, itemsize)
+    return _CAST_STAGING.tensor()[shift:shift + (stop - first) * itemsize].view(job.source_dtype)
 
 
 def _cast_without_torch(piece: _Piece, memory: mmap.mmap) -> tuple[int, bool] | None:
@@ -487,14 +519,13 @@ def _cast_without_torch(piece: _Piece, memory: mmap.mmap) -> tuple[int, bool] | 
 
     from .plain_cast import cast_f32_to_bf16
 
-    staging, view, work = _PLAIN_CAST_STAGING.get()
+    staging, work = _CAST_STAGING.get(), _CAST_STAGING.work()
     first, stop = piece.first // 2, (piece.first + piece.nbytes) // 2
     step = CAST_STAGING_BYTES // 4
     large = False
     for lo in range(first, stop, step):
         n = min(stop, lo + step) - lo
-        shift = _placement(job.location, lo * 4, 4)
-        _read_location(job.location, view[shift:shift + n * 4], lo * 4)
+        shift = _stage(job, lo, n, 4)
         source = np.frombuffer(staging, dtype=np.uint32, count=n, offset=shift)
         out = np.frombuffer(memory, dtype=np.uint16, count=n, offset=piece.at + (lo - first) * 2)
         step_large = cast_f32_to_bf16(source, out, work)
@@ -502,34 +533,6 @@ def _cast_without_torch(piece: _Piece, memory: mmap.mmap) -> tuple[int, bool] | 
             return None
         large = large or step_large
     return 0, job.source.dim() == 0 or large
-
-
-class _CastStaging(threading.local):
-    """This thread's buffer for the source bytes of a cast (`_staged`), as a uint8 tensor and a view."""
-
-    def get(self) -> tuple[torch.Tensor, memoryview]:
-        if getattr(self, "tensor", None) is None:
-            import torch
-
-            self.memory = mmap.mmap(-1, CAST_STAGING_BYTES + mmap.PAGESIZE)
-            self.tensor, self.view = torch.frombuffer(self.memory, dtype=torch.uint8), memoryview(self.memory)
-        return self.tensor, self.view
-
-
-_CAST_STAGING = _CastStaging()
-
-
-def _staged(job: TensorJob, first: int, stop: int) -> torch.Tensor:
-    """Elements ``[first, stop)`` of a tensor a torch-free reader described (`_described`), at most
-    `CAST_STAGING_BYTES` of them, read with ``pread`` from where they lie (``job.location``) into this thread's staging
-    buffer, placed as the bytes lie in their page (the kernel's copy is fastest so): valid until the thread's next
-    call."""
-    staging, view = _CAST_STAGING.get()
-    itemsize = job.source_dtype.itemsize
-    shift = _placement(job.location, first * itemsize, itemsize)  # type: ignore[arg-type]
-    nbytes = (stop - first) * itemsize
-    _read_location(job.location, view[shift:shift + nbytes], first * itemsize)  # type: ignore[arg-type]
-    return staging[shift:shift + nbytes].view(job.source_dtype)
 
 
 def _placement(location: Location, first: int, itemsize: int) -> int:

@@ -308,12 +308,32 @@ def test_peak_anonymous_memory_is_bounded(tmp_path, dtype):
 # ---- casts are explicit and safe by default ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", ["int8", "int32", "bool", "uint8"])
-def test_non_floating_dtype_is_refused(train_ckpt, tmp_path, dtype):
+@pytest.mark.parametrize("dtype,named", [("int8", "int8"), ("int32", "int32"), ("bool", "bool"), ("uint8", "uint8"),
+                                         ("I8", "int8"), (" Int8 ", "int8"), ("BOOL", "bool"), ("U8", "uint8"),
+                                         (torch.int64, "int64"), ("complex64", "complex64"), (7, "7")])
+def test_non_floating_dtype_is_refused(train_ckpt, tmp_path, dtype, named):
+    """Refused by torch's name for it, however it was spelled."""
     src, _ = train_ckpt
-    with pytest.raises(ValueError, match="not a floating target"):
+    with pytest.raises(ValueError, match=f"^dtype {named} is not a floating target"):
         convert(src, tmp_path / "x.safetensors", dtype=dtype)
     assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_a_target_dtype_is_told_by_what_it_names_not_by_which_object_it_is(tmp_path):
+    """Every spelling of bf16, and a copy of its torch-free description, cast the same tensors into the same file."""
+    import copy
+
+    from fsdp_restore.format import STORED_DTYPES
+
+    src = tmp_path / "src.pt"
+    torch.save({"model": {"w": torch.randn(8, 4), "h": torch.randn(5).bfloat16()}, "optim": {"m": torch.ones(3)}}, src)
+    outputs = []
+    for i, dtype in enumerate(["bf16", "BF16", "torch.bfloat16", torch.bfloat16, STORED_DTYPES["bfloat16"],
+                               copy.deepcopy(STORED_DTYPES["bfloat16"])]):
+        report = convert(src, tmp_path / f"{i}.safetensors", dtype=dtype)
+        outputs.append(((tmp_path / f"{i}.safetensors").read_bytes(), report.cast))
+    assert outputs[0][1] == {"model": {"tensors": 1, "casts": {"float32 -> bfloat16": 1}}}  # not the bf16 one
+    assert all(o == outputs[0] for o in outputs[1:])
 
 
 def test_default_cast_scope_is_the_model_weights(train_ckpt, tmp_path):
