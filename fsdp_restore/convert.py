@@ -432,7 +432,8 @@ def _convert_zero_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str]
                         progress: Callable[[int, int], None] | None, dtype: StoredDtype | None = None,
                         cast_include: Sequence[str] | None = None,
                         cast_exclude: Sequence[str] = ()) -> ConvertReport | None:
-    """`convert` of a ZeRO checkpoint's weights (``select``: ``model`` or within it) without torch (`zero_plain`):
+    """`convert` of a ZeRO checkpoint (the weights alone where ``select`` is ``model`` or within it) without torch
+    (`zero_plain`):
     the same file, byte for byte, as the conversion through torch writes (the tests compare them). None, with
     nothing written, where `zero_plain` does not read the checkpoint exactly as that path would, or anything
     before the write fails: the caller then converts through torch, which reports what is wrong."""
@@ -443,14 +444,15 @@ def _convert_zero_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str]
             return None
         # first, as the torch path checks it
         check_destination(dst, force=force, sources=[src], one_file=max_shard_size is None)
+        weights = select is not None and (select == "model" or select.startswith("model."))  # no optimizer state
         try:
-            read = read_model(src, tag)
+            read = read_model(src, tag, optimizer=not weights)
         except Exception:  # noqa: BLE001 - the torch path reads the checkpoint again and says what is wrong with it
             return None
         label = str(read.tag_dir)
         try:
             try:
-                obj = select_subtree({"model": read.model}, select, source=label)
+                obj = select_subtree({"model": read.model} if weights else read.obj, select, source=label)
                 if not _lane_values(obj):
                     return None
                 tensors, structure = flatten(obj, on_unsupported=on_unsupported)  # type: ignore[arg-type]
@@ -478,7 +480,7 @@ def _torch_loads_as_plain_pt_reads() -> bool:
     return builds_storages_from_records() and default_byte_order_little()
 
 
-# Whether `convert` reads a plain checkpoint or a ZeRO checkpoint's weights without torch's unpickler where it can
+# Whether `convert` reads a plain checkpoint or a ZeRO checkpoint without torch's unpickler where it can
 # (`plain_pt`, `zero_plain`: the same file as through torch, faster): the tests turn it off to compare the two paths
 _TORCH_FREE_READS = True
 
@@ -591,8 +593,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
     thread_count, dtype = one.step("check the arguments", check_arguments)  # type: ignore[misc]
     casting = {"dtype": dtype, "cast_include": cast_include, "cast_exclude": cast_exclude}
     if Path(src).is_dir():
-        if lane and select is not None and (select == "model" or select.startswith("model.")):
-            # the weights of a ZeRO checkpoint: without torch, where its files allow (zero_plain)
+        if lane:  # a ZeRO checkpoint: without torch, where its files allow (zero_plain)
             report = _convert_zero_plain(src, dst, select=select, tag=tag, on_unsupported=on_unsupported,
                                          threads=thread_count or default_io_threads(), max_shard_size=max_shard_size,
                                          force=force, progress=progress, **casting)

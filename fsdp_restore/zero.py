@@ -26,7 +26,7 @@ masters follow Adam's ``exp_avg_sq`` in the file, so a weights-only conversion a
 megabytes (up to 8 MB per rank file: up to 1.35x the masters' bytes at 12M parameters, 1.06x at 80M). The
 few tensors stored whole (buffers, frozen parameters of stages 1/2) are still copied from the mapping.
 
-Layouts: `fsdp_restore.zero_layout` (shared with `fsdp_restore.zero_plain`, which reads the weights without torch).
+Layouts: `fsdp_restore.zero_layout` (shared with `fsdp_restore.zero_plain`, which reads them without torch).
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ from .errors import FormatError, first_line, refused_global
 from .format import SNIFF_BYTES, is_legacy_torch_save
 from .mapped import MappedFile, pread_exactly
 from .write import HeldInPieces, Reader, scratch, stand_in
-from .zero_layout import INTERNAL, model_dict, stage_1_2_offsets, stage_3_spans
+from .zero_layout import (INTERNAL, SKIP, group_optimizer_state, model_dict, optim_tree,
+                          param_groups_of_sub_groups, stage_1_2_offsets, stage_3_spans)
 from .zero_files import MP_RANK, STAGE_1_2_MASTERS, STAGE_3_MASTERS, is_zero_checkpoint, optim_files, resolve_tag
 
 __all__ = ["ZeroLayout", "is_zero_checkpoint", "read_zero", "resolve_tag"]
@@ -341,44 +342,6 @@ def read_zero(path: str | os.PathLike[str], *, tag: str | None = None, safe_glob
     return obj, readers, ZeroLayout(tag_dir, stage, world, dtype, len(trainable), frozen)
 
 
-def _group_optimizer_state(optim: dict[str, Any], stage: int) -> dict[str, Any]:
-    key = "base_optimizer_state" if stage <= 2 else "optimizer_state_dict"
-    state = optim.get(key)
-    if not isinstance(state, dict) or "state" not in state or "param_groups" not in state:
-        raise FormatError("<optimizer file>", f"no '{key}' with the optimizer's state and param groups")
-    return state
-
-
-def _optim_tree(names: list[list[str]], shapes: dict[str, tuple[int, ...]], base: dict[str, Any],
-                state_readers: Callable[[int, str, str], Reader | None], readers: dict[int, Any]) -> dict[str, Any]:
-    """The per-parameter optimizer state dict (ids in parameter order, ``param_names`` in every group)."""
-    state: dict[int, dict[str, Any]] = {}
-    groups = []
-    pid = 0
-    saved_groups = base["param_groups"]
-    for g, group_names in enumerate(names):
-        flat_state = base["state"].get(g, base["state"].get(str(g), {})) if g < len(saved_groups) else {}
-        hyper = {k: v for k, v in saved_groups[min(g, len(saved_groups) - 1)].items() if k != "params"}
-        ids = []
-        for name in group_names:
-            per: dict[str, Any] = {}
-            for field, value in flat_state.items():
-                if isinstance(value, torch.Tensor) and value.dim() == 0:
-                    per[field] = value.clone()  # one step counter per parameter: optimizers add to it in place
-                elif isinstance(value, torch.Tensor):
-                    reader = state_readers(g, name, field)
-                    if reader is not None:
-                        per[field] = stand_in(readers, shapes[name], value.dtype, reader)
-                else:
-                    per[field] = value
-            if per:
-                state[pid] = per
-            ids.append(pid)
-            pid += 1
-        groups.append({**hyper, "params": ids, "param_names": list(group_names)})
-    return {"state": state, "param_groups": groups}
-
-
 def _stages_1_2(head: dict[str, Any], optims: list[dict[str, Any]], files: list[_File]
                 ) -> tuple[dict[str, Any], dict[int, Any], dict]:
     readers: dict[int, Any] = {}
@@ -400,7 +363,7 @@ def _stages_1_2(head: dict[str, Any], optims: list[dict[str, Any]], files: list[
             raise FormatError("<optimizer files>", f"param group {g}: the parameters need {at} elements but the ranks'"
                               f" partitions hold {total}")
         names.append(group_names)
-    bases = [_group_optimizer_state(o, 1) for o in optims]
+    bases = [group_optimizer_state(o, 1) for o in optims]
     starts_from_weights = {g: [w[g].numel for w in weights] for g in range(len(names))}
 
     state_ranks: dict[tuple[int, str], list[_Pieces] | None] = {}  # one per group and field, for every parameter
@@ -414,7 +377,7 @@ def _stages_1_2(head: dict[str, Any], optims: list[dict[str, Any]], files: list[
         ranks = state_ranks[(g, field)]
         return None if ranks is None else _contiguous_reader(ranks, offsets[(g, name)])
 
-    return _optim_tree(names, shapes, bases[0], state_reader, readers), readers, trainable
+    return optim_tree(names, bases[0], _state_values(shapes, state_reader, readers)), readers, trainable
 
 
 def _stage_3(head: dict[str, Any], optims: list[dict[str, Any]], files: list[_File]
@@ -438,7 +401,7 @@ def _stage_3(head: dict[str, Any], optims: list[dict[str, Any]], files: list[_Fi
     if at > weights[0].numel:
         raise FormatError("<optimizer files>", f"the parameters need {at} elements per rank, the flat groups hold"
                           f" {weights[0].numel}")
-    bases = [_group_optimizer_state(o, 3) for o in optims]
+    bases = [group_optimizer_state(o, 3) for o in optims]
 
     state_ranks: dict[str, list[_Pieces] | None] = {}  # one per field, for every parameter
 
@@ -456,29 +419,25 @@ def _stage_3(head: dict[str, Any], optims: list[dict[str, Any]], files: list[_Fi
         offset, n = spans[name]
         return _striped_reader(per_rank, offset, n)
 
-    group_names, merged = _param_groups_of_sub_groups(names, bases[0])
-    optim = _optim_tree(group_names, shapes, merged, state_reader, readers)
-    return optim, readers, trainable
+    group_names, merged = param_groups_of_sub_groups(names, bases[0])
+    return optim_tree(group_names, merged, _state_values(shapes, state_reader, readers)), readers, trainable
 
 
-def _param_groups_of_sub_groups(sub_groups: list[list[str]], base: dict[str, Any]
-                                ) -> tuple[list[list[str]], dict[str, Any]]:
-    """Stage 3 splits each param group into flat sub-groups of at most ``sub_group_size`` elements (1e9 by
-    default: one per group below that) and keeps one state entry per sub-group: the base optimizer's param
-    group ``i`` lists its sub-groups (``params``), whose parameters (``param_shapes``, one dict per sub-group)
-    follow one another. Returns each param group's parameter names and the state per param group (the fields,
-    and the step counter, of its first sub-group; the tensors themselves are read per parameter)."""
-    saved = base["param_groups"]
-    state = base["state"]
-    listed = [[int(i) for i in group.get("params", [])] for group in saved]
-    if sorted(i for ids in listed for i in ids) != list(range(len(sub_groups))):
-        raise FormatError("<optimizer files>", f"the optimizer's param groups list the sub-groups {listed}, but the"
-                          f" model states hold {len(sub_groups)} (one per 'param_shapes' entry): not a ZeRO-3"
-                          " checkpoint this reader understands")
-    names = [[n for i in ids for n in sub_groups[i]] for ids in listed]
-    fields = {g: {k: v for i in reversed(ids) for k, v in state.get(i, state.get(str(i), {})).items()}
-              for g, ids in enumerate(listed)}
-    return names, {"state": fields, "param_groups": saved}
+def _state_values(shapes: dict[str, tuple[int, ...]], state_readers: Callable[[int, str, str], Reader | None],
+                  readers: dict[int, Any]) -> Callable[[int, str, str, Any], Any]:
+    """`zero_layout.optim_tree`'s per-parameter value of a field of the flat state: a 0-dim tensor (the step) a copy
+    of its own (optimizers add to it in place), a flat tensor the parameter's elements of it (a placeholder read by
+    its reader; `SKIP` where the field's partitions do not match the weights'), anything else as it is."""
+
+    def value(g: int, name: str, field: str, flat: Any) -> Any:
+        if isinstance(flat, torch.Tensor) and flat.dim() == 0:
+            return flat.clone()
+        if isinstance(flat, torch.Tensor):
+            reader = state_readers(g, name, field)
+            return SKIP if reader is None else stand_in(readers, shapes[name], flat.dtype, reader)
+        return flat
+
+    return value
 
 
 def _model_dict(head: dict[str, Any], models: list[dict[str, Any]], files: list[_File],

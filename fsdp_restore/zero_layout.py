@@ -14,6 +14,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from .errors import FormatError
+
 Shape = tuple[int, ...]
 
 # the model states' entries the consolidated checkpoint puts under ``model`` (or drops), not beside it
@@ -87,3 +89,62 @@ def model_dict(head: dict[str, Any], trainable: dict[str, Any], stage: int,
         if owner in out:
             out[alias] = out[owner]
     return {k: out[k] for k in module if k in out}, frozen
+
+
+SKIP = object()  # `optim_tree`: this field is left out of the parameter's state
+
+
+def group_optimizer_state(optim: dict[str, Any], stage: int) -> dict[str, Any]:
+    """An optimizer file's base optimizer state (``state`` and ``param_groups``, over flat groups)."""
+    key = "base_optimizer_state" if stage <= 2 else "optimizer_state_dict"
+    state = optim.get(key)
+    if not isinstance(state, dict) or "state" not in state or "param_groups" not in state:
+        raise FormatError("<optimizer file>", f"no '{key}' with the optimizer's state and param groups")
+    return state
+
+
+def optim_tree(names: list[list[str]], base: dict[str, Any], value: Callable[[int, str, str, Any], Any]
+               ) -> dict[str, Any]:
+    """The per-parameter optimizer state dict (ids in parameter order, ``param_names`` in every group) of a base
+    optimizer state over flat groups (``names``: each group's parameters): ``value(group, name, field, flat)`` is
+    the parameter's value of the field whose flat value is ``flat`` (`SKIP`: none)."""
+    state: dict[int, dict[str, Any]] = {}
+    groups = []
+    pid = 0
+    saved_groups = base["param_groups"]
+    for g, group_names in enumerate(names):
+        flat_state = base["state"].get(g, base["state"].get(str(g), {})) if g < len(saved_groups) else {}
+        hyper = {k: v for k, v in saved_groups[min(g, len(saved_groups) - 1)].items() if k != "params"}
+        ids = []
+        for name in group_names:
+            per: dict[str, Any] = {}
+            for field, flat in flat_state.items():
+                v = value(g, name, field, flat)
+                if v is not SKIP:
+                    per[field] = v
+            if per:
+                state[pid] = per
+            ids.append(pid)
+            pid += 1
+        groups.append({**hyper, "params": ids, "param_names": list(group_names)})
+    return {"state": state, "param_groups": groups}
+
+
+def param_groups_of_sub_groups(sub_groups: list[list[str]], base: dict[str, Any]
+                               ) -> tuple[list[list[str]], dict[str, Any]]:
+    """Stage 3 splits each param group into flat sub-groups of at most ``sub_group_size`` elements (1e9 by
+    default: one per group below that) and keeps one state entry per sub-group: the base optimizer's param
+    group ``i`` lists its sub-groups (``params``), whose parameters (``param_shapes``, one dict per sub-group)
+    follow one another. Returns each param group's parameter names and the state per param group (the fields,
+    and the step counter, of its first sub-group; the tensors themselves are read per parameter)."""
+    saved = base["param_groups"]
+    state = base["state"]
+    listed = [[int(i) for i in group.get("params", [])] for group in saved]
+    if sorted(i for ids in listed for i in ids) != list(range(len(sub_groups))):
+        raise FormatError("<optimizer files>", f"the optimizer's param groups list the sub-groups {listed}, but the"
+                          f" model states hold {len(sub_groups)} (one per 'param_shapes' entry): not a ZeRO-3"
+                          " checkpoint this reader understands")
+    names = [[n for i in ids for n in sub_groups[i]] for ids in listed]
+    fields = {g: {k: v for i in reversed(ids) for k, v in state.get(i, state.get(str(i), {})).items()}
+              for g, ids in enumerate(listed)}
+    return names, {"state": fields, "param_groups": saved}

@@ -1,18 +1,21 @@
-"""The weights of a DeepSpeed ZeRO checkpoint (``--select model``) read without torch: what `zero.read_zero` puts
-under ``model`` (the fp32 master weights, frozen parameters and buffers, tied names as one object), with every
-tensor a `plain_pt.StoredTensor`. A tensor held in pieces by several ranks' files is one whose storage lists its
+"""A DeepSpeed ZeRO checkpoint read without torch: what `zero.read_zero` puts under ``model`` (the fp32 master
+weights, frozen parameters and buffers, tied names as one object; ``--select model``), and, for the full conversion,
+the optimizer's state per parameter and the rest of the run's state beside it, with every tensor a
+`plain_pt.StoredTensor`. A tensor held in pieces by several ranks' files is one whose storage lists its
 ``extents``: the (descriptor, offset, length) runs of the files whose bytes, one after the other, are its bytes.
 
-Why: the weights of a ZeRO checkpoint are a copy of byte ranges of its optimizer files; importing torch to find
-them takes longer than copying them (BENCHMARKS.md, "ZeRO `--select model` without torch").
+Why: a ZeRO checkpoint's weights and moments are byte ranges of its optimizer files; importing torch to find them
+takes longer than copying them (BENCHMARKS.md, "ZeRO `--select model` without torch", "ZeRO's full conversion
+without torch").
 
 Each file is read by `plain_pt` as the torch path's loader reads it (torch's weights-only unpickler with
 `zero.STAND_INS`), and the layout is `zero_layout`'s, shared with `zero`. Anything this reader does not take
 exactly as that path would (another global, a tensor that is not one run of its file, parts of two dtypes, a
 partition shorter than its layout, files of several model-parallel ranks or of two runs) raises `NotPlain`
 before anything is written, and the caller converts through torch, which reads or refuses it as it always did.
-One difference: the optimizer's own state (moments, param groups) is not read here, so a checkpoint whose
-weights are whole converts even where that state is malformed, which the torch path, building it, refuses.
+The optimizer's state is assembled by `zero_layout.optim_tree`, as the torch path assembles it; ``--select model``
+reads none of it, so a checkpoint whose weights are whole converts even where that state is malformed, which the
+torch path, building it, refuses.
 """
 
 from __future__ import annotations
@@ -21,13 +24,16 @@ import math
 import os
 import stat
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from .plain_pt import NotPlain, StoredStorage, StoredTensor, StoredZeroStage, load_plain_archive
 from .zero_files import MP_RANK, STAGE_1_2_MASTERS, STAGE_3_MASTERS, optim_files, resolve_tag
-from .zero_layout import model_dict, stage_1_2_offsets, stage_3_spans
+from .zero_layout import (INTERNAL, SKIP, group_optimizer_state, model_dict, optim_tree,
+                          param_groups_of_sub_groups, stage_1_2_offsets, stage_3_spans)
 
 Extent = tuple[int, int, int]  # (open file, byte offset, bytes)
+Run = tuple[int, int, int, Any]  # a tensor of a file as one run of its bytes: (open file, offset, bytes, dtype)
 
 
 class ZeroModel:
@@ -35,6 +41,7 @@ class ZeroModel:
 
     def __init__(self) -> None:
         self.model: dict[str, Any] = {}
+        self.obj: dict[str, Any] = {}  # with ``optimizer``: all that `zero.read_zero` consolidates
         self.tag_dir: Path | None = None
         self.fds: list[int] = []
 
@@ -54,9 +61,11 @@ class ZeroModel:
         self.fds = []
 
 
-def read_model(path: str | os.PathLike[str], tag: str | None = None) -> ZeroModel:
+def read_model(path: str | os.PathLike[str], tag: str | None = None, *, optimizer: bool = False) -> ZeroModel:
     """The ``model`` entry `zero.read_zero` consolidates from the ZeRO checkpoint ``path`` (``tag``: as there),
-    every tensor a `StoredTensor` (see the module's doc); `NotPlain` where torch's path should read it."""
+    every tensor a `StoredTensor` (see the module's doc); with ``optimizer``, also the whole object it consolidates
+    (``obj``: the model, the per-parameter optimizer state, the rest of the run's state); `NotPlain` where torch's
+    path should read it."""
     read = ZeroModel()
     try:
         read.tag_dir = tag_dir = resolve_tag(path, tag)
@@ -78,7 +87,7 @@ def read_model(path: str | os.PathLike[str], tag: str | None = None) -> ZeroMode
         head = models[0]
         if not all(key in head for key in ("module", "param_shapes", "buffer_names")):
             raise NotPlain("model states without their module, shapes or buffer names")
-        trainable = _masters_1_2(head, optims) if stage <= 2 else _masters_3(head, optims)
+        trainable, optim = (_stages_1_2 if stage <= 2 else _stage_3)(head, optims, optimizer)
 
         def striped_frozen(name: str, shape: tuple[int, ...]) -> StoredTensor:
             per_rank = math.ceil(math.prod(shape) / len(models))
@@ -87,17 +96,25 @@ def read_model(path: str | os.PathLike[str], tag: str | None = None) -> ZeroMode
                            _striped(fragments, 0, per_rank, math.prod(shape)))
 
         read.model = model_dict(head, trainable, stage, striped_frozen)[0]
+        if optimizer:
+            read.obj = {"model": read.model, "optim": optim, **{k: v for k, v in head.items() if k not in INTERNAL}}
     except BaseException:
         read.close()
         raise
     return read
 
 
-def _masters_1_2(head: dict[str, Any], optims: list[dict[str, Any]]) -> dict[str, StoredTensor]:
-    """Stages 1/2: a parameter group's flat vector is the ranks' partitions one after the other."""
+def _stages_1_2(head: dict[str, Any], optims: list[dict[str, Any]], optimizer: bool
+                ) -> tuple[dict[str, StoredTensor], dict[str, Any] | None]:
+    """Stages 1/2: a parameter group's flat vector is the ranks' partitions one after the other; so is each field of
+    the optimizer's state, each rank's part as long as its weights' (``optimizer``: that state per parameter, as
+    `zero.read_zero` builds it)."""
     # every rank's partitions, each a tensor of its file, as the torch path takes every one of them
     partitions = [[_run(t) for t in _list(o[STAGE_1_2_MASTERS])] for o in optims]
     trainable = {}
+    names: list[list[str]] = []
+    shapes: dict[str, tuple[int, ...]] = {}
+    offsets: dict[tuple[int, str], int] = {}
     for g, (entries, needed) in enumerate(stage_1_2_offsets(head["param_shapes"],
                                                             optims[0].get("param_alignment_paddings"))):
         runs = [p[g] for p in partitions]  # the group's flat vector: each rank's partition in turn
@@ -105,21 +122,108 @@ def _masters_1_2(head: dict[str, Any], optims: list[dict[str, Any]]) -> dict[str
             raise NotPlain(f"param group {g}: partitions shorter than the parameters")
         for name, shape, first in entries:
             trainable[name] = _pieced(name, shape, runs, _extents(runs, first, math.prod(shape)))
-    return trainable
+            shapes[name], offsets[(g, name)] = shape, first
+        names.append([name for name, _, _ in entries])
+    if not optimizer:
+        return trainable, None
+    bases = [_base_state(o, 1) for o in optims]
+    field_runs: dict[tuple[int, str], list[Run] | None] = {}
+
+    def state_extents(g: int, name: str, field: str) -> tuple[list[Run], list[Extent]] | None:
+        if (g, field) not in field_runs:  # each rank's part, cut to its weights' length, as the torch path cuts it
+            parts = [b["state"].get(g, b["state"].get(str(g), {})).get(field) for b in bases]
+            field_runs[(g, field)] = None if any(p is None for p in parts) else [
+                _cut(_flat_run(p), _numel(w[g])) for p, w in zip(parts, partitions)]
+        runs = field_runs[(g, field)]
+        return None if runs is None else (runs, _extents(runs, offsets[(g, name)], math.prod(shapes[name])))
+
+    return trainable, optim_tree(names, bases[0], _state_values(shapes, state_extents))
 
 
-def _masters_3(head: dict[str, Any], optims: list[dict[str, Any]]) -> dict[str, StoredTensor]:
-    """Stage 3: a parameter's elements ``[r * per_rank, (r + 1) * per_rank)`` are at its offset in rank r."""
+def _stage_3(head: dict[str, Any], optims: list[dict[str, Any]], optimizer: bool
+             ) -> tuple[dict[str, StoredTensor], dict[str, Any] | None]:
+    """Stage 3: a parameter's elements ``[r * per_rank, (r + 1) * per_rank)`` are at its offset in rank r, in the
+    rank's flat groups one after the other, and so in each field of the optimizer's state over them
+    (``optimizer``: that state per parameter, as `zero.read_zero` builds it)."""
     ranks = [[_run(t) for t in _list(o[STAGE_3_MASTERS])] for o in optims]
     groups, needed = stage_3_spans(head["param_shapes"], len(optims))
     if not ranks[0] or needed > sum(run[2] for run in ranks[0]) // ranks[0][0][3].itemsize:
         raise NotPlain("flat groups shorter than the parameters")
     every_run = [run for rank in ranks for run in rank]
     trainable = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    spans: dict[str, tuple[int, int]] = {}
     for entries in groups:
         for name, shape, first, per_rank in entries:
             trainable[name] = _pieced(name, shape, every_run, _striped(ranks, first, per_rank, math.prod(shape)))
-    return trainable
+            shapes[name], spans[name] = shape, (first, per_rank)
+    if not optimizer:
+        return trainable, None
+    bases = [_base_state(o, 3) for o in optims]
+    field_runs: dict[str, list[list[Run]] | None] = {}
+
+    def state_extents(g: int, name: str, field: str) -> tuple[list[Run], list[Extent]] | None:
+        if field not in field_runs:  # over the flat groups as the weights are (else the torch path leaves it out)
+            per_rank = [[_flat_run(b["state"][s][field]) for s in sorted(b["state"], key=int)
+                         if field in b["state"][s]] for b in bases]
+            field_runs[field] = None if any(sum(map(_numel, state)) != sum(map(_numel, weights))
+                                            for state, weights in zip(per_rank, ranks)) else per_rank
+        runs = field_runs[field]
+        if runs is None:
+            return None
+        first, per_rank = spans[name]
+        return [run for rank in runs for run in rank], _striped(runs, first, per_rank, math.prod(shapes[name]))
+
+    names, merged = param_groups_of_sub_groups([[name for name, *_ in entries] for entries in groups], bases[0])
+    return trainable, optim_tree(names, merged, _state_values(shapes, state_extents))
+
+
+def _base_state(optim: dict[str, Any], stage: int) -> dict[str, Any]:
+    """`zero_layout.group_optimizer_state`, its state's groups a dict of dicts as the torch path indexes them."""
+    base = group_optimizer_state(optim, stage)
+    if type(base["state"]) is not dict or not all(type(v) is dict for v in base["state"].values()):
+        raise NotPlain("an optimizer state that is not a dict of dicts")
+    if type(base["param_groups"]) is not list or not all(type(g) is dict for g in base["param_groups"]):
+        raise NotPlain("param groups that are not a list of dicts")
+    return base
+
+
+def _state_values(shapes: dict[str, tuple[int, ...]],
+                  state_extents: Callable[[int, str, str], tuple[list[Run], list[Extent]] | None]
+                  ) -> Callable[[int, str, str, Any], Any]:
+    """`zero_layout.optim_tree`'s per-parameter value of a field of the flat state, as `zero` makes it: a 0-dim
+    tensor (the step) a copy of its own, a flat tensor the parameter's elements of it (`SKIP` where the field's
+    partitions do not match the weights'), anything else as it is."""
+
+    def value(g: int, name: str, field: str, flat: Any) -> Any:
+        if type(flat) is StoredTensor and flat.dim() == 0:
+            fd, offset, nbytes, dtype = _run(flat)
+            return StoredTensor(StoredStorage(f"zero:{name}.{field}", dtype, 1, offset, fd), 0, (), (), False)
+        if type(flat) is StoredTensor:
+            found = state_extents(g, name, field)
+            return SKIP if found is None else _pieced(f"{name}.{field}", shapes[name], *found)
+        return flat
+
+    return value
+
+
+def _flat_run(t: Any) -> Run:
+    """A flat (1-D) state tensor as one run of its file (the torch path cuts stages 1/2's along its first dim)."""
+    if type(t) is not StoredTensor or t.dim() != 1:
+        raise NotPlain("an optimizer state field that is not a flat tensor")
+    return _run(t)
+
+
+def _numel(run: Run) -> int:
+    return run[2] // run[3].itemsize
+
+
+def _cut(run: Run, count: int) -> Run:
+    """``run``'s first ``count`` elements (the torch path's ``part[:count]``, of a flat part at least that long)."""
+    fd, offset, nbytes, dtype = run
+    if count * dtype.itemsize > nbytes:
+        raise NotPlain("a state partition shorter than its weights'")
+    return fd, offset, count * dtype.itemsize, dtype
 
 
 def _list(value: Any) -> list[Any]:
@@ -128,7 +232,7 @@ def _list(value: Any) -> list[Any]:
     return value
 
 
-def _run(t: Any) -> tuple[int, int, int, Any]:
+def _run(t: Any) -> Run:
     """A tensor of a file as one run of its bytes: (descriptor, offset, bytes, dtype)."""
     if type(t) is not StoredTensor or not t.is_contiguous():
         raise NotPlain("a tensor that is not one run of its file")

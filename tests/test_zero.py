@@ -494,6 +494,76 @@ def test_the_weights_without_torch_are_the_torch_paths_file(zero_root, tmp_path,
         assert Path(a).name == Path(b).name and ours == expected, Path(a).name
 
 
+@pytest.mark.parametrize("world_size,stage,dtype", _params(2) + _params(3))
+def test_the_whole_checkpoint_without_torch_is_the_torch_paths_file(zero_root, tmp_path, world_size, stage, dtype):
+    """The full conversion (weights, the optimizer's state per parameter, the rest of the run's state) and
+    ``--select optim`` read without torch: the torch path's file byte for byte, and the moments DeepSpeed's own."""
+    src = _checkpoint(zero_root, world_size, stage, dtype)
+    for select in (None, "optim"):
+        for name in ("lane.safetensors", "torch.safetensors"):
+            (tmp_path / name).unlink(missing_ok=True)
+        assert _lane(src, tmp_path / "lane.safetensors", select=select) is not None, "declined"
+        fsdp_restore.convert(src, tmp_path / "torch.safetensors", select=select)
+        assert (tmp_path / "lane.safetensors").read_bytes() == (tmp_path / "torch.safetensors").read_bytes(), select
+    oracle = _oracles(src, world_size)[0]
+    optim = fsdp_restore.load(tmp_path / "lane.safetensors")  # (--select optim)
+    names = [n for g in optim["param_groups"] for n in g["param_names"]]
+    assert set(names) == set(oracle["weights"])
+    for pid, name in enumerate(names):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(optim["state"][pid][key], oracle["optim"][name][key]), (name, key)
+
+
+def test_the_whole_checkpoint_of_stage_3_sub_groups_without_torch(zero_root, tmp_path):
+    """Several flat groups per rank (sub_group_size): each field of the optimizer's state follows them as the
+    weights do; the torch path's file, byte for byte."""
+    from zero_checkpoints import generate
+
+    src = zero_root / "z3-fp32-ws2-sub40"
+    if not src.exists():
+        generate(zero_root, 2, [(3, "fp32")], sub_group_size=40)
+    assert _lane(src, tmp_path / "lane.safetensors", select=None) is not None, "declined"
+    fsdp_restore.convert(src, tmp_path / "torch.safetensors")
+    assert (tmp_path / "lane.safetensors").read_bytes() == (tmp_path / "torch.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("stage,change", [
+    (3, "a moment shorter than the weights"), (2, "a moment shorter than the weights"), (2, "a moment in 2-D"),
+    (2, "no moment in one rank")])
+def test_optimizer_state_the_torch_path_reads_otherwise_is_read_as_it_reads_it_or_declined(zero_root, tmp_path,
+                                                                                           stage, change):
+    """State partitions that do not follow the weights' layout: stage 3 leaves such a field out, and so does any
+    stage for a field a rank lacks (the lane too: the same file); stages 1/2 cut each rank's part to its weights'
+    length, so a shorter or 2-D part is left to the torch path (declined, nothing written)."""
+    def edit(optim):
+        base = optim["optimizer_state_dict" if stage == 3 else "base_optimizer_state"]
+        for group in base["state"].values():
+            if change == "a moment in 2-D":
+                group["exp_avg"] = group["exp_avg"].reshape(1, -1)
+            elif change == "a moment shorter than the weights":
+                group["exp_avg_sq"] = group["exp_avg_sq"][:-3].clone()
+        if change == "no moment in one rank" and optim is edited[0]:
+            for group in base["state"].values():
+                del group["exp_avg"]
+
+    edited: list = []
+
+    def change_once(optim):
+        edited.append(optim) if not edited else None
+        edit(optim)
+
+    ck = _rewritten_optim_files(_checkpoint(zero_root, 2, stage, "fp32"), tmp_path / "ck", change_once)
+    lane = _lane(ck, tmp_path / "lane.safetensors", select=None)
+    if stage == 3 or change == "no moment in one rank":
+        assert lane is not None, "declined"
+        fsdp_restore.convert(ck, tmp_path / "torch.safetensors")
+        assert (tmp_path / "lane.safetensors").read_bytes() == (tmp_path / "torch.safetensors").read_bytes()
+        dropped = "exp_avg_sq" if stage == 3 else "exp_avg"
+        assert dropped not in fsdp_restore.load(tmp_path / "lane.safetensors")["optim"]["state"][0]
+    else:
+        assert lane is None and not (tmp_path / "lane.safetensors").exists()
+
+
 @pytest.mark.parametrize("world_size,stage,dtype", [pytest.param(2, 3, "bf16", id="ws2-z3-bf16"),
                                                      pytest.param(3, 2, "fp32", id="ws3-z2-fp32")])
 def test_a_cast_of_the_weights_without_torchs_unpickler(zero_root, tmp_path, world_size, stage, dtype):
@@ -526,17 +596,19 @@ def test_the_weights_of_stage_3_sub_groups_without_torch(zero_root, tmp_path):
     assert (tmp_path / "lane.safetensors").read_bytes() == (tmp_path / "torch.safetensors").read_bytes()
 
 
-@pytest.mark.parametrize("cast", [[], ["--dtype", "bf16"]], ids=["same dtype", "cast to bf16"])
-def test_the_cli_converts_the_weights_without_importing_torch(zero_root, tmp_path, cast):
-    """``--select model``, and with ``--dtype bf16`` (the fp32 masters cast without torch: `plain_cast`): torch is
-    never imported, and the file is the torch path's, byte for byte."""
+@pytest.mark.parametrize("args", [["--select", "model"], ["--select", "model", "--dtype", "bf16"], []],
+                         ids=["weights", "weights cast to bf16", "the whole checkpoint"])
+def test_the_cli_converts_without_importing_torch(zero_root, tmp_path, args):
+    """``--select model``, with ``--dtype bf16`` (the fp32 masters cast without torch: `plain_cast`), and the whole
+    checkpoint: torch is never imported, and the file is the torch path's, byte for byte."""
     src = _checkpoint(zero_root, 3, 3, "bf16")
-    code = ("import sys; from fsdp_restore.cli import main; rc = main(['convert', *sys.argv[1:],"
-            " '--select', 'model']); assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)")
-    run = subprocess.run([sys.executable, "-c", code, str(src), str(tmp_path / "cli.safetensors"), *cast],
+    code = ("import sys; from fsdp_restore.cli import main; rc = main(['convert', *sys.argv[1:]]);"
+            " assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)")
+    run = subprocess.run([sys.executable, "-c", code, str(src), str(tmp_path / "cli.safetensors"), *args],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
-    fsdp_restore.convert(src, tmp_path / "torch.safetensors", select="model", dtype=cast[1] if cast else None)
+    fsdp_restore.convert(src, tmp_path / "torch.safetensors", select="model" if args else None,
+                         dtype="bf16" if "--dtype" in args else None)
     assert (tmp_path / "cli.safetensors").read_bytes() == (tmp_path / "torch.safetensors").read_bytes()
 
 
@@ -564,8 +636,9 @@ def test_what_the_torch_path_must_decide_is_left_to_it(zero_root, tmp_path):
     optim_file = next((ck / "global_step2").glob("*rank_1_*optim_states.pt"))
     os.truncate(optim_file, optim_file.stat().st_size - 300)  # its data intact, the zip directory cut
     for what, ck in cases.items():
-        assert _lane(ck, tmp_path / "x.safetensors") is None, what
-        assert not (tmp_path / "x.safetensors").exists(), what
+        for select in ("model", None):
+            assert _lane(ck, tmp_path / "x.safetensors", select=select) is None, (what, select)
+            assert not (tmp_path / "x.safetensors").exists(), what
 
 
 def _rewritten_optim_files(src, dst, change):
