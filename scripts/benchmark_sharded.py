@@ -103,12 +103,13 @@ def evict(ckpt: Path, how: str) -> bool:
     return True
 
 
-def run(cmd: list[str], ckpt: Path, how: str, then_sync: bool = False) -> dict[str, Any]:
-    """One timed run of ``cmd`` after `evict`; ``then_sync``: the clock stops only once ``sync`` has put what it
-    wrote on the disk (ours fsyncs its output before it exits; DeepSpeed's script leaves it in the page cache)."""
+def run(cmd: list[str], ckpt: Path, how: str, then_sync: bool = False, cwd: str | None = None) -> dict[str, Any]:
+    """One timed run of ``cmd`` (in ``cwd``) after `evict`; ``then_sync``: the clock stops only once ``sync`` has put
+    what it wrote on the disk (ours fsyncs its output before it exits; DeepSpeed's script leaves it in the page
+    cache)."""
     cold = evict(ckpt, how)
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
     stop, peak = threading.Event(), [0]
     watcher = threading.Thread(target=_peak_anon, args=(proc.pid, stop, peak), daemon=True)
     watcher.start()
@@ -132,6 +133,8 @@ def main() -> None:
     parser.add_argument("--evict", choices=["all", "checkpoint"], default="all",
                         help="before each run, drop every cached page (all) or only the checkpoint's (checkpoint)")
     parser.add_argument("--workdir", default="/tmp/fsdp_restore_sharded_bench")
+    parser.add_argument("--against", help="a directory holding another fsdp_restore package: its full conversion"
+                        " takes its turn too (``python -m`` run there finds that package first)")
     parser.add_argument("--out")
     args = parser.parse_args()
     from fsdp_restore.launch import run_ranks
@@ -158,12 +161,17 @@ def main() -> None:
         durable = {"zero_to_fp32.py --safe_serialization, then sync (its output on disk, as ours)":
                    methods["zero_to_fp32.py --safe_serialization"]}
         methods.update(durable)
+        cwd_of: dict[str, str] = {}
+        if args.against:
+            for label in ("ours (weights + optimizer state)", "ours --select model (weights only)"):
+                other = f"{label}, {args.against}"
+                methods[other], cwd_of[other] = methods[label], str(Path(args.against).resolve())
         runs_of: dict[str, list[dict[str, Any]]] = {label: [] for label in methods}
         for _ in range(args.repeat):  # the methods take turns: drift over the run hits each alike
             for label, cmd in methods.items():
                 shutil.rmtree(work / "ds_out", ignore_errors=True)
                 shutil.rmtree(work / "copy", ignore_errors=True)
-                runs_of[label].append(run(cmd, ckpt, args.evict, then_sync=label in durable))
+                runs_of[label].append(run(cmd, ckpt, args.evict, then_sync=label in durable, cwd=cwd_of.get(label)))
         for label, runs in runs_of.items():
             best = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
             row = {"stage": stage, "method": label, "checkpoint_bytes": size, **best,
