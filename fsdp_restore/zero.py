@@ -237,9 +237,20 @@ def _gather(segments: list[_Segment], count: int, dtype: torch.dtype) -> torch.T
     return out
 
 
+def _one_dtype(ranks: list[_Pieces]) -> torch.dtype:
+    """The dtype of the ranks' parts of one flat vector, which must agree: their bytes are read as that dtype."""
+    dtypes = {p.dtype for r in ranks for p in r.parts}
+    if len(dtypes) > 1:
+        raise FormatError("<optimizer files>", "the ranks' files hold the parts of one flat vector in several dtypes"
+                          f" ({', '.join(sorted(str(d).removeprefix('torch.') for d in dtypes))}): files of two runs,"
+                          " or rewritten by hand? Each rank's partition must be of the same dtype")
+    return dtypes.pop()
+
+
 def _contiguous_reader(ranks: list[_Pieces], base: int) -> Reader:
     """Stages 1/2: the group's flat vector is the ranks' partitions one after the other; a tensor starts
     at ``base`` in it."""
+    dtype = _one_dtype(ranks)
     starts = [0]
     for r in ranks:
         starts.append(starts[-1] + r.numel)
@@ -250,13 +261,14 @@ def _contiguous_reader(ranks: list[_Pieces], base: int) -> Reader:
         for r, (a, b) in enumerate(zip(starts, starts[1:])):
             if b > lo and a < hi:
                 ranks[r].read(max(lo, a) - a, min(hi, b) - max(lo, a), views)
-        return _gather(views, count, ranks[0].parts[0].dtype)
+        return _gather(views, count, dtype)
 
     return read
 
 
 def _striped_reader(ranks: list[_Pieces], offset: int, per_rank: int) -> Reader:
     """Stage 3: a tensor's elements ``[r * per_rank, (r + 1) * per_rank)`` are at ``offset`` in rank r."""
+    dtype = _one_dtype(ranks)
 
     def read(first: int, count: int) -> torch.Tensor:
         views: list[_Segment] = []
@@ -266,7 +278,7 @@ def _striped_reader(ranks: list[_Pieces], offset: int, per_rank: int) -> Reader:
             n = min(end - at, per_rank - i)
             ranks[r].read(offset + i, n, views)
             at += n
-        return _gather(views, count, ranks[0].parts[0].dtype)
+        return _gather(views, count, dtype)
 
     return read
 

@@ -197,8 +197,9 @@ def _state_values(shapes: dict[str, tuple[int, ...]],
 
     def value(g: int, name: str, field: str, flat: Any) -> Any:
         if type(flat) is StoredTensor and flat.dim() == 0:
-            fd, offset, nbytes, dtype = _run(flat)
-            return StoredTensor(StoredStorage(f"zero:{name}.{field}", dtype, 1, offset, fd), 0, (), (), False)
+            fd, offset, _, dtype = _run(flat)  # (a copy keeps requires_grad, as torch's clone() does)
+            return StoredTensor(StoredStorage(f"zero:{name}.{field}", dtype, 1, offset, fd), 0, (), (),
+                                flat.requires_grad)
         if type(flat) is StoredTensor:
             found = state_extents(g, name, field)
             return SKIP if found is None else _pieced(f"{name}.{field}", shapes[name], *found)

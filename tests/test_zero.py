@@ -529,12 +529,15 @@ def test_the_whole_checkpoint_of_stage_3_sub_groups_without_torch(zero_root, tmp
 
 @pytest.mark.parametrize("stage,change", [
     (3, "a moment shorter than the weights"), (2, "a moment shorter than the weights"), (2, "a moment in 2-D"),
-    (2, "no moment in one rank")])
+    (2, "no moment in one rank"), (2, "a step that requires grad"), (3, "a step that requires grad"),
+    (2, "one rank's moment in bf16"), (3, "one rank's moment in bf16")])
 def test_optimizer_state_the_torch_path_reads_otherwise_is_read_as_it_reads_it_or_declined(zero_root, tmp_path,
                                                                                            stage, change):
     """State partitions that do not follow the weights' layout: stage 3 leaves such a field out, and so does any
     stage for a field a rank lacks (the lane too: the same file); stages 1/2 cut each rank's part to its weights'
-    length, so a shorter or 2-D part is left to the torch path (declined, nothing written)."""
+    length, so a shorter or 2-D part is left to the torch path (declined, nothing written). A step saved requiring
+    grad is copied so (as torch's clone() copies it). Ranks whose parts of one field differ in dtype: the torch path
+    read one rank's bf16 bytes as fp32 (wrong values, no error); it now refuses, and the lane declines."""
     def edit(optim):
         base = optim["optimizer_state_dict" if stage == 3 else "base_optimizer_state"]
         for group in base["state"].values():
@@ -542,9 +545,14 @@ def test_optimizer_state_the_torch_path_reads_otherwise_is_read_as_it_reads_it_o
                 group["exp_avg"] = group["exp_avg"].reshape(1, -1)
             elif change == "a moment shorter than the weights":
                 group["exp_avg_sq"] = group["exp_avg_sq"][:-3].clone()
-        if change == "no moment in one rank" and optim is edited[0]:
+            elif change == "a step that requires grad":
+                group["step"] = group["step"].clone().requires_grad_(True)
+        if optim is edited[0] and change in ("no moment in one rank", "one rank's moment in bf16"):
             for group in base["state"].values():
-                del group["exp_avg"]
+                if change == "no moment in one rank":
+                    del group["exp_avg"]
+                else:
+                    group["exp_avg"] = group["exp_avg"].bfloat16()
 
     edited: list = []
 
@@ -554,7 +562,16 @@ def test_optimizer_state_the_torch_path_reads_otherwise_is_read_as_it_reads_it_o
 
     ck = _rewritten_optim_files(_checkpoint(zero_root, 2, stage, "fp32"), tmp_path / "ck", change_once)
     lane = _lane(ck, tmp_path / "lane.safetensors", select=None)
-    if stage == 3 or change == "no moment in one rank":
+    if change == "one rank's moment in bf16":
+        assert lane is None and not (tmp_path / "lane.safetensors").exists()
+        with pytest.raises(FormatError, match="several dtypes"):
+            fsdp_restore.convert(ck, tmp_path / "torch.safetensors")
+    elif change == "a step that requires grad":
+        assert lane is not None, "declined"
+        fsdp_restore.convert(ck, tmp_path / "torch.safetensors")
+        assert (tmp_path / "lane.safetensors").read_bytes() == (tmp_path / "torch.safetensors").read_bytes()
+        assert fsdp_restore.load(tmp_path / "lane.safetensors")["optim"]["state"][0]["step"].requires_grad
+    elif stage == 3 or change == "no moment in one rank":
         assert lane is not None, "declined"
         fsdp_restore.convert(ck, tmp_path / "torch.safetensors")
         assert (tmp_path / "lane.safetensors").read_bytes() == (tmp_path / "torch.safetensors").read_bytes()
