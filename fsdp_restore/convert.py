@@ -427,16 +427,16 @@ def _same_file(src: str | os.PathLike[str], before: os.stat_result, now: os.stat
                                " complete")
 
 
-def _convert_zero_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, select: str, tag: str | None,
-                        on_unsupported: str, threads: int, max_shard_size: int | str | None, force: bool,
+def _convert_zero_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, select: str | None,
+                        tag: str | None, on_unsupported: str, threads: int, max_shard_size: int | str | None,
+                        force: bool,
                         progress: Callable[[int, int], None] | None, dtype: StoredDtype | None = None,
                         cast_include: Sequence[str] | None = None,
                         cast_exclude: Sequence[str] = ()) -> ConvertReport | None:
     """`convert` of a ZeRO checkpoint (the weights alone where ``select`` is ``model`` or within it) without torch
-    (`zero_plain`):
-    the same file, byte for byte, as the conversion through torch writes (the tests compare them). None, with
-    nothing written, where `zero_plain` does not read the checkpoint exactly as that path would, or anything
-    before the write fails: the caller then converts through torch, which reports what is wrong."""
+    (`zero_plain`): the same file, byte for byte, as the conversion through torch writes (the tests compare them).
+    None, with nothing written, where `zero_plain` does not read the checkpoint exactly as that path would, or
+    anything before the write fails: the caller then converts through torch, which reports what is wrong."""
     from .zero_plain import read_model
 
     with PeakAnonMemory() as mem, Stopwatch() as clock, _gc_paused():

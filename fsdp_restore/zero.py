@@ -7,7 +7,7 @@ weights and of the optimizer state. Their pickles name three DeepSpeed classes; 
 from stand-ins with ``torch.load(weights_only=True)``, so nothing in the files is executed and
 DeepSpeed need not be installed.
 
-`read_zero` returns the consolidated checkpoint as ``(object, readers)``: the object is the nested
+`read_zero` returns the consolidated checkpoint as ``(object, readers, layout)``: the object is the nested
 training checkpoint (``model``: fp32 master weights, frozen parameters, buffers, tied names as one
 tensor; ``optim``: per-parameter ``exp_avg``/``exp_avg_sq``/``step`` with ``param_names``, which
 `fsdp_restore.restore` resumes into an FSDP optimizer; everything else as it was), in which every
@@ -49,7 +49,8 @@ from .format import SNIFF_BYTES, is_legacy_torch_save
 from .mapped import MappedFile, pread_exactly
 from .write import HeldInPieces, Reader, scratch, stand_in
 from .zero_layout import (INTERNAL, SKIP, group_optimizer_state, model_dict, optim_tree,
-                          param_groups_of_sub_groups, stage_1_2_offsets, stage_3_spans)
+                          param_groups_of_sub_groups, stage_1_2_field, stage_1_2_offsets, stage_3_field,
+                          stage_3_spans)
 from .zero_files import MP_RANK, STAGE_1_2_MASTERS, STAGE_3_MASTERS, is_zero_checkpoint, optim_files, resolve_tag
 
 __all__ = ["ZeroLayout", "is_zero_checkpoint", "read_zero", "resolve_tag"]
@@ -381,10 +382,9 @@ def _stages_1_2(head: dict[str, Any], optims: list[dict[str, Any]], files: list[
     state_ranks: dict[tuple[int, str], list[_Pieces] | None] = {}  # one per group and field, for every parameter
 
     def state_reader(g: int, name: str, field: str) -> Reader | None:
-        # each rank's state partition is as long as its weight partition, plus its share of the padding
         if (g, field) not in state_ranks:
-            parts = [b["state"].get(g, b["state"].get(str(g), {})).get(field) for b in bases]
-            state_ranks[(g, field)] = None if any(p is None for p in parts) else [
+            parts = stage_1_2_field(bases, g, field)
+            state_ranks[(g, field)] = None if parts is None else [
                 _Pieces([p[:n]], f) for p, n, f in zip(parts, starts_from_weights[g], files)]
         ranks = state_ranks[(g, field)]
         return None if ranks is None else _contiguous_reader(ranks, offsets[(g, name)])
@@ -418,12 +418,8 @@ def _stage_3(head: dict[str, Any], optims: list[dict[str, Any]], files: list[_Fi
     state_ranks: dict[str, list[_Pieces] | None] = {}  # one per field, for every parameter
 
     def state_reader(g: int, name: str, field: str) -> Reader | None:
-        # the optimizer's state follows the flat groups: concatenated, it has the weights' layout
         if field not in state_ranks:
-            per_rank = []
-            for b, f in zip(bases, files):
-                parts = [b["state"][s][field] for s in sorted(b["state"], key=int) if field in b["state"][s]]
-                per_rank.append(_Pieces(parts, f))
+            per_rank = [_Pieces(parts, f) for parts, f in zip(stage_3_field(bases, field), files)]
             state_ranks[field] = None if any(p.numel != w.numel for p, w in zip(per_rank, weights)) else per_rank
         per_rank = state_ranks[field]
         if per_rank is None:

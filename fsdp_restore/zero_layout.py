@@ -103,6 +103,25 @@ def group_optimizer_state(optim: dict[str, Any], stage: int) -> dict[str, Any]:
     return state
 
 
+def group_state(state: dict[Any, Any], g: int) -> dict[str, Any]:
+    """Flat group ``g``'s entry of a base optimizer state (its key an int, or the same as a string), or none."""
+    return state.get(g, state.get(str(g), {}))
+
+
+def stage_1_2_field(bases: list[dict[str, Any]], g: int, field: str) -> list[Any] | None:
+    """Each rank's part of flat group ``g``'s ``field`` (cut by the caller to the rank's weights' length: each
+    rank's state partition is as long as its weight partition, plus its share of the padding); None where a rank
+    lacks it (the field is then left out)."""
+    parts = [group_state(b["state"], g).get(field) for b in bases]
+    return None if any(p is None for p in parts) else parts
+
+
+def stage_3_field(bases: list[dict[str, Any]], field: str) -> list[list[Any]]:
+    """Each rank's parts of ``field``, one per flat sub-group that has it, in the sub-groups' order: concatenated,
+    they have the weights' layout (the caller leaves the field out where a rank's are not as long as its weights)."""
+    return [[b["state"][s][field] for s in sorted(b["state"], key=int) if field in b["state"][s]] for b in bases]
+
+
 def optim_tree(names: list[list[str]], base: dict[str, Any], value: Callable[[int, str, str, Any], Any]
                ) -> dict[str, Any]:
     """The per-parameter optimizer state dict (ids in parameter order, ``param_names`` in every group) of a base
@@ -113,7 +132,7 @@ def optim_tree(names: list[list[str]], base: dict[str, Any], value: Callable[[in
     pid = 0
     saved_groups = base["param_groups"]
     for g, group_names in enumerate(names):
-        flat_state = base["state"].get(g, base["state"].get(str(g), {})) if g < len(saved_groups) else {}
+        flat_state = group_state(base["state"], g) if g < len(saved_groups) else {}
         hyper = {k: v for k, v in saved_groups[min(g, len(saved_groups) - 1)].items() if k != "params"}
         ids = []
         for name in group_names:
@@ -145,6 +164,6 @@ def param_groups_of_sub_groups(sub_groups: list[list[str]], base: dict[str, Any]
                           f" model states hold {len(sub_groups)} (one per 'param_shapes' entry): not a ZeRO-3"
                           " checkpoint this reader understands")
     names = [[n for i in ids for n in sub_groups[i]] for ids in listed]
-    fields = {g: {k: v for i in reversed(ids) for k, v in state.get(i, state.get(str(i), {})).items()}
+    fields = {g: {k: v for i in reversed(ids) for k, v in group_state(state, i).items()}
               for g, ids in enumerate(listed)}
     return names, {"state": fields, "param_groups": saved}

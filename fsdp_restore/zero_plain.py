@@ -23,21 +23,23 @@ from __future__ import annotations
 import math
 import os
 import stat
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from .plain_pt import NotPlain, StoredStorage, StoredTensor, StoredZeroStage, load_plain_archive
 from .zero_files import MP_RANK, STAGE_1_2_MASTERS, STAGE_3_MASTERS, optim_files, resolve_tag
 from .zero_layout import (INTERNAL, SKIP, group_optimizer_state, model_dict, optim_tree,
-                          param_groups_of_sub_groups, stage_1_2_offsets, stage_3_spans)
+                          param_groups_of_sub_groups, stage_1_2_field, stage_1_2_offsets, stage_3_field,
+                          stage_3_spans)
 
 Extent = tuple[int, int, int]  # (open file, byte offset, bytes)
 Run = tuple[int, int, int, Any]  # a tensor of a file as one run of its bytes: (open file, offset, bytes, dtype)
 
 
 class ZeroModel:
-    """The ``model`` entry of a ZeRO checkpoint read by `read_model`, and its files, open until `close`."""
+    """A ZeRO checkpoint read by `read_model`: its ``model`` entry (and, when asked, the whole consolidated object,
+    ``obj``), and its files, open until `close`."""
 
     def __init__(self) -> None:
         self.model: dict[str, Any] = {}
@@ -131,8 +133,8 @@ def _stages_1_2(head: dict[str, Any], optims: list[dict[str, Any]], optimizer: b
 
     def state_extents(g: int, name: str, field: str) -> tuple[list[Run], list[Extent]] | None:
         if (g, field) not in field_runs:  # each rank's part, cut to its weights' length, as the torch path cuts it
-            parts = [b["state"].get(g, b["state"].get(str(g), {})).get(field) for b in bases]
-            field_runs[(g, field)] = None if any(p is None for p in parts) else [
+            parts = stage_1_2_field(bases, g, field)
+            field_runs[(g, field)] = None if parts is None else [
                 _cut(_flat_run(p), _numel(w[g])) for p, w in zip(parts, partitions)]
         runs = field_runs[(g, field)]
         return None if runs is None else (runs, _extents(runs, offsets[(g, name)], math.prod(shapes[name])))
@@ -164,8 +166,7 @@ def _stage_3(head: dict[str, Any], optims: list[dict[str, Any]], optimizer: bool
 
     def state_extents(g: int, name: str, field: str) -> tuple[list[Run], list[Extent]] | None:
         if field not in field_runs:  # over the flat groups as the weights are (else the torch path leaves it out)
-            per_rank = [[_flat_run(b["state"][s][field]) for s in sorted(b["state"], key=int)
-                         if field in b["state"][s]] for b in bases]
+            per_rank = [[_flat_run(part) for part in parts] for parts in stage_3_field(bases, field)]
             field_runs[field] = None if any(sum(map(_numel, state)) != sum(map(_numel, weights))
                                             for state, weights in zip(per_rank, ranks)) else per_rank
         runs = field_runs[field]
@@ -240,7 +241,7 @@ def _run(t: Any) -> Run:
     return t.storage.fd, t.file_offset, t.numel() * t.dtype.itemsize, t.dtype
 
 
-def _extents(runs: list[tuple[int, int, int, Any]], first: int, count: int) -> list[Extent]:
+def _extents(runs: list[Run], first: int, count: int) -> list[Extent]:
     """The byte runs of elements ``[first, first + count)`` of the runs one after the other."""
     itemsize = runs[0][3].itemsize
     lo, hi, at, out = first * itemsize, (first + count) * itemsize, 0, []
@@ -254,7 +255,7 @@ def _extents(runs: list[tuple[int, int, int, Any]], first: int, count: int) -> l
     return out
 
 
-def _striped(ranks: list[list[tuple[int, int, int, Any]]], first: int, per_rank: int, numel: int) -> list[Extent]:
+def _striped(ranks: list[list[Run]], first: int, per_rank: int, numel: int) -> list[Extent]:
     """Stage 3's elements: ``per_rank`` of them from ``first`` in each rank in turn, ``numel`` in all."""
     out: list[Extent] = []
     for r, runs in enumerate(ranks):
@@ -267,8 +268,7 @@ def _striped(ranks: list[list[tuple[int, int, int, Any]]], first: int, per_rank:
     return out
 
 
-def _pieced(name: str, shape: tuple[int, ...], runs: list[tuple[int, int, int, Any]], extents: list[Extent]
-            ) -> StoredTensor:
+def _pieced(name: str, shape: tuple[int, ...], runs: list[Run], extents: list[Extent]) -> StoredTensor:
     """A tensor of ``shape`` whose bytes are ``extents``, parts of ``runs`` (all of one dtype: torch's path would
     cast the others to the first's)."""
     dtypes = {run[3] for run in runs}

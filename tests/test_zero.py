@@ -463,7 +463,7 @@ def test_the_cli_reads_ahead_what_the_conversion_reads(wide_root, stage, select)
 
 
 def _lane(src, dst, select="model", tag=None, max_shard_size=None, dtype=None):
-    """The conversion of a ZeRO checkpoint's weights without torch (`zero_plain`), as the CLI runs it."""
+    """The conversion of a ZeRO checkpoint without torch (`zero_plain`; by default its weights), as the CLI runs it."""
     import importlib
 
     convert_module = importlib.import_module("fsdp_restore.convert")
