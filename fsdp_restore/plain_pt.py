@@ -172,7 +172,10 @@ _DEEPSPEED_GLOBALS: dict[tuple[str, str], Any] = {
     ("deepspeed.runtime.zero.config", "ZeroStageEnum"): _ZERO_STAGE,
     **{(module, name): _StandInClass(f"{module}.{name}") for module, name in [
         ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"), ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
-        ("deepspeed.utils.tensor_fragment", "fragment_address")]}}
+        ("deepspeed.utils.tensor_fragment", "fragment_address")]},
+    # a dtype as a value (an fp16 run's DynamicLossScaler holds torch.float16): inert, of no use as a storage's type
+    # (persistent_load takes storage types only), and nothing a conversion's output may hold (`convert._lane_values`)
+    **{("torch", name): _Global(f"torch.{name}") for name in STORED_DTYPES}}
 
 
 def load_plain(path: str | os.PathLike[str]) -> Any:

@@ -581,6 +581,32 @@ def test_optimizer_state_the_torch_path_reads_otherwise_is_read_as_it_reads_it_o
         assert lane is None and not (tmp_path / "lane.safetensors").exists()
 
 
+def test_an_fp16_runs_loss_scaler_does_not_send_the_conversion_through_torch(zero_root, tmp_path):
+    """An fp16 run's optimizer files hold DeepSpeed's DynamicLossScaler, whose state names ``torch.float16`` (a
+    global the lane refused: every fp16 checkpoint went through torch): read as an inert value now, and the file is
+    the torch path's; a dtype in the output itself (here in the run's client state) is still left to torch."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    def fp16_scaler(optim):
+        optim["loss_scaler"] = DynamicLossScaler(init_scale=2**16, scale_window=1000, min_scale=1, delayed_shift=2,
+                                                 consecutive_hysteresis=False)
+        assert optim["loss_scaler"].__dict__.get("dtype") == torch.float16  # what an fp16 run's file holds
+
+    ck = _rewritten_optim_files(_checkpoint(zero_root, 2, 2, "fp32"), tmp_path / "ck", fp16_scaler)
+    for select in (None, "model"):
+        for name in ("lane.safetensors", "torch.safetensors"):
+            (tmp_path / name).unlink(missing_ok=True)
+        assert _lane(ck, tmp_path / "lane.safetensors", select=select) is not None, ("declined", select)
+        fsdp_restore.convert(ck, tmp_path / "torch.safetensors", select=select)
+        assert (tmp_path / "lane.safetensors").read_bytes() == (tmp_path / "torch.safetensors").read_bytes(), select
+    states = ck / "global_step2" / "mp_rank_00_model_states.pt"
+    head = torch.load(states, weights_only=False)
+    head["epoch_dtype"] = torch.bfloat16
+    torch.save(head, states)
+    assert _lane(ck, tmp_path / "x.safetensors", select=None) is None
+    assert not (tmp_path / "x.safetensors").exists()
+
+
 @pytest.mark.parametrize("world_size,stage,dtype", [pytest.param(2, 3, "bf16", id="ws2-z3-bf16"),
                                                      pytest.param(3, 2, "fp32", id="ws3-z2-fp32")])
 def test_a_cast_of_the_weights_without_torchs_unpickler(zero_root, tmp_path, world_size, stage, dtype):
