@@ -298,6 +298,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
     started = time.perf_counter()  # checking --dtype or --max-shard-size may be what imports torch first
     cfg = check_convert_options(values, origin)
     from .convert import convert  # the first command to need torch imports it here: timed apart from the work
+    from .jobs import cast_target
+
+    if cfg.get("dtype") is not None and cast_target(cfg["dtype"]).name != "bfloat16":
+        import torch  # noqa: F401  (a cast but fp32 -> bf16 needs torch: `plain_cast`; its import timed apart)
 
     imports = time.perf_counter() - started
     if ranks:
