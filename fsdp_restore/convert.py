@@ -429,8 +429,7 @@ def _same_file(src: str | os.PathLike[str], before: os.stat_result, now: os.stat
 
 def _convert_zero_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, select: str | None,
                         tag: str | None, on_unsupported: str, threads: int, max_shard_size: int | str | None,
-                        force: bool,
-                        progress: Callable[[int, int], None] | None, dtype: StoredDtype | None = None,
+                        force: bool, progress: Callable[[int, int], None] | None, dtype: StoredDtype | None = None,
                         cast_include: Sequence[str] | None = None,
                         cast_exclude: Sequence[str] = ()) -> ConvertReport | None:
     """`convert` of a ZeRO checkpoint (the weights alone where ``select`` is ``model`` or within it) without torch

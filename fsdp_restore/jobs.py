@@ -119,6 +119,7 @@ def plan_jobs(tensors: dict[str, torch.Tensor], structure: dict[str, Any], dtype
         return [TensorJob(key, t, t.dtype) for key, t in tensors.items()]
     tensor_keys = {node["key"] for _, node in iter_nodes_with_keys(structure["root"]) if node["type"] == "tensor"}
     include = list(cast_include) if cast_include is not None else default_cast_scope(structure)
+
     def out_dtype(key: str, t: torch.Tensor) -> torch.dtype | StoredDtype:
         source = stored_dtype(t.dtype)  # a torch-free reader's dtype, or torch's described alike
         if source is None or source is dtype or source.name not in _CASTABLE or key not in tensor_keys:

@@ -52,7 +52,8 @@ from .share import DIED_NOTE, Share
 CHUNK_BYTES = 16 * 1024 * 1024  # per-thread working set when casting or copying non-contiguous data
 CAST_STAGING_BYTES = 4 * 1024 * 1024  # source bytes per step of a cast (`_copy_piece_into`): it stays in cache
 _PLACEHOLDER = "0" * 8
-_F32, _BF16 = STORED_DTYPES["float32"], STORED_DTYPES["bfloat16"]  # the cast made without torch (`plain_cast`)
+# (source, target) of the one cast made without torch (`plain_cast`); every other cast imports torch
+TORCH_FREE_CAST = (STORED_DTYPES["float32"], STORED_DTYPES["bfloat16"])
 
 ProgressFn = Callable[[int], None]
 
@@ -512,7 +513,7 @@ def _cast_without_torch(piece: _Piece, memory: mmap.mmap) -> tuple[int, bool] | 
     it does not apply (another cast, a piece not on whole elements) or a step holds a value that is not finite
     after the cast: the torch path then makes the whole piece."""
     job = piece.job
-    if (job.dtype is not _BF16 or job.source.dtype is not _F32 or job.reader is not None or job.location is None
+    if ((job.source.dtype, job.dtype) != TORCH_FREE_CAST or job.reader is not None or job.location is None
             or piece.first % 2 or piece.nbytes % 2 or piece.at % 2):
         return None
     import numpy as np
