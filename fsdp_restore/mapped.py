@@ -67,3 +67,22 @@ def pread_exactly(fd: int, view: memoryview, offset: int) -> None:
         if n <= 0:
             raise EOFError(f"the file ends at byte {offset}, inside a tensor: truncated?")
         view, offset = view[n:], offset + n
+
+
+IOV_MAX = 1024  # buffers one preadv takes (Linux's UIO_MAXIOV)
+
+
+def preadv_exactly(fd: int, views: list[memoryview], offset: int) -> None:
+    """Fill ``views`` in turn from file ``fd`` at ``offset`` (at most `IOV_MAX` of them), again where ``preadv`` reads
+    less than asked; `EOFError` as `pread_exactly`'s, should the file end first."""
+    views = [view for view in views if len(view)]  # (an empty buffer: preadv reads nothing into it and says 0)
+    while views:
+        n = os.preadv(fd, views, offset)
+        if n <= 0:
+            raise EOFError(f"the file ends at byte {offset}, inside a tensor: truncated?")
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views = views[1:]
+        if views and n:
+            views = [views[0][n:], *views[1:]]

@@ -36,13 +36,13 @@ from .flatten import STRUCTURE_VERSION, flat_structure, iter_nodes_with_keys, un
 from .format import (DEFAULT_INDEX_NAME, INDEX_SUFFIX, META_CAST, META_CHECKSUMS, META_HEADER_CRC, META_SET_ID,
                      META_SOURCE, META_STRUCTURE, MISSING, PT_SUFFIXES, SAFETENSORS, TORCH_LEGACY, TORCH_ZIP,
                      FileHeader, TensorEntry, detect, parse_json, read_header, read_index)
+from .mapped import IOV_MAX
 from .provenance import mismatch
 
 # Rows at least this long are read with one positional read each; shorter rows (a column block of a
 # wide matrix: thousands of rows of a few KiB) are copied out of a mapping of their span in one strided
 # copy, because a system call per row costs more than the row (BENCHMARKS.md, "Shard(1)").
 ROW_READ_MIN_BYTES = 64 * 1024
-IOV_MAX = 1024  # buffers one preadv takes (Linux)
 SAMPLED_PAGES = 4  # data pages per file in `Checkpoint.content_sample`: the first, the last, two between
 _PAGE = 4096
 

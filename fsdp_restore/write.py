@@ -46,7 +46,7 @@ from .format import (DEFAULT_INDEX_NAME, FORMAT_VERSION, HEADER_SEAL_PREFIX, MET
                      META_SET_ID, META_STRUCTURE, META_VERSION, STORED_DTYPES, StoredDtype, as_torch_dtype,
                      build_header, build_index, seal, torch_dtype_name)
 from .errors import ConvertError
-from .mapped import pread_exactly
+from .mapped import IOV_MAX, pread_exactly, preadv_exactly
 from .share import DIED_NOTE, Share
 
 CHUNK_BYTES = 16 * 1024 * 1024  # per-thread working set when casting or copying non-contiguous data
@@ -340,22 +340,33 @@ class _FileWriter:
         if block.offset < self.data_start:
             part = self.header[block.offset:block.offset + block.nbytes]
             data[:len(part)] = part
-        for piece in block.pieces:
+        pieces = block.pieces
+        crcs: list[tuple[str, int, int, int]] = []  # (key, first byte, crc32, length): recorded under one lock
+        i = 0
+        while i < len(pieces):
+            piece = pieces[i]
             job = piece.job
             if job.location is not None and job.dtype == job.source.dtype:
-                _read_location(job.location, memoryview(memory)[piece.at:piece.at + piece.nbytes], piece.first)
+                done = _read_run(pieces, i, data)
             else:
-                overflowed, rounded = _copy_piece(piece, memory)
-                if overflowed or rounded:
-                    with self._lock:
-                        self.overflowed[job.key] += overflowed
-                        if rounded:
-                            self.rounded.add(job.key)
-            crc = zlib.crc32(data[piece.at:piece.at + piece.nbytes])
-            with self._lock:
-                self._segment_crcs[job.key][piece.first] = (crc, piece.nbytes)
-            if progress:
-                progress(piece.nbytes)
+                done, cast = _cast_run(pieces, i, memory)
+                for piece in () if cast else pieces[i:done]:
+                    overflowed, rounded = _copy_piece(piece, memory)
+                    if overflowed or rounded:
+                        with self._lock:
+                            self.overflowed[piece.job.key] += overflowed
+                            if rounded:
+                                self.rounded.add(piece.job.key)
+            for piece in pieces[i:done]:
+                crcs.append((piece.job.key, piece.first, zlib.crc32(data[piece.at:piece.at + piece.nbytes]),
+                             piece.nbytes))
+            i = done
+        with self._lock:
+            segment_crcs = self._segment_crcs
+            for key, first, crc, nbytes in crcs:
+                segment_crcs[key][first] = (crc, nbytes)
+        if progress:
+            progress(sum(piece.nbytes for piece in pieces))
         if self.direct and block.offset <= self.data_start < block.offset + block.nbytes:
             self._head_tail = bytes(data[self.data_start - block.offset:_round_up(self.data_start) - block.offset])
 
@@ -441,6 +452,91 @@ def _read_location(location: Location, out: memoryview, first: int) -> None:
         if at == len(out):
             return
     raise EOFError(f"the tensor's runs hold {at} of the {len(out)} bytes asked for")
+
+
+# Pieces that lie at most this far apart in their file are read with one ``preadv`` (the bytes between them into
+# `_GAP`): torch.save's archive puts a local header of a few dozen bytes between two records, and a checkpoint of
+# thousands of small tensors otherwise costs a system call and the Python around it per tensor (BENCHMARKS.md).
+_GAP_BYTES = 4096
+# what lies between such pieces, read and dropped: shared by the threads, whose writes to it no one reads
+_GAP = memoryview(bytearray(_GAP_BYTES))
+
+
+def _next_in_file(piece: _Piece, fd: int, end: int) -> int | None:
+    """Where in file ``fd`` ``piece``'s source bytes start, if that is at most `_GAP_BYTES` after byte ``end`` and
+    they lie in one run there; else None."""
+    location = piece.job.location
+    if type(location) is not tuple or location[0] != fd:
+        return None
+    start = location[1] + piece.first
+    return start if 0 <= start - end <= _GAP_BYTES else None
+
+
+def _read_run(pieces: list[_Piece], i: int, data: memoryview) -> int:
+    """Read ``pieces[i]`` (a tensor copied from where it lies, without a cast) into the block's ``data``, and with it,
+    in one ``preadv``, the pieces after it that are also such copies and lie next in the same file; returns the
+    index after the last piece read."""
+    piece = pieces[i]
+    location = piece.job.location
+    if type(location) is not tuple:
+        _read_location(location, data[piece.at:piece.at + piece.nbytes], piece.first)  # type: ignore[arg-type]
+        return i + 1
+    fd, start = location[0], location[1] + piece.first
+    views, end, j = [data[piece.at:piece.at + piece.nbytes]], start + piece.nbytes, i + 1
+    while j < len(pieces) and len(views) < IOV_MAX - 1:
+        piece = pieces[j]
+        job = piece.job
+        if job.dtype != job.source.dtype or (at := _next_in_file(piece, fd, end)) is None:
+            break
+        if at > end:
+            views.append(_GAP[:at - end])
+        views.append(data[piece.at:piece.at + piece.nbytes])
+        end, j = at + piece.nbytes, j + 1
+    preadv_exactly(fd, views, start)
+    return j
+
+
+def _cast_run(pieces: list[_Piece], i: int, memory: mmap.mmap) -> tuple[int, bool]:
+    """Cast ``pieces[i]`` and the pieces after it without torch as one (`_cast_without_torch`'s cast, one call for
+    them all), where they are whole fp32 -> bf16 tensors of at least one dimension that lie next to each other in
+    the block and in their file, at most `CAST_STAGING_BYTES` of source in all, and every value is finite and below
+    256 in magnitude after the cast (what the pieces one by one would give, with nothing to record). Returns the
+    index after the last piece of the run and whether they were cast: not where fewer than two pieces qualify
+    (the run is then ``pieces[i]`` alone) or the cast declined; the caller then casts them piece by piece."""
+    def castable(piece: _Piece) -> bool:
+        job = piece.job
+        return ((job.source.dtype, job.dtype) == TORCH_FREE_CAST and job.reader is None
+                and type(job.location) is tuple and piece.first == 0 and piece.nbytes == job.nbytes
+                and job.source.dim() > 0 and piece.at % 2 == 0)
+
+    piece = pieces[i]
+    if not castable(piece) or 2 * piece.nbytes > CAST_STAGING_BYTES // 2:
+        return i + 1, False
+    fd, start = piece.job.location  # type: ignore[misc]
+    staging = _CAST_STAGING.get()
+    shift = start % mmap.PAGESIZE // 4 * 4  # as `_placement` puts a single tensor
+    views = [_CAST_STAGING.view[shift:shift + 2 * piece.nbytes]]
+    at, end, source_bytes, j = piece.at + piece.nbytes, start + 2 * piece.nbytes, 2 * piece.nbytes, i + 1
+    while j < len(pieces) and len(views) < IOV_MAX - 1:
+        piece = pieces[j]
+        if (piece.at != at or not castable(piece) or source_bytes + 2 * piece.nbytes > CAST_STAGING_BYTES
+                or (begin := _next_in_file(piece, fd, end)) is None):
+            break
+        if begin > end:
+            views.append(_GAP[:begin - end])
+        views.append(_CAST_STAGING.view[shift + source_bytes:shift + source_bytes + 2 * piece.nbytes])
+        at, end, source_bytes, j = at + piece.nbytes, begin + 2 * piece.nbytes, source_bytes + 2 * piece.nbytes, j + 1
+    if j - i < 2:
+        return i + 1, False
+    import numpy as np
+
+    from .plain_cast import cast_f32_to_bf16
+
+    preadv_exactly(fd, views, start)
+    n = source_bytes // 4
+    source = np.frombuffer(staging, dtype=np.uint32, count=n, offset=shift)
+    out = np.frombuffer(memory, dtype=np.uint16, count=n, offset=pieces[i].at)
+    return j, cast_f32_to_bf16(source, out, _CAST_STAGING.work()) is False
 
 
 def _copy_piece(piece: _Piece, memory: mmap.mmap) -> tuple[int, bool]:

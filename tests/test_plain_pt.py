@@ -383,6 +383,72 @@ def test_a_step_holding_a_nan_among_finite_values_is_cast_as_the_torch_path_cast
         assert torch.equal(_bits(written[key][finite]), _bits(expected[finite])), key
 
 
+def _many_small(seed: int = 0) -> dict:
+    """Hundreds of small tensors as a model file holds them, with what a batched read or cast must leave to the piece
+    by piece path: a NaN, an inf, a value past 256, 0-dim and empty tensors, other dtypes between fp32 ones, views
+    into a shared storage (their bytes do not lie next to each other) and one tensor larger than a cast's step."""
+    g = torch.Generator().manual_seed(seed)
+    # ~80 KB each: a cast's step (4 MB of source) holds ~50 of them, so the tensors below fall in different steps
+    model = {f"layers.{i}.w": torch.randn(125 + i % 7, 160, generator=g) for i in range(400)}
+    model["layers.10.w"][1, 2] = float("nan")
+    model["layers.20.w"][0, 0] = float("inf")
+    model["layers.130.w"][2, 1] = 300.0  # past 256: bf16 no longer holds every whole number from there
+    model.update({"a.scalar": torch.tensor(2.5), "a.empty": torch.zeros(0, 4), "a.half": torch.randn(9, generator=g).half(),
+                  "a.ints": torch.arange(7), "a.big": torch.randn(1_200_000, generator=g)})
+    base = torch.randn(64, 8, generator=g)
+    model.update({f"views.{i}": base[i * 3:i * 3 + 2] for i in range(10)})
+    return model
+
+
+@pytest.mark.parametrize("dtype", [None, "bf16"])
+@pytest.mark.parametrize("block_bytes", [None, 12_288])
+def test_many_small_tensors_read_and_cast_together_are_each_what_torch_gives(tmp_path, monkeypatch, dtype,
+                                                                          block_bytes):
+    """The writer reads the pieces that lie next to each other in the source with one ``preadv`` and casts them
+    (fp32 -> bf16) with one call: each tensor is still torch.load's tensor (cast by torch), bit for bit, and the file
+    is the torch path's, with blocks of the usual size and with blocks that cut tensors in pieces (a piece that is
+    not a whole tensor is read and cast on its own)."""
+    write_module = importlib.import_module("fsdp_restore.write")
+    if block_bytes:
+        monkeypatch.setattr(write_module, "BLOCK_BYTES", block_bytes)
+    batched = []
+    real = write_module.preadv_exactly
+    monkeypatch.setattr(write_module, "preadv_exactly",
+                        lambda fd, views, offset: (batched.append(len(views)), real(fd, views, offset))[1])
+    _same_output(tmp_path, _many_small(), dtype=dtype)
+    assert max(batched) > 10  # the reads were batched (else this tests nothing new)
+    written = safetensors.torch.load_file(tmp_path / "lane.safetensors")
+    loaded = torch.load(tmp_path / "src.pt", weights_only=True)
+    assert set(written) == set(loaded)
+    for key, t in loaded.items():
+        expected = t.to(torch.bfloat16) if dtype and t.is_floating_point() and t.dim() else t
+        assert written[key].dtype == expected.dtype and written[key].shape == expected.shape, key
+        assert torch.equal(_bits(written[key]), _bits(expected)), key
+
+
+@pytest.mark.parametrize("offender", ["a value that rounds to inf", "whole numbers the cast changes",
+                                      "a 0-dim value the cast changes"])
+def test_a_cast_refused_among_many_small_tensors_is_refused_as_the_torch_path_refuses_it(tmp_path, offender):
+    """A tensor the cast would change in a way the torch path refuses (an overflow; whole numbers past 256 and a
+    0-dim value cast when asked for, which only the torch path's look at the whole tensor judges) in a run of small
+    tensors cast together: the same error as the torch path's, naming that tensor alone, and nothing written."""
+    obj, include = _many_small(), None
+    if offender == "a value that rounds to inf":
+        obj["layers.331.w"][2, 1] = 3.4e38
+    elif offender == "whole numbers the cast changes":
+        obj["layers.331.w"] = torch.arange(250.0, 265.0).reshape(3, 5)  # 257.0 is 256 in bf16
+    else:
+        obj["layers.331.w"], include = torch.tensor(0.1), ["layers.*", "layers.331.w"]  # 0-dim: cast only when named
+    torch.save(obj, tmp_path / "src.pt")
+    with pytest.raises(ConvertError) as lane:
+        _lane(tmp_path / "src.pt", tmp_path / "lane.safetensors", dtype="bf16", cast_include=include)
+    with pytest.raises(ConvertError) as torch_path:
+        convert(tmp_path / "src.pt", tmp_path / "torch.safetensors", dtype="bf16", cast_include=include)
+    assert str(lane.value) == str(torch_path.value) and "layers.331.w" in str(lane.value)
+    assert "layers.330.w" not in str(lane.value) and "layers.332.w" not in str(lane.value)
+    assert not any(p.name != "src.pt" for p in tmp_path.iterdir())
+
+
 def test_a_load_endianness_torch_was_told_sends_the_conversion_through_torch(tmp_path, monkeypatch):
     """In a process that set torch's load endianness to big, torch.load byte-swaps a file that does not say its
     byte order (older torch.save files): `convert` then converts what torch.load gives, not the lane's reading."""
