@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--against", type=Path, required=True, help="a directory holding another fsdp_restore package")
-    parser.add_argument("--cases", nargs="+", default=["small", "big"], choices=["small", "big", "mix", "weights"])
+    parser.add_argument("--cases", nargs="+", default=["small", "big"], choices=["small", "big", "mix", "weights", "small-weights"])
     parser.add_argument("--gb", type=float, default=4.0, help="size of the 'big' case (small: a quarter)")
     parser.add_argument("--args", default="--dtype bf16", help="the conversion's options (default: --dtype bf16)")
     parser.add_argument("--rounds", type=int, default=4)
@@ -44,7 +44,7 @@ def main() -> None:
     results: dict[str, dict[str, dict[str, object]]] = {}
     for case in args.cases:
         src = args.work / f"{case}.pt"
-        make_case(src, case, args.gb / 4 if case == "small" else args.gb)
+        make_case(src, case, args.gb / 4 if case.startswith("small") else args.gb)
         runs: dict[str, list[float]] = {name: [] for name in (*trees, "cp+sync")}
         for r in range(args.rounds):
             order = list(trees) if r % 2 == 0 else list(reversed(trees))

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from math import prod
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +45,13 @@ console = Console()
 def make_case(path: Path, case: str, gb: float) -> None:
     """``big``: a training checkpoint of ~110 MB fp32 tensors (weights + AdamW moments); ``small``: thousands of
     64 KB tensors; ``mix``: 256 MB tensors and 2000 small ones; ``weights``: fp32 weights only (~110 MB tensors,
-    as a model file: `--dtype bf16` then casts every tensor and writes half)."""
+    as a model file: `--dtype bf16` then casts every tensor and writes half); ``small-weights``: 64 KB fp32 weights
+    only (thousands of small tensors that `--dtype bf16` all casts)."""
     g = torch.Generator().manual_seed(0)
-    if case == "weights":
-        n = max(1, round(gb * 1e9 / (27_500_000 * 4)))
-        torch.save({f"layers.{i}.weight": torch.rand((5500, 5000), generator=g) for i in range(n)}, path)
+    if case in ("weights", "small-weights"):
+        shape = (5500, 5000) if case == "weights" else (128, 128)
+        n = max(1, round(gb * 1e9 / (prod(shape) * 4)))
+        torch.save({f"layers.{i}.weight": torch.rand(shape, generator=g) for i in range(n)}, path)
         return
     if case == "big":
         n = max(1, round(gb * 1e9 / 3 / (27_500_000 * 4)))
@@ -152,7 +155,7 @@ def fixed_costs(n: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=Path("/tmp/fsdp_restore_bench_convert"))
-    parser.add_argument("--cases", nargs="+", default=["big", "small", "mix"], choices=["big", "small", "mix", "weights"])
+    parser.add_argument("--cases", nargs="+", default=["big", "small", "mix"], choices=["big", "small", "mix", "weights", "small-weights"])
     parser.add_argument("--gb", type=float, default=4.0, help="size of the 'big' case (small: a quarter, mix: this)")
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--variants", nargs="+", default=["same", "bf16", "shards"],
@@ -169,7 +172,7 @@ def main() -> None:
     variants = {"same": [], "bf16": ["--dtype", "bf16"], "shards": ["--max-shard-size", "1GB"]}
     for case in args.cases:
         src = args.work / f"{case}.pt"
-        gb = args.gb / 4 if case == "small" else args.gb
+        gb = args.gb / 4 if case.startswith("small") else args.gb
         console.print(f"[bold]{case}[/]: making a {gb:.1f} GB checkpoint ...")
         make_case(src, case, gb)
         for variant in args.variants:
