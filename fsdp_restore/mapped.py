@@ -65,7 +65,7 @@ def pread_exactly(fd: int, view: memoryview, offset: int) -> None:
     while view:
         n = os.preadv(fd, [view], offset)
         if n <= 0:
-            raise EOFError(f"the file ends at byte {offset}, inside a tensor: truncated?")
+            raise EOFError(f"the file ends at byte {offset}, before the end of a tensor's bytes: truncated?")
         view, offset = view[n:], offset + n
 
 
@@ -76,11 +76,14 @@ def preadv_exactly(fd: int, views: list[memoryview], offset: int) -> None:
     """Fill ``views`` in turn from file ``fd`` at ``offset`` (at most `IOV_MAX` of them), again where ``preadv`` reads
     less than asked; `EOFError` as `pread_exactly`'s, should the file end first."""
     views = [view for view in views if len(view)]  # (an empty buffer: preadv reads nothing into it and says 0)
+    left = sum(len(view) for view in views)
     while views:
         n = os.preadv(fd, views, offset)
         if n <= 0:
-            raise EOFError(f"the file ends at byte {offset}, inside a tensor: truncated?")
-        offset += n
+            raise EOFError(f"the file ends at byte {offset}, before the end of a tensor's bytes: truncated?")
+        if n == left:  # (the usual case: no list of the buffers left to make)
+            return
+        left, offset = left - n, offset + n
         while views and n >= len(views[0]):
             n -= len(views[0])
             views = views[1:]

@@ -486,7 +486,8 @@ def _read_run(pieces: list[_Piece], i: int, data: memoryview) -> int:
     while j < len(pieces) and len(views) < IOV_MAX - 1:
         piece = pieces[j]
         job = piece.job
-        if job.dtype != job.source.dtype or (at := _next_in_file(piece, fd, end)) is None:
+        # (an empty piece ends the run: the bytes before it are no one's to read, and the file may end there)
+        if not piece.nbytes or job.dtype != job.source.dtype or (at := _next_in_file(piece, fd, end)) is None:
             break
         if at > end:
             views.append(_GAP[:at - end])
@@ -502,15 +503,16 @@ def _cast_run(pieces: list[_Piece], i: int, memory: mmap.mmap) -> tuple[int, boo
     the block and in their file, at most `CAST_STAGING_BYTES` of source in all, and every value is finite and below
     256 in magnitude after the cast (what the pieces one by one would give, with nothing to record). Returns the
     index after the last piece of the run and whether they were cast: not where fewer than two pieces qualify
-    (the run is then ``pieces[i]`` alone) or the cast declined; the caller then casts them piece by piece."""
+    (the run is then ``pieces[i]`` alone: so is a tensor of more than half a step, whose own cast's calls cost
+    little beside its bytes) or the cast declined; the caller then casts them piece by piece."""
     def castable(piece: _Piece) -> bool:
         job = piece.job
         return ((job.source.dtype, job.dtype) == TORCH_FREE_CAST and job.reader is None
-                and type(job.location) is tuple and piece.first == 0 and piece.nbytes == job.nbytes
-                and job.source.dim() > 0 and piece.at % 2 == 0)
+                and type(job.location) is tuple and piece.first == 0 and piece.nbytes == job.nbytes > 0
+                and job.source.dim() > 0)
 
     piece = pieces[i]
-    if not castable(piece) or 2 * piece.nbytes > CAST_STAGING_BYTES // 2:
+    if not castable(piece) or piece.at % 2 or 2 * piece.nbytes > CAST_STAGING_BYTES // 2:
         return i + 1, False
     fd, start = piece.job.location  # type: ignore[misc]
     staging = _CAST_STAGING.get()

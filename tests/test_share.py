@@ -76,7 +76,7 @@ def _fail_on_rank_1(rank: int, world_size: int, src: str, dst: str) -> str:
         def broken(*args, **kwargs):
             raise OSError(5, "Input/output error (injected)")
 
-        write.pread_exactly = broken  # this rank cannot read its blocks' source bytes
+        write.pread_exactly = write.preadv_exactly = broken  # this rank cannot read its blocks' source bytes
     with pytest.raises(ConvertError) as info:
         fsdp_restore.convert(src, dst, process_group=dist.group.WORLD)
     return str(info.value)
