@@ -435,6 +435,7 @@ MAX_DEPTH = 256  # real checkpoints nest a few levels; the limit keeps every rec
 _CONTAINERS = {"list", "tuple", "set", "frozenset"}
 _MAPPINGS = {"dict", "OrderedDict", "Namespace"}
 _STORED = {"tensor", "ndarray", "bytes", "bytearray"}
+_PLAIN_TENSOR_FIELDS = {"type", "key"}  # a tensor node with no view, flag or value of its own
 _BITS = {"float": 16, "complex": 32}  # the optional "hex" of a NaN that is not float('nan'): its bytes, little-endian
 _STRING_FIELDS = {"int": ("value",), "float": ("value",), "complex": ("real", "imag"), "np_scalar": ("dtype", "hex"),
                   "dtype": ("value",), "device": ("value",), "path": ("class", "value"), "skipped": ("python_type",)}
@@ -476,6 +477,10 @@ def validate_structure(structure: Any, where: object, keys: Mapping[str, Any] | 
                     if not (isinstance(item, list) and len(item) == 2):
                         raise _bad_node(where, path, f"{kind} item {i} is not a [key, value] pair")
                     key, value = item
+                    if (type(value) is dict and value.keys() == _PLAIN_TENSOR_FIELDS and type(key) is str
+                            and value["type"] == "tensor" and type(value["key"]) is str and depth < MAX_DEPTH
+                            and (keys is None or value["key"] in keys)):
+                        continue  # a plain tensor under a name (most nodes of a weights file): nothing else to check
                     if kind == "Namespace" and not isinstance(key, str):
                         raise _bad_node(where, path, f"Namespace item {i} has a non-string name")
                     label = key if isinstance(key, (str, int)) and not isinstance(key, bool) else f"<key {i}>"

@@ -266,6 +266,9 @@ def test_fuzz_structure_grammar(tmp_path_factory, structure):
     '{"version": 1, "root": {"type": "tensor", "key": "k", "view": {"offset": true, "shape": [1], "stride": [1]}}}',
     '{"version": 1, "root": {"type": "Size", "items": [1, "2"]}}',
     '{"version": 1, "root": 18446744073709551616}',
+    '{"version": 1, "root": {"type": "dict", "items": [["w", {"type": "tensor", "key": "nope"}]]}}',  # not in the file
+    '{"version": 1, "root": ' + '{"type": "dict", "items": [["a", ' * 257 + '{"type": "tensor", "key": "k"}'
+    + "]]}" * 257 + "}",  # a plain tensor node nested past MAX_DEPTH
 ])
 def test_crafted_structure_is_a_format_error(tmp_path, text):
     path = _file_with_structure(tmp_path, text)
