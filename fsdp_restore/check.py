@@ -56,24 +56,36 @@ class Region:
 
 @dataclass
 class Storage:
-    """One block of local memory to restore: ``flat`` is all of it (padding included), 1-D."""
+    """One block of local memory to restore: ``memory`` is all of it (padding included), contiguous, and ``flat``
+    the same as one dimension (made when first asked for: by the check's passes; a view is a torch call per tensor,
+    and a restore without the check, or the plan's proof, needs none)."""
 
-    flat: torch.Tensor
+    memory: torch.Tensor
     regions: list[Region]
 
     @property
     def floating(self) -> bool:
-        return floating(self.flat.dtype)
+        return floating(self.memory.dtype)
 
-    ptr_range: tuple[int, int] = field(init=False)  # [first byte, end) of ``flat``: looked up per read
-    numel: int = field(init=False)  # of ``flat``
-    itemsize: int = field(init=False)  # of ``flat``
+    ptr_range: tuple[int, int] = field(init=False)  # [first byte, end) of ``memory``: looked up per read
+    numel: int = field(init=False)  # of ``memory``
+    itemsize: int = field(init=False)  # of ``memory``
+    _flat: torch.Tensor | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
-        start = self.flat.data_ptr()
-        self.numel = self.flat.numel()
-        self.itemsize = self.flat.element_size()
+        memory = self.memory
+        start = memory.data_ptr()
+        self.numel = memory.numel()
+        self.itemsize = memory.element_size()
         self.ptr_range = (start, start + self.numel * self.itemsize)
+
+    @property
+    def flat(self) -> torch.Tensor:
+        flat = self._flat
+        if flat is None:
+            memory = self.memory
+            flat = self._flat = memory if memory.dim() == 1 and not memory.requires_grad else memory.view(-1)
+        return flat
 
 
 @dataclass
@@ -148,9 +160,8 @@ def model_storages(model: nn.Module, modules: list[tuple[str, nn.Module]] | None
         n = local.numel()
         if n == 0 or covered(ptr := local.data_ptr()):
             continue
-        flat = local if local.dim() == 1 and not local.requires_grad else (
-            local.view(-1) if local.is_contiguous() else local.reshape(-1))  # (a view is a torch call per tensor)
-        storages.append(Storage(flat, [Region(clean_name(raw.removeprefix(top)), 0, n)]))  # (add(), inlined)
+        memory = local if local.is_contiguous() else local.reshape(-1)
+        storages.append(Storage(memory, [Region(clean_name(raw.removeprefix(top)), 0, n)]))  # (add(), inlined)
         seen.add(ptr)
     for mod_name, module in modules:
         for buf_name, buf in module._buffers.items():
@@ -168,7 +179,7 @@ def without(storages: Sequence[Storage], names: Iterable[str]) -> list[Storage]:
     names = set(names)
     if not names:
         return list(storages)
-    return [Storage(s.flat, [r for r in s.regions if r.name not in names]) for s in storages]
+    return [Storage(s.memory, [r for r in s.regions if r.name not in names]) for s in storages]
 
 
 def optimizer_storages(optim: OptimizerPlan, storages: Sequence[Storage]) -> list[Storage]:
@@ -252,7 +263,7 @@ def validate_plan(plan: ReadPlan, storages: Sequence[Storage], ckpt: Checkpoint)
             report("writes outside the model's memory", item.name)
             continue
         storage, offset = found
-        if dest.dtype != storage.flat.dtype or offset + n > storage.numel or not dest.is_contiguous():
+        if dest.dtype != storage.memory.dtype or offset + n > storage.numel or not dest.is_contiguous():
             report("writes outside its tensor", item.name)
             continue
         placed.setdefault(id(storage), []).append((offset, n, item.name))

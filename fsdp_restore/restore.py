@@ -218,7 +218,7 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
         # host memory: the check fills and screens each chunk on the read threads (a ledger); GPU memory and
         # the apply route: one fill pass before the reads and one screen pass after
         ledger = checks.Ledger(storages) if check and method == "read" and all(
-            s.flat.device.type == "cpu" for s in storages) else None
+            s.memory.device.type == "cpu" for s in storages) else None
         with problems.guard():
             with torch.no_grad():
                 t1_fill = time.perf_counter()
