@@ -56,9 +56,9 @@ class Region:
 
 @dataclass
 class Storage:
-    """One block of local memory to restore: ``memory`` is all of it (padding included), contiguous, and ``flat``
-    the same as one dimension (made when first asked for: by the check's passes; a view is a torch call per tensor,
-    and a restore without the check, or the plan's proof, needs none)."""
+    """One block of local memory to restore: ``memory`` is all of it (padding included; contiguous: the plan refuses
+    other tensors), and ``flat`` the same as one dimension (made when first asked for: by the check's passes; a view
+    is a torch call per tensor, and a restore without the check, or the plan's proof, needs none)."""
 
     memory: torch.Tensor
     regions: list[Region]

@@ -269,6 +269,13 @@ def test_fuzz_structure_grammar(tmp_path_factory, structure):
     '{"version": 1, "root": {"type": "dict", "items": [["w", {"type": "tensor", "key": "nope"}]]}}',  # not in the file
     '{"version": 1, "root": ' + '{"type": "dict", "items": [["a", ' * 257 + '{"type": "tensor", "key": "k"}'
     + "]]}" * 257 + "}",  # a plain tensor node nested past MAX_DEPTH
+    # nodes close to a plain tensor under a name, each refused as before (a tensor node read without its checks)
+    '{"version": 1, "root": {"type": "dict", "items": [["w", {"type": "tensor", "key": ["k"]}]]}}',
+    '{"version": 1, "root": {"type": "dict", "items": [["w", {"type": "ndarray", "key": "k"}]]}}',
+    '{"version": 1, "root": {"type": "Namespace", "items": [[1, {"type": "tensor", "key": "k"}]]}}',
+    '{"version": 1, "root": {"type": "dict", "items": [[{"type": "tensor", "key": "k"}, {"type": "tensor", "key": "k"}]]}}',
+    '{"version": 1, "root": {"type": "dict", "items": [["w", {"type": "tensor", "key": "k", "view": 5}]]}}',
+    '{"version": 1, "root": {"type": "dict", "items": [["w", {"type": "tensor", "key": "k", "conj": 1}]]}}',
 ])
 def test_crafted_structure_is_a_format_error(tmp_path, text):
     path = _file_with_structure(tmp_path, text)
