@@ -248,9 +248,9 @@ def _one_dtype(ranks: list[_Pieces]) -> torch.dtype:
     return dtypes.pop()
 
 
-def _contiguous_reader(ranks: list[_Pieces], base: int) -> Reader:
+def _contiguous_reader(ranks: list[_Pieces], base: int) -> tuple[torch.dtype, Reader]:
     """Stages 1/2: the group's flat vector is the ranks' partitions one after the other; a tensor starts
-    at ``base`` in it."""
+    at ``base`` in it. Returns the vector's dtype (`_one_dtype`) and the reader."""
     dtype = _one_dtype(ranks)
     starts = [0]
     for r in ranks:
@@ -264,11 +264,12 @@ def _contiguous_reader(ranks: list[_Pieces], base: int) -> Reader:
                 ranks[r].read(max(lo, a) - a, min(hi, b) - max(lo, a), views)
         return _gather(views, count, dtype)
 
-    return read
+    return dtype, read
 
 
-def _striped_reader(ranks: list[_Pieces], offset: int, per_rank: int) -> Reader:
-    """Stage 3: a tensor's elements ``[r * per_rank, (r + 1) * per_rank)`` are at ``offset`` in rank r."""
+def _striped_reader(ranks: list[_Pieces], offset: int, per_rank: int) -> tuple[torch.dtype, Reader]:
+    """Stage 3: a tensor's elements ``[r * per_rank, (r + 1) * per_rank)`` are at ``offset`` in rank r. Returns
+    the ranks' dtype (`_one_dtype`) and the reader."""
     dtype = _one_dtype(ranks)
 
     def read(first: int, count: int) -> torch.Tensor:
@@ -281,7 +282,7 @@ def _striped_reader(ranks: list[_Pieces], offset: int, per_rank: int) -> Reader:
             at += n
         return _gather(views, count, dtype)
 
-    return read
+    return dtype, read
 
 
 # ---- the consolidated checkpoint -----------------------------------------------------------------------
@@ -369,7 +370,7 @@ def _stages_1_2(head: dict[str, Any], optims: list[dict[str, Any]], files: list[
         ranks = [w[g] for w in weights]
         for name, shape, first in entries:
             shapes[name], offsets[(g, name)] = shape, first
-            trainable[name] = stand_in(readers, shape, ranks[0].parts[0].dtype, _contiguous_reader(ranks, first))
+            trainable[name] = stand_in(readers, shape, *_contiguous_reader(ranks, first))
             group_names.append(name)
         total = sum(r.numel for r in ranks)
         if at > total:
@@ -381,7 +382,7 @@ def _stages_1_2(head: dict[str, Any], optims: list[dict[str, Any]], files: list[
 
     state_ranks: dict[tuple[int, str], list[_Pieces] | None] = {}  # one per group and field, for every parameter
 
-    def state_reader(g: int, name: str, field: str) -> Reader | None:
+    def state_reader(g: int, name: str, field: str) -> tuple[torch.dtype, Reader] | None:
         if (g, field) not in state_ranks:
             parts = stage_1_2_field(bases, g, field)
             state_ranks[(g, field)] = None if parts is None else [
@@ -406,8 +407,7 @@ def _stage_3(head: dict[str, Any], optims: list[dict[str, Any]], files: list[_Fi
         group_names = []
         for name, shape, first, per_rank in entries:
             shapes[name], spans[name] = shape, (first, per_rank)
-            trainable[name] = stand_in(readers, shape, weights[0].parts[0].dtype,
-                                       _striped_reader(weights, first, per_rank))
+            trainable[name] = stand_in(readers, shape, *_striped_reader(weights, first, per_rank))
             group_names.append(name)
         names.append(group_names)
     if at > weights[0].numel:
@@ -417,7 +417,7 @@ def _stage_3(head: dict[str, Any], optims: list[dict[str, Any]], files: list[_Fi
 
     state_ranks: dict[str, list[_Pieces] | None] = {}  # one per field, for every parameter
 
-    def state_reader(g: int, name: str, field: str) -> Reader | None:
+    def state_reader(g: int, name: str, field: str) -> tuple[torch.dtype, Reader] | None:
         if field not in state_ranks:
             per_rank = [_Pieces(parts, f) for parts, f in zip(stage_3_field(bases, field), files)]
             state_ranks[field] = None if any(p.numel != w.numel for p, w in zip(per_rank, weights)) else per_rank
@@ -431,7 +431,8 @@ def _stage_3(head: dict[str, Any], optims: list[dict[str, Any]], files: list[_Fi
     return optim_tree(group_names, merged, _state_values(shapes, state_reader, readers)), readers, trainable
 
 
-def _state_values(shapes: dict[str, tuple[int, ...]], state_readers: Callable[[int, str, str], Reader | None],
+def _state_values(shapes: dict[str, tuple[int, ...]],
+                  state_readers: Callable[[int, str, str], tuple[torch.dtype, Reader] | None],
                   readers: dict[int, Any]) -> Callable[[int, str, str, Any], Any]:
     """`zero_layout.optim_tree`'s per-parameter value of a field of the flat state: a 0-dim tensor (the step) a copy
     of its own (optimizers add to it in place), a flat tensor the parameter's elements of it (a placeholder read by
@@ -441,8 +442,8 @@ def _state_values(shapes: dict[str, tuple[int, ...]], state_readers: Callable[[i
         if isinstance(flat, torch.Tensor) and flat.dim() == 0:
             return flat.clone()
         if isinstance(flat, torch.Tensor):
-            reader = state_readers(g, name, field)
-            return SKIP if reader is None else stand_in(readers, shapes[name], flat.dtype, reader)
+            found = state_readers(g, name, field)  # (the ranks' dtype: rank 0's ``flat``'s, checked against the others')
+            return SKIP if found is None else stand_in(readers, shapes[name], *found)
         return flat
 
     return value
@@ -455,6 +456,6 @@ def _model_dict(head: dict[str, Any], models: list[dict[str, Any]], files: list[
     def striped_frozen(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         per_rank = math.ceil(math.prod(shape) / len(models))
         ranks = [_Pieces([m["frozen_param_fragments"][name]], f) for m, f in zip(models, files)]
-        return stand_in(readers, shape, ranks[0].parts[0].dtype, _striped_reader(ranks, 0, per_rank))
+        return stand_in(readers, shape, *_striped_reader(ranks, 0, per_rank))
 
     return model_dict(head, trainable, stage, striped_frozen)
