@@ -33,7 +33,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--against", type=Path, required=True, help="a directory holding another fsdp_restore package")
     parser.add_argument("--cases", nargs="+", default=["small", "big"], choices=["small", "big", "mix", "weights", "small-weights"])
-    parser.add_argument("--gb", type=float, default=4.0, help="size of the 'big' case (small: a quarter)")
+    parser.add_argument("--gb", type=float, default=4.0, help="size of the 'big' case (small and small-weights: a quarter)")
     parser.add_argument("--args", default="--dtype bf16", help="the conversion's options (default: --dtype bf16)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--work", type=Path, default=Path("/tmp/fsdp_restore_bench_convert"))

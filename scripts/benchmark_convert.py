@@ -156,7 +156,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=Path("/tmp/fsdp_restore_bench_convert"))
     parser.add_argument("--cases", nargs="+", default=["big", "small", "mix"], choices=["big", "small", "mix", "weights", "small-weights"])
-    parser.add_argument("--gb", type=float, default=4.0, help="size of the 'big' case (small: a quarter, mix: this)")
+    parser.add_argument("--gb", type=float, default=4.0, help="size of the 'big' case (small and small-weights: a quarter, mix: this)")
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--variants", nargs="+", default=["same", "bf16", "shards"],
                         choices=["same", "bf16", "shards"])
