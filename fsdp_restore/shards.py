@@ -387,6 +387,8 @@ def _dtensor_target(name: str, dt: torch.Tensor, kind: str) -> Target:
             " cannot be split into addends exactly; restore into the model before it is parallelized this way,"
             " or with Replicate/Shard placements"))
     target = Target(name, global_shape, local.dtype, kind, layout="dtensor")
+    if 0 in global_shape:  # no element to read or write, whatever shape its shard has (FSDP2 makes a Shard(1) of a
+        return target      # (0, n) tensor (0, 0), where the layout says (0, n / ranks))
     if local.shape != local_shape:
         raise ValueError(f"{name}: local shard shape {tuple(local.shape)} differs from the layout's {local_shape}")
     n_local = local.numel()

@@ -199,3 +199,41 @@ def test_tensor_parallel_optimizer_state_restores_exactly(tmp_path, how, world_s
     torch.save(training_checkpoint(tiny_llama(0)), tmp_path / "train.pt")
     fsdp_restore.convert(tmp_path / "train.pt", tmp_path / "train.safetensors")
     assert run_ranks(_restore_parallel_optimizer, world_size, tmp_path / "train.safetensors", how) == [[]] * world_size
+
+
+class _WithEmpty(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(6, 12))  # (FSDP2 shards dim 1 only evenly)
+        self.empty = torch.nn.Parameter(torch.randn(0, 12))
+
+
+def _empty_column_shards(rank, world_size, path, out):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    torch.manual_seed(1)
+    model = _WithEmpty()
+    fully_shard(model, shard_placement_fn=lambda p: Shard(1))
+    report = restore_model(model, path)
+    torch.manual_seed(0)
+    source = _WithEmpty()  # the checkpoint's model, rebuilt: the oracle
+    assert torch.equal(model.w.full_tensor(), source.w.detach()) and model.empty.shape == (0, 12)
+    fsdp_restore.save_sharded(model, out)
+    return report.tensors
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_an_empty_parameter_sharded_by_columns_is_restored_and_saved(tmp_path, world_size):
+    """FSDP2 gives a (0, 12) parameter sharded on dim 1 a (0, 0) shard where its layout says (0, 12 / ranks): it has
+    no element to read or write, and was refused ("local shard shape differs from the layout's")."""
+    import safetensors.torch
+
+    torch.manual_seed(0)
+    torch.save(_WithEmpty().state_dict(), tmp_path / "m.pt")
+    fsdp_restore.convert(tmp_path / "m.pt", tmp_path / "m.safetensors")
+    tensors = run_ranks(_empty_column_shards, world_size, str(tmp_path / "m.safetensors"),
+                        str(tmp_path / "out.safetensors"))
+    assert tensors == [2] * world_size
+    saved, loaded = safetensors.torch.load_file(tmp_path / "out.safetensors"), torch.load(tmp_path / "m.pt")
+    assert set(saved) == {"w", "empty"} and torch.equal(saved["w"], loaded["w"]) and saved["empty"].shape == (0, 12)
