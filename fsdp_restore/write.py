@@ -516,7 +516,7 @@ def _cast_run(pieces: list[_Piece], i: int, memory: mmap.mmap) -> tuple[int, boo
         return i + 1, False
     fd, start = piece.job.location  # type: ignore[misc]
     staging = _CAST_STAGING.get()
-    shift = start % mmap.PAGESIZE // 4 * 4  # as `_placement` puts a single tensor
+    shift = _placement(piece.job.location, 0, 4)  # type: ignore[arg-type]  (where a single tensor's read goes)
     views = [_CAST_STAGING.view[shift:shift + 2 * piece.nbytes]]
     at, end, source_bytes, j = piece.at + piece.nbytes, start + 2 * piece.nbytes, 2 * piece.nbytes, i + 1
     while j < len(pieces) and len(views) < IOV_MAX - 1:
