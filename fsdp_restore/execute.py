@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 from .plan import ReadItem
+from .format import TensorEntry
 from .read import Checkpoint
 from .write import cast_overflow, overflow_listing
 
@@ -237,22 +238,20 @@ class _Worker:
             c = group[0]
             self.read(c.item.key, c.src_start, dests[0], c.rows, c.item.stride)
             return
-        entries = self.ckpt.entries
-        reads = [(c.item.key, c.src_start, d, 1, 0) for c, d in zip(group, dests)]
-        if not all(d.device.type == "cpu" and d.dtype == entries[k].dtype for k, _, d, _, _ in reads):
-            self._staged(reads)
+        if not all(d.is_cpu and d.dtype == c.entry.dtype for c, d in zip(group, dests)):
+            self._staged([(c.item.key, c.src_start, d, 1, 0) for c, d in zip(group, dests)])
             return
         # straight into memory, but an aliased part (see `aliased`) through staging: runs of the others in one read
         run: list[tuple[str, int, torch.Tensor]] = []
-        for key, start, dest, _, _ in reads:
-            entry = entries[key]
-            if self._detour(dest, entry.offset + start * entry.itemsize):
+        low, high = ALIASED_MIN_BYTES, self.chunk_bytes
+        for c, dest in zip(group, dests):
+            if low <= c.count * c.entry.itemsize <= high and aliased(dest.data_ptr(), c.offset):  # (`_detour`, inlined)
                 if run:
                     self.ckpt.read_contiguous(run)
                     run = []
-                self._staged([(key, start, dest, 1, 0)])
+                self._staged([(c.item.key, c.src_start, dest, 1, 0)])
             else:
-                run.append((key, start, dest))
+                run.append((c.item.key, c.src_start, dest))
         if run:
             self.ckpt.read_contiguous(run)
 
@@ -330,13 +329,16 @@ class _Worker:
 
 
 class Chunk(NamedTuple):
-    """``count`` elements of ``item.dest`` from ``first``: ``rows`` runs of the item from stored ``src_start``."""
+    """``count`` elements of ``item.dest`` from ``first``: ``rows`` runs of the item from stored ``src_start``, the
+    first at byte ``offset`` of ``entry.file`` (both looked up once, when the chunk is made)."""
 
     item: ReadItem
     first: int
     count: int
     src_start: int
     rows: int
+    entry: TensorEntry
+    offset: int
 
     def dest(self) -> torch.Tensor:
         """The chunk's memory: the item's own tensor when the chunk is all of it (most are; a slice is a torch
@@ -350,23 +352,24 @@ def chunked(items: Sequence[ReadItem], ckpt: Checkpoint, chunk_bytes: int | None
     block), in file order."""
     chunk_bytes = chunk_bytes or READ_CHUNK_BYTES
     entries = ckpt.entries
+    placed = [(entries[item.key], item) for item in items]
     # files in name order (the order the disks see), ranked once: comparing Paths per item cost more than the rest
-    files = {entries[item.key].file for item in items}
-    rank = {f: i for i, f in enumerate(sorted(files, key=str))}
-
-    def file_position(item: ReadItem) -> tuple[int, int]:
-        entry = entries[item.key]
-        return rank[entry.file], entry.offset + item.src_start * entry.itemsize
-
-    order = sorted(items, key=file_position)
+    files = {id(entry.file): entry.file for entry, _ in placed}
+    if len(files) > 1:
+        rank = {key: i for i, key in enumerate(sorted(files, key=lambda k: str(files[k])))}
+        placed.sort(key=lambda p: (rank[id(p[0].file)], p[0].offset + p[1].src_start * p[0].itemsize))
+    else:
+        placed.sort(key=lambda p: p[0].offset + p[1].src_start * p[0].itemsize)
     chunks: list[Chunk] = []
-    for item in order:
+    for entry, item in placed:
         n = item.dest.numel()
-        step = max(1, chunk_bytes // max(1, entries[item.key].itemsize))
+        itemsize = entry.itemsize
+        step = max(1, chunk_bytes // max(1, itemsize))
         if item.rows <= 1 and 0 < n <= step:  # most items: one chunk, no generator
-            chunks.append(Chunk(item, 0, n, item.src_start, 1))
+            chunks.append(Chunk(item, 0, n, item.src_start, 1, entry, entry.offset + item.src_start * itemsize))
             continue
-        chunks.extend(Chunk(item, *part) for part in parts(item.src_start, n, item.rows, item.stride, step))
+        chunks.extend(Chunk(item, *part, entry, entry.offset + part[2] * itemsize)
+                      for part in parts(item.src_start, n, item.rows, item.stride, step))
     return chunks
 
 
@@ -376,16 +379,15 @@ def grouped(chunks: Iterable[Chunk], ckpt: Checkpoint, chunk_bytes: int | None =
     each group (a model of thousands of small tensors paid more per read call than per byte). Made as they are
     asked for: the read threads take each group as it is made, reading the ones before it meanwhile."""
     chunk_bytes = chunk_bytes or READ_CHUNK_BYTES
-    entries = ckpt.entries
     group: list[Chunk] = []
     end_file: object = None
     end = -1
     size = 0
     last_rows, last_device = 0, None
     for c in chunks:
-        entry = entries[c.item.key]
+        entry = c.entry
         itemsize = entry.itemsize
-        start = entry.offset + c.src_start * itemsize
+        start = c.offset
         nbytes = c.count * itemsize
         device = c.item.dest.device
         if (group and c.rows == 1 and last_rows == 1 and start == end

@@ -166,14 +166,9 @@ class TensorEntry(NamedTuple):
     shape: tuple[int, ...]
     offset: int  # absolute offset of the first byte in the file
     nbytes: int
-
-    @property
-    def numel(self) -> int:
-        return prod(self.shape)
-
-    @property
-    def itemsize(self) -> int:
-        return self.dtype.itemsize
+    # fields, not properties computed from the shape: the read path asks for them per chunk of every tensor
+    numel: int
+    itemsize: int
 
 
 @dataclass
@@ -320,7 +315,8 @@ def _validate_header(path: Path, header: dict[str, Any], data_start: int, file_s
                 or type(offsets[1]) is not int or offsets[0] < 0 or offsets[1] < 0):
             raise FormatError(path, f"tensor '{key}': data_offsets {str(offsets)[:80]} is not [begin, end]")
         begin, end = offsets
-        expected = prod(shape) * dtype.itemsize
+        numel, itemsize = prod(shape), dtype.itemsize
+        expected = numel * itemsize
         if end - begin != expected:
             raise FormatError(path, f"tensor '{key}': holds {end - begin} bytes but dtype {info['dtype']} and shape"
                               f" {shape} need {expected}")
@@ -328,7 +324,7 @@ def _validate_header(path: Path, header: dict[str, Any], data_start: int, file_s
             raise FormatError(path, f"tensor '{key}': data_offsets end {end} is past the data section"
                               f" ({data_size} bytes; file truncated?)")
         spans.append((begin, end, key))
-        entries[key] = TensorEntry(key, path, dtype, tuple(shape), data_start + begin, end - begin)
+        entries[key] = TensorEntry(key, path, dtype, tuple(shape), data_start + begin, end - begin, numel, itemsize)
     spans.sort()
     cursor = 0
     for begin, end, key in spans:

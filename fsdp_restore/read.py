@@ -444,28 +444,34 @@ class Checkpoint:
         """Read several ranges that lie back to back in one file, ``(key, first element, dest)`` each (as
         `read_range`), with one scattering ``preadv``: small tensors stored next to each other cost one
         system call, not one each."""
-        views: list[memoryview] = []
+        # once per chunk of every restore: attribute lookups on the tensor kept to the cheap ones (``is_cpu``, not
+        # ``device.type``; the entry's own ``numel`` and ``itemsize``), and the byte view made from the pointer
+        views: list[Any] = []
         keys: list[str] = []
+        entries = self.entries
         file: Path | None = None
         start = end = 0
         for key, elem_start, dest in parts:
-            entry = self._entry(key)
+            entry = entries.get(key)
+            if entry is None:
+                self._entry(key)  # raises, naming the file
             n = dest.numel()
             if elem_start < 0 or elem_start + n > entry.numel:
                 raise ValueError(f"range [{elem_start}, {elem_start + n}) outside tensor '{key}' of {entry.numel}"
                                  " elements")
-            if dest.dtype != entry.dtype or not dest.is_contiguous() or dest.device.type != "cpu":
+            if dest.dtype != entry.dtype or not dest.is_cpu or not dest.is_contiguous():
                 raise ValueError("read_range needs a contiguous CPU destination of the stored dtype")
             if n == 0:
                 continue
+            nbytes = n * entry.itemsize
             offset = entry.offset + elem_start * entry.itemsize
             if file is None:
                 file, start, end = entry.file, offset, offset
-            elif entry.file != file or offset != end:
+            elif offset != end or (entry.file is not file and entry.file != file):
                 raise ValueError(f"read_contiguous: '{key}' does not follow the previous range in {file}")
-            views.append(_writable_bytes(dest))
+            views.append((ctypes.c_char * nbytes).from_address(dest.data_ptr()))  # a writable buffer: what preadv needs
             keys.append(key)
-            end += n * entry.itemsize
+            end += nbytes
         if file is None:
             return
         _pread_into(self._fd(file), views, start, file, keys)
@@ -618,8 +624,8 @@ def _pread_into(fd: int, views: list[memoryview], offset: int, file: Path, keys:
             got -= len(views[0])
             views.pop(0)
             keys.pop(0)
-        if views and got:
-            views[0] = views[0][got:]
+        if views and got:  # (a ctypes array's slice would be a copy: its bytes view is sliced instead)
+            views[0] = memoryview(views[0]).cast("B")[got:]
 
 
 def _writable_bytes(t: torch.Tensor) -> memoryview:

@@ -101,6 +101,36 @@ def test_a_file_that_ends_early_names_the_tensor(stored, tmp_path):
             ckpt.read_contiguous([("c", 0, torch.empty(10)), ("c", 10, torch.empty(100))])
 
 
+@pytest.mark.parametrize("most", [1001, 4096, 12_345])
+def test_short_reads_are_resumed_where_they_stopped(stored, monkeypatch, most):
+    """The kernel may return fewer bytes than asked (a signal, a network file system): the scattering read goes
+    on from the byte where the last one stopped, inside a part or at its end, and fills every part exactly."""
+    path, tensors = stored
+    real = os.preadv
+    calls = [0]
+
+    def short(fd, buffers, offset):  # reads at most ``most`` bytes, into the first buffers only
+        calls[0] += 1
+        left, views = most, []
+        for b in buffers:
+            view = memoryview(b).cast("B")
+            if left <= 0:
+                break
+            views.append(view[:left])
+            left -= len(views[-1])
+        return real(fd, views, offset)
+
+    with Checkpoint(path) as ckpt:
+        monkeypatch.setattr(os, "preadv", short)
+        got = [torch.empty(300 * 70), torch.empty(40 * 9000)]
+        ckpt.read_contiguous([("b", 0, got[0]), ("c", 0, got[1])])
+        part = torch.empty(5 * 9000)
+        ckpt.read_range("c", 9000 * 3 + 17, part)
+    assert calls[0] >= (300 * 70 + 40 * 9000) * 4 // most
+    assert torch.equal(got[0], tensors["b"].reshape(-1)) and torch.equal(got[1], tensors["c"].reshape(-1))
+    assert torch.equal(part, tensors["c"].reshape(-1)[9000 * 3 + 17:9000 * 8 + 17])
+
+
 # ---- files are recognised by their content, not their name (issue 20, item 4) ---------------------------------
 
 
