@@ -45,7 +45,7 @@ CHECK_CHUNK_BYTES = 16 * 1024 * 1024
 DIGEST_PRIME = 2**31 - 1  # modulus of the coverage digest: sums of world_size of them stay within int64
 
 
-@dataclass
+@dataclass(slots=True)  # (one per tensor per restore: slots make and read them faster)
 class Region:
     """Real (non-padding) elements ``[offset, offset + numel)`` of a storage that belong to ``name``."""
 
@@ -54,7 +54,7 @@ class Region:
     numel: int
 
 
-@dataclass
+@dataclass(slots=True)
 class Storage:
     """One block of local memory to restore: ``memory`` is all of it (padding included; contiguous: the plan refuses
     other tensors), and ``flat`` the same as one dimension (made when first asked for: by the check's passes; a view
@@ -158,7 +158,7 @@ def model_storages(model: nn.Module, modules: list[tuple[str, nn.Module]] | None
             continue
         local = local_tensor(param)
         n = local.numel()
-        if n == 0 or covered(ptr := local.data_ptr()):
+        if n == 0 or (ptr := local.data_ptr()) in seen or (flat_starts and covered(ptr)):
             continue
         memory = local if local.is_contiguous() else local.reshape(-1)
         storages.append(Storage(memory, [Region(clean_name(raw.removeprefix(top)), 0, n)]))  # (add(), inlined)
@@ -210,8 +210,14 @@ class _StorageIndex:
         self.sorted = sorted((s for s in storages if s.numel), key=lambda s: s.ptr_range[0])
         self.starts = [s.ptr_range[0] for s in self.sorted]
         self.itemsize = [s.itemsize for s in self.sorted]
+        # most lookups are of a storage's first byte (a parameter read whole): a dict answers those; the last
+        # storage starting there, as the search below would find it
+        self.at_start = {s.ptr_range[0]: (s, 0) for s in self.sorted}
 
     def find(self, ptr: int) -> tuple[Storage, int] | None:
+        hit = self.at_start.get(ptr)
+        if hit is not None:
+            return hit
         i = bisect.bisect_right(self.starts, ptr) - 1
         if i < 0:
             return None
@@ -269,9 +275,14 @@ def validate_plan(plan: ReadPlan, storages: Sequence[Storage], ckpt: Checkpoint)
         placed.setdefault(id(storage), []).append((offset, n, item.name))
     for storage in storages:
         runs = placed.get(id(storage), [])
-        if len(runs) > 1:  # (most storages hold one tensor read by one item: no sort then)
+        regions = storage.regions
+        if len(runs) == 1 and len(regions) == 1:  # most storages: one tensor read whole by one item
+            (offset, n, name), region = runs[0], regions[0]
+            if offset == region.offset and n == region.numel and name == region.name:
+                continue  # (what the general walk below finds for it: tiled exactly, nothing to report)
+        if len(runs) > 1:
             runs.sort()
-        regions = storage.regions if len(storage.regions) < 2 else sorted(storage.regions, key=lambda r: r.offset)
+        regions = regions if len(regions) < 2 else sorted(regions, key=lambda r: r.offset)
         starts = [r.offset for r in regions]
         covered = {r.name: 0 for r in regions}
         end = 0
@@ -323,7 +334,11 @@ def coverage_terms(items: Sequence[ReadItem]) -> dict[str, tuple[int, int]]:
         if c == 0:
             continue
         rows = item.rows
-        s1, s2 = index_moments(s, c // rows if rows else 0, rows, item.stride)  # (item.run, without a second numel)
+        if rows == 1:  # a plain range (most items): `index_moments` of one row, without the call
+            j1 = c * (c - 1) // 2
+            s1, s2 = c * s + j1, c * s * s + 2 * j1 * s + _sum_squares(c)
+        else:
+            s1, s2 = index_moments(s, c // rows if rows else 0, rows, item.stride)  # (item.run, without a second numel)
         t = terms.setdefault(item.name, [0, 0])
         t[0] += 2 * s1 - c * (big_n - 1)
         t[1] += 6 * s2 - c * (big_n - 1) * (2 * big_n - 1)

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import product
 from math import prod
+from types import FunctionType
 
 import torch
 from torch import nn
@@ -40,7 +41,7 @@ class Piece:
     stride: int = 0  # global flat elements from one run's start to the next's
 
 
-@dataclass
+@dataclass(slots=True)  # (one per tensor per restore and save: slots make and read them faster)
 class Target:
     name: str
     global_shape: tuple[int, ...]
@@ -201,9 +202,11 @@ def state_dict_code(modules: list[tuple[str, nn.Module]], *, loading: bool) -> l
     # under FSDP1 a wrapped module's own state_dict() shows none of the parameters its unit flattened away, so it
     # cannot show that it passes through: asked of no module of such a model
     may_pass = not loading and next(_fsdp1_units(None, modules), None) is None
+    by_class: dict[type, str | None] = {}  # `_overridden` per class, without its cache's key per module
     for name, module in modules:
         why = None
-        overridden = _overridden(type(module), loading)
+        cls = type(module)
+        overridden = by_class[cls] if cls in by_class else by_class.setdefault(cls, _overridden(cls, loading))
         if overridden:
             why = f"{type(module).__name__} overrides {overridden}"
         else:
@@ -211,7 +214,7 @@ def state_dict_code(modules: list[tuple[str, nn.Module]], *, loading: bool) -> l
                          else (module._state_dict_pre_hooks, module._state_dict_hooks))
             if not (pre or post):  # most modules
                 continue
-            foreign = [h for h in (*pre.values(), *post.values()) if _hook_module(h).split(".", 1)[0] != "torch"]
+            foreign = [h for hooks in (pre, post) for h in hooks.values() if not _from_torch(h)]
             if foreign:
                 why = f"a {'load_' if loading else ''}state_dict hook of {_hook_module(foreign[0])}"
         if why and not (may_pass and _passes_through(module)):
@@ -249,6 +252,13 @@ def _overridden(cls: type, loading: bool) -> str | None:
         if code is not getattr(nn.Module, method) and not (loading and _hook_module(code).startswith("torch.nn.")):
             return method
     return None
+
+
+def _from_torch(hook: object) -> bool:
+    """Whether a hook's code is torch's own (FSDP2 puts two on every module it shards: a plain function's module is
+    read without `_hook_module`'s unwrapping, a cost per hook of every restore)."""
+    module = (hook.__module__ if type(hook) is FunctionType else None) or _hook_module(hook)
+    return module == "torch" or module.startswith("torch.")
 
 
 def _hook_module(hook: object) -> str:

@@ -208,6 +208,19 @@ def test_item_outside_the_model_or_its_tensor(mlp_ckpt):
     assert problems["plan: planned twice"] == ["blocks.0.bias"]
 
 
+def test_items_that_write_each_others_memory_are_caught(mlp_ckpt):
+    """Two tensors of one shape whose items trade destinations (each reads its own values into the other's
+    memory, whole and exactly): every element is written once, so only the names the memory holds show it."""
+    model = build("mlp", seed=5)
+    ckpt, plan = _plan(mlp_ckpt, model)
+    a, b = (next(i for i in plan.items if i.name == name) for name in ("blocks.0.bias", "blocks.1.bias"))
+    assert a.dest.shape == b.dest.shape
+    a.dest, b.dest = b.dest, a.dest
+    problems = validate_plan(plan, model_storages(model), ckpt)
+    assert problems == {"plan: planned into padding or another tensor": ["blocks.0.bias", "blocks.1.bias"],
+                        "plan: never planned (elements left unread)": ["blocks.0.bias", "blocks.1.bias"]}
+
+
 def test_screen_covers_memory_the_plan_never_mentions(mlp_ckpt):
     """The screen walks the model's storage, not the plan: an element the plan never mentions is found."""
     model = build("mlp", seed=5)
