@@ -14,7 +14,7 @@ import zlib
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 from .errors import FormatError
 
@@ -288,7 +288,11 @@ def parse_json(raw: bytes | str, path: object, what: str) -> Any:
         raise FormatError(path, f"{what} is not usable JSON ({e})") from None
 
 
-_INT_ONLY = {int}  # the set of types a shape's dims may have (bool, an int subclass, is not a size)
+_new_entry = tuple.__new__  # `TensorEntry`'s fields as one tuple: half the cost of its keyword-checking __new__
+
+
+def _bad_shape(path: Path, key: str, shape: object) -> NoReturn:
+    raise FormatError(path, f"tensor '{key}': shape {str(shape)[:80]} is not a list of non-negative integers")
 
 
 def _validate_header(path: Path, header: dict[str, Any], data_start: int, file_size: int) -> FileHeader:
@@ -309,8 +313,11 @@ def _validate_header(path: Path, header: dict[str, Any], data_start: int, file_s
         if dtype is None:
             raise FormatError(path, f"tensor '{key}': unknown dtype {str(name)[:40]!r}")
         shape, offsets = info.get("shape"), info.get("data_offsets")
-        if type(shape) is not list or not set(map(type, shape)) <= _INT_ONLY or (shape and min(shape) < 0):
-            raise FormatError(path, f"tensor '{key}': shape {str(shape)[:80]} is not a list of non-negative integers")
+        if type(shape) is not list:
+            _bad_shape(path, key, shape)
+        for dim in shape:  # (int exactly: bool, an int subclass, is not a size)
+            if type(dim) is not int or dim < 0:
+                _bad_shape(path, key, shape)
         if (type(offsets) is not list or len(offsets) != 2 or type(offsets[0]) is not int
                 or type(offsets[1]) is not int or offsets[0] < 0 or offsets[1] < 0):
             raise FormatError(path, f"tensor '{key}': data_offsets {str(offsets)[:80]} is not [begin, end]")
@@ -324,7 +331,8 @@ def _validate_header(path: Path, header: dict[str, Any], data_start: int, file_s
             raise FormatError(path, f"tensor '{key}': data_offsets end {end} is past the data section"
                               f" ({data_size} bytes; file truncated?)")
         spans.append((begin, end, key))
-        entries[key] = TensorEntry(key, path, dtype, tuple(shape), data_start + begin, end - begin, numel, itemsize)
+        entries[key] = _new_entry(TensorEntry, (key, path, dtype, tuple(shape), data_start + begin, end - begin, numel,
+                                                itemsize))
     spans.sort()
     cursor = 0
     for begin, end, key in spans:

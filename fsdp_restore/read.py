@@ -304,6 +304,9 @@ class Checkpoint:
                 source_json = header.metadata.get(META_SOURCE)
             self.checksums.update(_json_meta(header, META_CHECKSUMS))
             self.cast.update(_json_meta(header, META_CAST))
+            if not weight_map and not self.entries:  # a single file (or the first): its names are distinct keys
+                self.entries.update(header.entries)
+                continue
             for key, entry in header.entries.items():
                 if weight_map and weight_map.get(key) != file:
                     continue  # a stale tensor in a shard the index does not point at: the index wins

@@ -160,6 +160,7 @@ def local_targets(model: nn.Module, modules: list[tuple[str, nn.Module]] | None 
     from torch.distributed.fsdp._flat_param import FlatParameter
 
     seen: dict[int, str] = {}
+    dtensor = _dtensor_class()  # (`_tensor_target`'s test, once: the parameters are mostly DTensors or none are)
     for raw_name, param in named_parameters_of(modules):
         name = clean(raw_name)
         if (fsdp1 and isinstance(param, FlatParameter)) or name in done:
@@ -171,7 +172,8 @@ def local_targets(model: nn.Module, modules: list[tuple[str, nn.Module]] | None 
             aliases[name] = seen[id(param)]
             continue
         seen[id(param)] = name
-        targets.append(_tensor_target(name, param, "param"))
+        targets.append(_dtensor_target(name, param, "param") if isinstance(param, dtensor)
+                       else _tensor_target(name, param, "param"))
     for mod_name, module in modules:
         for buf_name, buf in module._buffers.items():
             if buf is None or buf_name in module._non_persistent_buffers_set:
