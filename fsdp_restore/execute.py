@@ -30,8 +30,8 @@ from typing import NamedTuple
 
 import torch
 
-from .plan import ReadItem
 from .format import TensorEntry
+from .plan import ReadItem
 from .read import Checkpoint
 from .write import cast_overflow, overflow_listing
 

@@ -614,9 +614,10 @@ def _raise_fd_limit(files: int) -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
 
 
-def _pread_into(fd: int, views: list[memoryview], offset: int, file: Path, keys: list[str]) -> None:
-    """Fill ``views`` (the tensors ``keys``, back to back in ``file``) from ``offset`` of ``fd``: scattering
-    positional reads, again where the kernel returns less; a file that ends early names the tensor."""
+def _pread_into(fd: int, views: list[Any], offset: int, file: Path, keys: list[str]) -> None:
+    """Fill ``views`` (writable byte buffers: memoryviews, ctypes arrays; the tensors ``keys``, back to back in
+    ``file``) from ``offset`` of ``fd``: scattering positional reads, again where the kernel returns less; a file
+    that ends early names the tensor."""
     views, keys = list(views), list(keys)
     while views:
         got = os.preadv(fd, views[:IOV_MAX], offset)
