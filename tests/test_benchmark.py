@@ -17,6 +17,7 @@ RESTORE_METHODS = {"fsdp2": {"ours", "ours-nocheck", "dcp", "broadcast", "every-
                    "fsdp1": {"ours", "ours-nocheck", "broadcast", "apply", "ours+optim"}}
 
 
+@pytest.mark.slow  # ~55 s of benchmark runs (every method, both FSDP versions): the default suite keeps under its budget
 def test_every_method_runs_and_ours_requests_only_its_share(tmp_path):
     out = tmp_path / "results.json"
     res = subprocess.run([sys.executable, str(SCRIPT), "--convert-gb", "0.03", "--restore-mb", "13",
