@@ -223,7 +223,8 @@ class _Worker:
         """Read ``dest.numel()`` elements (``rows`` runs ``stride`` apart) of ``key`` from ``src_start``."""
         entry = self.ckpt.entries[key]
         if dest.device.type == "cpu" and dest.dtype == entry.dtype and not (
-                rows <= 1 and self._detour(dest, entry.offset + src_start * entry.itemsize)):
+                rows <= 1 and self._detour(dest.numel() * entry.itemsize, dest.data_ptr(),
+                                           entry.offset + src_start * entry.itemsize)):
             self.ckpt.read_rows(key, src_start, dest, rows, stride)
             return
         step = max(1, self.chunk_bytes // entry.itemsize)
@@ -243,9 +244,8 @@ class _Worker:
             return
         # straight into memory, but an aliased part (see `aliased`) through staging: runs of the others in one read
         run: list[tuple[str, int, torch.Tensor]] = []
-        low, high = ALIASED_MIN_BYTES, self.chunk_bytes
         for c, dest in zip(group, dests):
-            if low <= c.count * c.entry.itemsize <= high and aliased(dest.data_ptr(), c.offset):  # (`_detour`, inlined)
+            if self._detour(c.count * c.entry.itemsize, dest.data_ptr(), c.offset):
                 if run:
                     self.ckpt.read_contiguous(run)
                     run = []
@@ -255,11 +255,10 @@ class _Worker:
         if run:
             self.ckpt.read_contiguous(run)
 
-    def _detour(self, dest: torch.Tensor, file_offset: int) -> bool:
-        """Whether a direct read into ``dest`` would be an aliased copy worth the detour through staging (which
-        also needs room: a chunk of at most the staging size)."""
-        nbytes = dest.numel() * dest.element_size()
-        return (ALIASED_MIN_BYTES <= nbytes <= self.chunk_bytes and aliased(dest.data_ptr(), file_offset))
+    def _detour(self, nbytes: int, dest_ptr: int, file_offset: int) -> bool:
+        """Whether a direct read of ``nbytes`` into memory at ``dest_ptr`` would be an aliased copy worth the detour
+        through staging (which also needs room: a chunk of at most the staging size)."""
+        return ALIASED_MIN_BYTES <= nbytes <= self.chunk_bytes and aliased(dest_ptr, file_offset)
 
     def _staged(self, reads: Sequence[tuple[str, int, torch.Tensor, int, int]]) -> None:
         """Reads ``(key, stored start, dest, rows, stride)`` through one staging buffer: one read (a column
@@ -352,28 +351,28 @@ def chunked(items: Sequence[ReadItem], ckpt: Checkpoint, chunk_bytes: int | None
     block), in file order."""
     chunk_bytes = chunk_bytes or READ_CHUNK_BYTES
     entries = ckpt.entries
-    placed = [(entries[item.key], item) for item in items]
+    placed = []  # (file byte of the item's first element, entry, item): the sort key and the chunks' offset
+    for item in items:
+        entry = entries[item.key]
+        placed.append((entry.offset + item.src_start * entry.itemsize, entry, item))
     # files in name order (the order the disks see), ranked once: comparing Paths per item cost more than the rest
-    files = {id(entry.file): entry.file for entry, _ in placed}
-    if len(files) > 1:
-        rank = {key: i for i, key in enumerate(sorted(files, key=lambda k: str(files[k])))}
-        placed.sort(key=lambda p: (rank[id(p[0].file)], p[0].offset + p[1].src_start * p[0].itemsize))
-    else:
-        placed.sort(key=lambda p: p[0].offset + p[1].src_start * p[0].itemsize)
+    files = {id(entry.file): entry.file for _, entry, _ in placed}
+    rank = {key: i for i, key in enumerate(sorted(files, key=lambda k: str(files[k])))}
+    placed.sort(key=lambda p: (rank[id(p[1].file)], p[0]))
     chunks: list[Chunk] = []
-    for entry, item in placed:
+    for offset, entry, item in placed:
         n = item.dest.numel()
         itemsize = entry.itemsize
         step = max(1, chunk_bytes // max(1, itemsize))
         if item.rows <= 1 and 0 < n <= step:  # most items: one chunk, no generator
-            chunks.append(Chunk(item, 0, n, item.src_start, 1, entry, entry.offset + item.src_start * itemsize))
+            chunks.append(Chunk(item, 0, n, item.src_start, 1, entry, offset))
             continue
         chunks.extend(Chunk(item, *part, entry, entry.offset + part[2] * itemsize)
                       for part in parts(item.src_start, n, item.rows, item.stride, step))
     return chunks
 
 
-def grouped(chunks: Iterable[Chunk], ckpt: Checkpoint, chunk_bytes: int | None = None) -> Iterator[list[Chunk]]:
+def grouped(chunks: Iterable[Chunk], chunk_bytes: int | None = None) -> Iterator[list[Chunk]]:
     """Consecutive chunks (in file order) whose bytes lie back to back in one file, plain ranges into
     memory on one device, together at most ``chunk_bytes`` (default `READ_CHUNK_BYTES`): one positional read
     each group (a model of thousands of small tensors paid more per read call than per byte). Made as they are
@@ -433,7 +432,7 @@ def execute_reads(ckpt: Checkpoint, items: Sequence[ReadItem], threads: int = DE
     chunks = chunked(items, ckpt, chunk_bytes)
     if not chunks:
         return
-    groups = grouped(chunks, ckpt, chunk_bytes)  # made as the threads take them (under the lock below)
+    groups = grouped(chunks, chunk_bytes)  # made as the threads take them (under the lock below)
     caller_stream = torch.cuda.current_stream(device) if cuda else None
     local = threading.local()
     workers: list[_Worker] = []

@@ -204,11 +204,9 @@ def state_dict_code(modules: list[tuple[str, nn.Module]], *, loading: bool) -> l
     # under FSDP1 a wrapped module's own state_dict() shows none of the parameters its unit flattened away, so it
     # cannot show that it passes through: asked of no module of such a model
     may_pass = not loading and next(_fsdp1_units(None, modules), None) is None
-    by_class: dict[type, str | None] = {}  # `_overridden` per class, without its cache's key per module
     for name, module in modules:
         why = None
-        cls = type(module)
-        overridden = by_class[cls] if cls in by_class else by_class.setdefault(cls, _overridden(cls, loading))
+        overridden = _overridden(type(module), loading)
         if overridden:
             why = f"{type(module).__name__} overrides {overridden}"
         else:

@@ -116,7 +116,7 @@ def _model_reads(model: torch.nn.Module, path: str) -> list[tuple[int, list[memo
     reads = []
     with open_checkpoint(path) as ckpt:
         plan = build_plan(model, ckpt, prefix="")
-        for group in grouped(chunked(plan.items, ckpt), ckpt):
+        for group in grouped(chunked(plan.items, ckpt)):
             entry = ckpt.entries[group[0].item.key]
             views = [_writable_bytes(c.item.dest[c.first:c.first + c.count]) for c in group]
             reads.append((entry.offset + group[0].src_start * entry.itemsize, views))

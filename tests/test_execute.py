@@ -41,7 +41,7 @@ def test_back_to_back_chunks_are_grouped_within_the_limits(stored, monkeypatch):
     with Checkpoint(stored) as ckpt:
         plan = build_plan(model, ckpt, prefix="")
         chunks = chunked(plan.items, ckpt)
-        groups = list(grouped(chunks, ckpt))
+        groups = list(grouped(chunks))
         assert [c for g in groups for c in g] == chunks  # every chunk once, in file order
         assert len(groups) < len(chunks) / 10  # 303 tensors, a handful of reads
         for g in groups:
@@ -50,7 +50,7 @@ def test_back_to_back_chunks_are_grouped_within_the_limits(stored, monkeypatch):
                 assert ea.offset + (a.src_start + a.count) * ea.itemsize == eb.offset + b.src_start * eb.itemsize
         monkeypatch.setattr(execute, "GROUP_MAX_PARTS", 7)
         monkeypatch.setattr(execute, "READ_CHUNK_BYTES", 4096)
-        for g in grouped(chunked(plan.items, ckpt), ckpt):
+        for g in grouped(chunked(plan.items, ckpt)):
             assert len(g) <= 7 and (len(g) == 1 or sum(c.count * ckpt.entries[c.item.key].itemsize for c in g) <= 4096)
 
 
@@ -67,7 +67,7 @@ def test_a_chunk_size_of_its_own_cuts_and_groups_within_it(stored):
             mine = sorted((c.first, c.count) for c in chunks if c.item is item)
             assert sum(n for _, n in mine) == item.dest.numel() and all(
                 a + n == b for (a, n), (b, _) in zip(mine, mine[1:]))
-        for g in grouped(chunks, ckpt, 4096):
+        for g in grouped(chunks, 4096):
             assert len(g) == 1 or sum(c.count * ckpt.entries[c.item.key].itemsize for c in g) <= 4096
 
 
