@@ -298,11 +298,6 @@ def cmd_convert(args: argparse.Namespace) -> int:
     started = time.perf_counter()  # checking --dtype or --max-shard-size may be what imports torch first
     cfg = check_convert_options(values, origin)
     from .convert import convert  # the first command to need torch imports it here: timed apart from the work
-    from .jobs import cast_target
-    from .write import TORCH_FREE_CAST
-
-    if cfg.get("dtype") is not None and cast_target(cfg["dtype"]) is not TORCH_FREE_CAST[1]:
-        import torch  # noqa: F401  (any other cast needs torch: its import timed apart from the conversion)
 
     imports = time.perf_counter() - started
     if ranks:

@@ -537,9 +537,11 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
 
     A plain checkpoint of dicts, lists, tuples, Python scalars and tensors (one process, no ``trust_pickle`` or
     ``allow_globals``) is read without torch's unpickler (`plain_pt`: a subset of what torch's weights-only
-    unpickler takes, built as it builds it; torch is imported only to cast, and not for an fp32 -> bf16 cast
-    (`plain_cast`) unless a value is NaN or inf after it, or reaches 256 in magnitude, or is 0-dim: a same-dtype
-    conversion, or such a cast, in a process that has not imported torch never does); anything else is memory-mapped
+    unpickler takes, built as it builds it; torch is imported only to cast, and not for a cast `plain_cast` makes
+    (between fp32, fp16 and bf16, and from them to fp64; fp64 -> fp32) unless a value is NaN or inf before or after
+    it, or a cast that rounds reaches the magnitude where whole numbers round (256 in bf16) or casts a 0-dim value:
+    a same-dtype conversion, or such a cast, in a process that has not imported torch never does); anything else
+    is memory-mapped
     (``torch.load(mmap=True, weights_only=True)``) to read its structure. Either way the result is the same file,
     byte for byte. The tensors' bytes are read with ``pread`` at their offsets into 32 MB blocks of the output, one
     per thread at a time (``thread_count``, default: every core, at least 4 and at most 16), cast if asked and

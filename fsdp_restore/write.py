@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from .checksum import combine_segments
 from .format import (DEFAULT_INDEX_NAME, FORMAT_VERSION, HEADER_SEAL_PREFIX, META_CAST, META_CHECKSUMS, META_FORMAT,
-                     META_SET_ID, META_STRUCTURE, META_VERSION, STORED_DTYPES, StoredDtype, as_torch_dtype,
+                     META_SET_ID, META_STRUCTURE, META_VERSION, StoredDtype, as_torch_dtype,
                      build_header, build_index, seal, torch_dtype_name)
 from .errors import ConvertError
 from .mapped import IOV_MAX, pread_exactly, preadv_exactly
@@ -52,14 +52,14 @@ from .share import DIED_NOTE, Share
 CHUNK_BYTES = 16 * 1024 * 1024  # per-thread working set when casting or copying non-contiguous data
 CAST_STAGING_BYTES = 4 * 1024 * 1024  # source bytes per step of a cast (`_copy_piece_into`): it stays in cache
 _PLACEHOLDER = "0" * 8
-# (source, target) of the one cast made without torch (`plain_cast`); every other cast imports torch
-TORCH_FREE_CAST = (STORED_DTYPES["float32"], STORED_DTYPES["bfloat16"])
 
 ProgressFn = Callable[[int], None]
 
 
 if TYPE_CHECKING:  # torch is imported by the functions that make or cast tensors: a plain copy never needs it
     import torch
+
+    from .plain_cast import Cast
 
 Reader = Callable[[int, int], "torch.Tensor"]  # (first flat element, count) -> those elements
 HeldInPieces = dict[int, tuple[Any, Reader]]  # stand-in's data_ptr -> (meta tensor, reader)
@@ -497,56 +497,80 @@ def _read_run(pieces: list[_Piece], i: int, data: memoryview) -> int:
     return j
 
 
+def _free_cast(job: TensorJob) -> Cast | None:
+    """The cast of ``job``'s tensor made without torch (`plain_cast`), where its source is described without torch
+    (`_described`, read from where it lies) and the pair of dtypes is one `plain_cast` makes; else None."""
+    source, target = job.source.dtype, job.dtype
+    if source is target or job.reader is not None or job.location is None:
+        return None
+    pair = (getattr(source, "name", None), getattr(target, "name", None))  # (a torch dtype has no name: None)
+    if pair not in _FREE_CASTS:
+        from .plain_cast import torch_free_cast
+
+        _FREE_CASTS[pair] = torch_free_cast(*pair) if None not in pair else None  # type: ignore[arg-type]
+    return _FREE_CASTS[pair]
+
+
+_FREE_CASTS: dict[tuple[str | None, str | None], Cast | None] = {}
+
+
 def _cast_run(pieces: list[_Piece], i: int, memory: mmap.mmap) -> tuple[int, bool]:
     """Cast ``pieces[i]`` and the pieces after it without torch as one (`_cast_without_torch`'s cast, one call for
-    them all), where they are whole fp32 -> bf16 tensors of at least one dimension that lie next to each other in
-    the block and in their file, at most `CAST_STAGING_BYTES` of source in all, and every value is finite and below
-    256 in magnitude after the cast (what the pieces one by one would give, with nothing to record). Returns the
-    index after the last piece of the run and whether they were cast: not where fewer than two pieces qualify
-    (the run is then ``pieces[i]`` alone: so is a tensor of more than half a step, whose own cast's calls cost
-    little beside its bytes) or the cast declined; the caller then casts them piece by piece."""
+    them all), where they are whole tensors of at least one dimension, cast between the same two dtypes, that lie
+    next to each other in the block and in their file, at most `CAST_STAGING_BYTES` of source in all, and every
+    value is finite after the cast and no whole number may have been rounded (what the pieces one by one would
+    give, with nothing to record). Returns the index after the last piece of the run and whether they were cast:
+    not where fewer than two pieces qualify (the run is then ``pieces[i]`` alone: so is a tensor of more than half
+    a step, whose own cast's calls cost little beside its bytes) or the cast declined; the caller then casts them
+    piece by piece."""
+    piece = pieces[i]
+    cast = _free_cast(piece.job)
+    if cast is None:
+        return i + 1, False
+    size, source_size = piece.job.dtype.itemsize, piece.job.source.dtype.itemsize
+
     def castable(piece: _Piece) -> bool:
         job = piece.job
-        return ((job.source.dtype, job.dtype) == TORCH_FREE_CAST and job.reader is None
-                and type(job.location) is tuple and piece.first == 0 and piece.nbytes == job.nbytes > 0
-                and job.source.dim() > 0)
+        return (_free_cast(job) is cast and type(job.location) is tuple and piece.first == 0
+                and piece.nbytes == job.nbytes > 0 and job.source.dim() > 0)
 
-    piece = pieces[i]
-    if not castable(piece) or piece.at % 2 or 2 * piece.nbytes > CAST_STAGING_BYTES // 2:
+    def source_nbytes(piece: _Piece) -> int:
+        return piece.nbytes // size * source_size
+
+    if not castable(piece) or piece.at % size or source_nbytes(piece) > CAST_STAGING_BYTES // 2:
         return i + 1, False
     fd, start = piece.job.location  # type: ignore[misc]
     staging = _CAST_STAGING.get()
-    shift = _placement(piece.job.location, 0, 4)  # type: ignore[arg-type]  (where a single tensor's read goes)
-    views = [_CAST_STAGING.view[shift:shift + 2 * piece.nbytes]]
-    at, end, source_bytes, j = piece.at + piece.nbytes, start + 2 * piece.nbytes, 2 * piece.nbytes, i + 1
+    shift = _placement(piece.job.location, 0, source_size)  # type: ignore[arg-type]  (where a single tensor's read goes)
+    nbytes = source_nbytes(piece)
+    views = [_CAST_STAGING.view[shift:shift + nbytes]]
+    at, end, source_bytes, j = piece.at + piece.nbytes, start + nbytes, nbytes, i + 1
     while j < len(pieces) and len(views) < IOV_MAX - 1:
         piece = pieces[j]
-        if (piece.at != at or not castable(piece) or source_bytes + 2 * piece.nbytes > CAST_STAGING_BYTES
+        if (piece.at != at or not castable(piece) or source_bytes + (nbytes := source_nbytes(piece)) > CAST_STAGING_BYTES
                 or (begin := _next_in_file(piece, fd, end)) is None):
             break
         if begin > end:
             views.append(_GAP[:begin - end])
-        views.append(_CAST_STAGING.view[shift + source_bytes:shift + source_bytes + 2 * piece.nbytes])
-        at, end, source_bytes, j = at + piece.nbytes, begin + 2 * piece.nbytes, source_bytes + 2 * piece.nbytes, j + 1
+        views.append(_CAST_STAGING.view[shift + source_bytes:shift + source_bytes + nbytes])
+        at, end, source_bytes, j = at + piece.nbytes, begin + nbytes, source_bytes + nbytes, j + 1
     if j - i < 2:
         return i + 1, False
     import numpy as np
 
-    from .plain_cast import cast_f32_to_bf16
-
     preadv_exactly(fd, views, start)
-    n = source_bytes // 4
-    source = np.frombuffer(staging, dtype=np.uint32, count=n, offset=shift)
-    out = np.frombuffer(memory, dtype=np.uint16, count=n, offset=pieces[i].at)
-    return j, cast_f32_to_bf16(source, out, _CAST_STAGING.work()) is False
+    n = source_bytes // source_size
+    source = np.frombuffer(staging, dtype=cast.source_bits, count=n, offset=shift)
+    out = np.frombuffer(memory, dtype=cast.target_bits, count=n, offset=pieces[i].at)
+    return j, cast(source, out, _CAST_STAGING.work()) is False
 
 
 def _copy_piece(piece: _Piece, memory: mmap.mmap) -> tuple[int, bool]:
     """Copy (and cast) one piece of a tensor that is not read from a file at its offset into the block buffer
     (``memory``); returns how many finite source values a narrowing cast made infinite or NaN (`narrowing`), and
     whether the cast may have changed the tensor as `changed_by_cast` says (decided over the whole tensor
-    afterwards). An fp32 -> bf16 cast of a described tensor is made without torch where every value is finite
-    after it (`_cast_without_torch`), else by torch."""
+    afterwards). A cast of a described tensor between dtypes `plain_cast` casts is made without torch where every
+    value is finite before and after it (`_cast_without_torch`), else by torch."""
     done = _cast_without_torch(piece, memory)
     if done is not None:
         return done
@@ -574,11 +598,12 @@ class _CastStaging(threading.local):
         return self.as_tensor
 
     def work(self) -> Any:
-        """numpy's uint32 scratch for `plain_cast`, one per step's elements."""
+        """numpy's scratch for `plain_cast`: 4 bytes per source element of a step (and as many as the source's own),
+        for sources of 2 bytes and more."""
         if getattr(self, "scratch", None) is None:
             import numpy as np
 
-            self.scratch = np.empty(CAST_STAGING_BYTES // 4, dtype=np.uint32)
+            self.scratch = np.empty(2 * CAST_STAGING_BYTES, dtype=np.uint8)
         return self.scratch
 
 
@@ -606,32 +631,33 @@ def _staged(job: TensorJob, first: int, stop: int) -> torch.Tensor:
 
 
 def _cast_without_torch(piece: _Piece, memory: mmap.mmap) -> tuple[int, bool] | None:
-    """`_copy_piece` of an fp32 tensor described without torch (`_described`, read from where it lies) into bf16,
-    with numpy (`plain_cast`), in steps of `CAST_STAGING_BYTES` of source as the torch path takes them; None where
-    it does not apply (another cast, a piece not on whole elements) or a step holds a value that is not finite
-    after the cast: the torch path then makes the whole piece."""
+    """`_copy_piece` of a tensor described without torch (`_described`, read from where it lies) cast with numpy
+    (`plain_cast`, `_free_cast`), in steps of `CAST_STAGING_BYTES` of source as the torch path takes them; None where
+    it does not apply (a pair of dtypes `plain_cast` leaves to torch, a piece not on whole elements) or a step holds
+    a value that is not finite after the cast: the torch path then makes the whole piece."""
     job = piece.job
-    if ((job.source.dtype, job.dtype) != TORCH_FREE_CAST or job.reader is not None or job.location is None
-            or piece.first % 2 or piece.nbytes % 2 or piece.at % 2):
+    cast = _free_cast(job)
+    size = job.dtype.itemsize
+    if cast is None or piece.first % size or piece.nbytes % size or piece.at % size:
         return None
     import numpy as np
 
-    from .plain_cast import cast_f32_to_bf16
-
     staging, work = _CAST_STAGING.get(), _CAST_STAGING.work()
-    first, stop = piece.first // 2, (piece.first + piece.nbytes) // 2
-    step = CAST_STAGING_BYTES // 4
-    large = False
+    source_size = job.source.dtype.itemsize
+    first, stop = piece.first // size, (piece.first + piece.nbytes) // size
+    step = CAST_STAGING_BYTES // source_size
+    rounded = False
     for lo in range(first, stop, step):
         n = min(stop, lo + step) - lo
-        shift = _stage(job, lo, n, 4)
-        source = np.frombuffer(staging, dtype=np.uint32, count=n, offset=shift)
-        out = np.frombuffer(memory, dtype=np.uint16, count=n, offset=piece.at + (lo - first) * 2)
-        step_large = cast_f32_to_bf16(source, out, work)
-        if step_large is None:
+        shift = _stage(job, lo, n, source_size)
+        source = np.frombuffer(staging, dtype=cast.source_bits, count=n, offset=shift)
+        out = np.frombuffer(memory, dtype=cast.target_bits, count=n, offset=piece.at + (lo - first) * size)
+        step_rounded = cast(source, out, work)
+        if step_rounded is None:
             return None
-        large = large or step_large
-    return 0, job.source.dim() == 0 or large
+        rounded = rounded or step_rounded
+    # a 0-dim value is judged whole by the torch path (`changed_by_cast`), unless the cast is exact (widening)
+    return 0, rounded or (job.source.dim() == 0 and not cast.exact)
 
 
 def _placement(location: Location, first: int, itemsize: int) -> int:

@@ -285,15 +285,18 @@ def test_a_tensor_past_its_storage_is_declined(tmp_path):
         torch.load(src, weights_only=True)
 
 
-@pytest.mark.parametrize("args,unused", [([], "torch"), (["--dtype", "bf16"], "torch"),
-                                         (["--dtype", "fp16"], "fsdp_restore.torch_zip")],
-                         ids=["same dtype", "cast to bf16", "cast to fp16"])
-def test_the_cli_converts_a_plain_checkpoint_without_torch_or_its_loader(tmp_path, args, unused):
-    """The CLI in a fresh process: a same-dtype conversion never imports torch, nor does an fp32 -> bf16 cast of
-    finite values (`plain_cast`); another cast imports it for the cast alone (torch's loader, `torch_zip`, never);
-    either way the file is the torch path's."""
-    obj = {"model": {"w": torch.randn(4, 3), "b": torch.zeros(3)}, "optim": {"m": torch.randn(4, 3)}, "step": 7,
-           "names": ["a", "b"]}
+@pytest.mark.parametrize("args,weights,unused", [
+    ([], torch.float32, "torch"), (["--dtype", "bf16"], torch.float32, "torch"),
+    (["--dtype", "fp16"], torch.float32, "torch"), (["--dtype", "fp32"], torch.bfloat16, "torch"),
+    (["--dtype", "fp16"], torch.bfloat16, "torch"), (["--dtype", "bf16"], torch.float64, "fsdp_restore.torch_zip")],
+    ids=["same dtype", "fp32 to bf16", "fp32 to fp16", "bf16 to fp32", "bf16 to fp16", "fp64 to bf16"])
+def test_the_cli_converts_a_plain_checkpoint_without_torch_or_its_loader(tmp_path, args, weights, unused):
+    """The CLI in a fresh process: a same-dtype conversion never imports torch, nor does a cast of finite values
+    that `plain_cast` makes (fp32 -> bf16 or fp16, bf16 -> fp32 or fp16...); another cast (fp64 -> bf16, which torch
+    may round twice) imports it for the cast alone (torch's loader, `torch_zip`, never); either way the file is the
+    torch path's."""
+    obj = {"model": {"w": torch.randn(4, 3).to(weights), "b": torch.zeros(3).to(weights)},
+           "optim": {"m": torch.randn(4, 3)}, "step": 7, "names": ["a", "b"]}
     torch.save(obj, tmp_path / "src.pt")
     code = ("import sys; from fsdp_restore.cli import main; rc = main(['convert', *sys.argv[1:]]);"
             f" assert {unused!r} not in sys.modules, '{unused} was imported'; sys.exit(rc)")
@@ -383,16 +386,18 @@ def test_a_step_holding_a_nan_among_finite_values_is_cast_as_the_torch_path_cast
         assert torch.equal(_bits(written[key][finite]), _bits(expected[finite])), key
 
 
-def _many_small(seed: int = 0) -> dict:
+def _many_small(seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
     """Hundreds of small tensors as a model file holds them, with what a batched read or cast must leave to the piece
-    by piece path: a NaN, an inf, a value past 256, 0-dim and empty tensors, other dtypes between fp32 ones, views
-    into a shared storage (their bytes do not lie next to each other) and one tensor larger than a cast's step."""
+    by piece path: a NaN, an inf, values past 256 and 2048, 0-dim and empty tensors, other dtypes between the layers'
+    ones (``dtype``), views into a shared storage (their bytes do not lie next to each other) and one tensor larger
+    than a cast's step."""
     g = torch.Generator().manual_seed(seed)
     # ~80 KB each: a cast's step (4 MB of source) holds ~50 of them, so the tensors below fall in different steps
-    model = {f"layers.{i}.w": torch.randn(125 + i % 7, 160, generator=g) for i in range(400)}
+    model = {f"layers.{i}.w": torch.randn(125 + i % 7, 160, generator=g).to(dtype) for i in range(400)}
     model["layers.10.w"][1, 2] = float("nan")
     model["layers.20.w"][0, 0] = float("inf")
     model["layers.130.w"][2, 1] = 300.0  # past 256: bf16 no longer holds every whole number from there
+    model["layers.140.w"][0, 1] = 3000.0  # past 2048: nor does fp16
     model.update({"a.scalar": torch.tensor(2.5), "a.empty": torch.zeros(0, 4), "a.half": torch.randn(9, generator=g).half(),
                   "a.ints": torch.arange(7), "a.big": torch.randn(1_200_000, generator=g)})
     base = torch.randn(64, 8, generator=g)
@@ -400,14 +405,15 @@ def _many_small(seed: int = 0) -> dict:
     return model
 
 
-@pytest.mark.parametrize("dtype", [None, "bf16"])
+@pytest.mark.parametrize("dtype,source", [(None, torch.float32), ("bf16", torch.float32), ("fp16", torch.float32),
+                                          ("fp32", torch.bfloat16)], ids=["same", "bf16", "fp16", "bf16 to fp32"])
 @pytest.mark.parametrize("block_bytes", [None, 12_288])
-def test_many_small_tensors_read_and_cast_together_are_each_what_torch_gives(tmp_path, monkeypatch, dtype,
+def test_many_small_tensors_read_and_cast_together_are_each_what_torch_gives(tmp_path, monkeypatch, dtype, source,
                                                                           block_bytes):
     """The writer reads the pieces that lie next to each other in the source with one ``preadv`` and casts them
-    (fp32 -> bf16) with one call: each tensor is still torch.load's tensor (cast by torch), bit for bit, and the file
-    is the torch path's, with blocks of the usual size and with blocks that cut tensors in pieces (a piece that is
-    not a whole tensor is read and cast on its own)."""
+    (fp32 -> bf16 or fp16, bf16 -> fp32) with one call: each tensor is still torch.load's tensor (cast by torch),
+    bit for bit, and the file is the torch path's, with blocks of the usual size and with blocks that cut tensors
+    in pieces (a piece that is not a whole tensor is read and cast on its own)."""
     write_module = importlib.import_module("fsdp_restore.write")
     if block_bytes:
         monkeypatch.setattr(write_module, "BLOCK_BYTES", block_bytes)
@@ -415,13 +421,14 @@ def test_many_small_tensors_read_and_cast_together_are_each_what_torch_gives(tmp
     real = write_module.preadv_exactly
     monkeypatch.setattr(write_module, "preadv_exactly",
                         lambda fd, views, offset: (batched.append(len(views)), real(fd, views, offset))[1])
-    _same_output(tmp_path, _many_small(), dtype=dtype)
+    _same_output(tmp_path, _many_small(dtype=source), dtype=dtype)
     assert max(batched) > 10  # the reads were batched (else this tests nothing new)
     written = safetensors.torch.load_file(tmp_path / "lane.safetensors")
     loaded = torch.load(tmp_path / "src.pt", weights_only=True)
     assert set(written) == set(loaded)
     for key, t in loaded.items():
-        expected = t.to(torch.bfloat16) if dtype and t.is_floating_point() and t.dim() else t
+        to = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(dtype)
+        expected = t.to(to) if to and t.is_floating_point() and t.dim() else t
         assert written[key].dtype == expected.dtype and written[key].shape == expected.shape, key
         assert torch.equal(_bits(written[key]), _bits(expected)), key
 

@@ -639,11 +639,12 @@ def test_the_weights_of_stage_3_sub_groups_without_torch(zero_root, tmp_path):
     assert (tmp_path / "lane.safetensors").read_bytes() == (tmp_path / "torch.safetensors").read_bytes()
 
 
-@pytest.mark.parametrize("args", [["--select", "model"], ["--select", "model", "--dtype", "bf16"], []],
-                         ids=["weights", "weights cast to bf16", "the whole checkpoint"])
+@pytest.mark.parametrize("args", [["--select", "model"], ["--select", "model", "--dtype", "bf16"],
+                                  ["--select", "model", "--dtype", "fp16"], []],
+                         ids=["weights", "weights cast to bf16", "weights cast to fp16", "the whole checkpoint"])
 def test_the_cli_converts_without_importing_torch(zero_root, tmp_path, args):
-    """``--select model``, with ``--dtype bf16`` (the fp32 masters cast without torch: `plain_cast`), and the whole
-    checkpoint: torch is never imported, and the file is the torch path's, byte for byte."""
+    """``--select model``, with ``--dtype bf16`` or ``fp16`` (the fp32 masters cast without torch: `plain_cast`),
+    and the whole checkpoint: torch is never imported, and the file is the torch path's, byte for byte."""
     src = _checkpoint(zero_root, 3, 3, "bf16")
     code = ("import sys; from fsdp_restore.cli import main; rc = main(['convert', *sys.argv[1:]]);"
             " assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)")
@@ -651,7 +652,7 @@ def test_the_cli_converts_without_importing_torch(zero_root, tmp_path, args):
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     fsdp_restore.convert(src, tmp_path / "torch.safetensors", select="model" if args else None,
-                         dtype="bf16" if "--dtype" in args else None)
+                         dtype=args[args.index("--dtype") + 1] if "--dtype" in args else None)
     assert (tmp_path / "cli.safetensors").read_bytes() == (tmp_path / "torch.safetensors").read_bytes()
 
 
