@@ -599,6 +599,27 @@ def flat_structure(keys: list[str]) -> Structure:
             "root": {"type": "dict", "items": [[k, {"type": "tensor", "key": k}] for k in keys]}}
 
 
+def iter_nodes(node: Any, path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+    """Yield ``(dotted path, node)`` for ``node`` and every node below it, containers and leaves alike."""
+    if not isinstance(node, dict):
+        return
+    yield path, node
+    kind = node.get("type")
+    if kind in _MAPPINGS:
+        for k, v in node.get("items", []):
+            yield from iter_nodes(v, _join(path, k if isinstance(k, (str, int)) else "?"))
+    elif kind in ("list", "tuple", "set", "frozenset"):
+        for i, v in enumerate(node.get("items", [])):
+            yield from iter_nodes(v, _join(path, i))
+
+
+def skipped_values(structure: Structure | None) -> list[str]:
+    """Paths of the values a conversion with ``on_unsupported="skip"`` did not store (restored as None)."""
+    if not structure:
+        return []
+    return [path or "<root>" for path, node in iter_nodes(structure.get("root")) if node.get("type") == "skipped"]
+
+
 def iter_nodes_with_keys(node: Any, path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
     """Yield ``(path, node)`` for every node that names a stored tensor (tensor, ndarray, bytes)."""
     if not isinstance(node, dict):

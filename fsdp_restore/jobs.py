@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .flatten import holds_model_subtree, iter_nodes_with_keys
+from .flatten import holds_model_subtree, iter_nodes, iter_nodes_with_keys
 from .format import StoredDtype, as_torch_dtype, stored_dtype, torch_dtype_from_string, torch_dtype_name
 from .share import Share
 from .write import Location, Reader, TensorJob, write_safetensors
@@ -49,9 +49,23 @@ def cast_target(dtype: torch.dtype | StoredDtype | str | None) -> StoredDtype | 
 
 def default_cast_scope(structure: dict[str, Any]) -> list[str]:
     """What a ``--dtype`` cast applies to by default: the model's weights. That is the ``model`` subtree of a
-    training checkpoint (``{"model": ..., "optim": ...}``), and everything in a plain weights file.
-    Optimizer state keeps its precision: Adam's moments and step counter in bf16 change the run."""
+    training checkpoint (``{"model": ..., "optim": ...}``), and everything else in other files but the tensors of an
+    optimizer's state (`optimizer_state_keys`). Optimizer state keeps its precision: Adam's moments and step counter
+    in bf16 change the run."""
     return ["model.*"] if holds_model_subtree(structure) else ["*"]
+
+
+def optimizer_state_keys(structure: dict[str, Any]) -> set[str]:
+    """The stored keys of every tensor inside an optimizer's state dict (a mapping holding ``state`` and
+    ``param_groups``, as ``Optimizer.state_dict()`` gives it) wherever it lies: the file itself (an ``optimizer.pt``
+    saved alone, as the Hugging Face Trainer does), or a subtree (Lightning's ``optimizer_states``, a run's own
+    layout). A default ``--dtype`` cast leaves them as they are."""
+    keys: set[str] = set()
+    for _, node in iter_nodes(structure.get("root")):
+        if node.get("type") in ("dict", "OrderedDict") and {"state", "param_groups"} <= {
+                k for k, _ in node.get("items", ())}:
+            keys.update(leaf["key"] for _, leaf in iter_nodes_with_keys(node) if leaf["type"] == "tensor")
+    return keys
 
 
 def parse_size(text: str | int | None) -> int | None:
@@ -119,12 +133,13 @@ def plan_jobs(tensors: dict[str, torch.Tensor], structure: dict[str, Any], dtype
         return [TensorJob(key, t, t.dtype) for key, t in tensors.items()]
     tensor_keys = {node["key"] for _, node in iter_nodes_with_keys(structure["root"]) if node["type"] == "tensor"}
     include = list(cast_include) if cast_include is not None else default_cast_scope(structure)
+    kept = optimizer_state_keys(structure) if cast_include is None else set()  # (named by cast_include: cast)
 
     def out_dtype(key: str, t: torch.Tensor) -> torch.dtype | StoredDtype:
         source = stored_dtype(t.dtype)  # a torch-free reader's dtype, or torch's described alike
         if source is None or source is dtype or source.name not in _CASTABLE or key not in tensor_keys:
             return t.dtype
-        if any(fnmatch.fnmatchcase(key, p) for p in cast_exclude):
+        if key in kept or any(fnmatch.fnmatchcase(key, p) for p in cast_exclude):
             return t.dtype
         named = [p for p in include if fnmatch.fnmatchcase(key, p)]
         if not named or (t.dim() == 0 and not any(p == key and not _GLOB.search(p) for p in named)):
@@ -132,7 +147,15 @@ def plan_jobs(tensors: dict[str, torch.Tensor], structure: dict[str, Any], dtype
         # described without torch: so is its target; a torch tensor's, as torch's (importing it: only for such one)
         return dtype if t.dtype is source else as_torch_dtype(dtype)
 
-    return [TensorJob(key, t, out_dtype(key, t)) for key, t in tensors.items()]
+    jobs = [TensorJob(key, t, out_dtype(key, t)) for key, t in tensors.items()]
+    kept_floating = [key for key in kept if key in tensors and getattr(stored_dtype(tensors[key].dtype), "floating",
+                                                                         False)]
+    if kept_floating and all(job.dtype is job.source.dtype for job in jobs):
+        shown = sorted(kept_floating)[0]
+        warnings.warn(f"--dtype {dtype.name}: nothing was cast; {len(kept_floating)} floating tensor(s) are an"
+                      f" optimizer's state (e.g. '{shown}'), which keeps its precision by default; to cast it,"
+                      f" name it: cast_include=['{shown.split('.', 1)[0]}.*']", stacklevel=3)
+    return jobs
 
 
 def cast_groups(casts: dict[str, tuple[str, str]]) -> dict[str, dict[str, Any]]:

@@ -1,5 +1,6 @@
 """Streaming .pt -> safetensors conversion: exact, pickle-free, sharded, cast, atomic, bounded memory."""
 
+import contextlib
 import importlib
 import json
 import os
@@ -12,7 +13,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from helpers import assert_same, tiny_gpt2, training_checkpoint
+from helpers import assert_same, through_torch, tiny_gpt2, training_checkpoint
 from safetensors import safe_open
 
 import fsdp_restore
@@ -352,6 +353,69 @@ def test_default_cast_scope_is_the_model_weights(train_ckpt, tmp_path):
     assert set(report.cast) == {"model"} and report.cast["model"]["casts"] == {"float32 -> bfloat16": report.cast_tensors}
     info = fsdp_restore.inspect_checkpoint(tmp_path / "bf16.safetensors")
     assert info["cast_groups"] == report.cast
+
+
+def _adamw_state(decay_groups: bool = True) -> dict:
+    """An AdamW state dict after two steps, with nanoGPT-style decay / no-decay groups."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.LayerNorm(6), torch.nn.Linear(6, 3))
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}] if decay_groups else [
+        {"params": list(model.parameters())}]
+    opt = torch.optim.AdamW(groups, lr=1e-2)
+    for _ in range(2):
+        model(torch.randn(4, 8)).square().mean().backward()
+        opt.step()
+    return {"model": model.state_dict(), "optim": opt.state_dict()}
+
+
+@pytest.mark.parametrize("through", ["lane", "torch"])
+def test_an_optimizer_saved_alone_keeps_its_precision_under_a_default_cast(tmp_path, through):
+    """``--dtype bf16`` of an ``optimizer.pt`` saved alone (the Hugging Face Trainer's layout): nothing is cast, it
+    says so, and the file loads as torch.load gives it, bit for bit (the moments were all cast to bf16 before: a
+    state dict that is not under ``model``/``optim`` was taken for a weights file). Named by ``cast_include``, the
+    moments are cast."""
+    state = _adamw_state()["optim"]
+    torch.save(state, tmp_path / "optimizer.pt")
+    def context():
+        return through_torch() if through == "torch" else contextlib.nullcontext()
+
+    with context(), pytest.warns(UserWarning, match=r"nothing was cast; .* optimizer's state .*cast_include=\['state\.\*'\]"):
+        report = convert(tmp_path / "optimizer.pt", tmp_path / "optimizer.safetensors", dtype="bf16")
+    assert report.cast_tensors == 0
+    back = fsdp_restore.load(tmp_path / "optimizer.safetensors")
+    oracle = torch.load(tmp_path / "optimizer.pt", weights_only=True)
+    for index, moments in oracle["state"].items():
+        for name, t in moments.items():
+            assert back["state"][index][name].dtype == t.dtype and torch.equal(back["state"][index][name], t), name
+    assert back["param_groups"] == oracle["param_groups"]
+    with context():
+        convert(tmp_path / "optimizer.pt", tmp_path / "cast.safetensors", dtype="bf16", cast_include=["state.*"])
+    cast = fsdp_restore.load(tmp_path / "cast.safetensors")
+    assert cast["state"][0]["exp_avg"].dtype == torch.bfloat16
+    assert torch.equal(cast["state"][0]["exp_avg"], oracle["state"][0]["exp_avg"].bfloat16())
+
+
+@pytest.mark.parametrize("through", ["lane", "torch"])
+def test_a_lightning_checkpoint_casts_its_weights_and_not_its_optimizer_states(tmp_path, through):
+    """PyTorch Lightning's layout (``state_dict``, ``optimizer_states`` a list of optimizer state dicts, ``epoch``): a
+    default cast casts the weights only, wherever the optimizer's state lies."""
+    saved = _adamw_state()
+    ckpt = {"state_dict": {f"model.{k}": v for k, v in saved["model"].items()}, "optimizer_states": [saved["optim"]],
+            "epoch": 3}
+    torch.save(ckpt, tmp_path / "last.ckpt")
+    with through_torch() if through == "torch" else contextlib.nullcontext():
+        report = convert(tmp_path / "last.ckpt", tmp_path / "last.safetensors", dtype="bf16")
+    assert set(report.cast) == {"state_dict"}
+    back = fsdp_restore.load(tmp_path / "last.safetensors")
+    oracle = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    for key, t in oracle["state_dict"].items():
+        assert torch.equal(back["state_dict"][key], t.bfloat16()), key
+    for index, moments in oracle["optimizer_states"][0]["state"].items():
+        for name, t in moments.items():
+            assert back["optimizer_states"][0]["state"][index][name].dtype == t.dtype, name
+            assert torch.equal(back["optimizer_states"][0]["state"][index][name], t), name
 
 
 def test_cast_of_optimizer_state_and_scalars_needs_patterns_that_name_them(train_ckpt, tmp_path):
