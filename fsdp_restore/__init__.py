@@ -90,7 +90,7 @@ def load(path: str | os.PathLike[str], *, mmap: bool = True, trust_pickle: bool 
         return load_pt(path, trust_pickle=trust_pickle)
     with Checkpoint(found) as ckpt:  # opened directly (not through x.pt): a stale sibling is a warning here
         if found != Path(path) and Path(path).is_file():
-            why = mismatch(ckpt.source, path, found, cast=ckpt.cast)  # what the header just opened records
+            why = mismatch(ckpt.source, path, found, cast=ckpt.cast, skipped=ckpt.skipped_values())  # what it records
             if why:
                 warnings.warn(f"{found} was not converted from {path} as it is now ({why}): loading {path} instead;"
                               f" convert it again to use the fast path: fsdp-restore convert {path} {found} --force",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import zipfile
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,12 +65,14 @@ def source_identity(path: str | os.PathLike[str], *, members: Iterable[Any] | No
 
 
 def mismatch(recorded: dict[str, Any] | None, source: str | os.PathLike[str], converted: str | os.PathLike[str], *,
-             cast: Mapping[str, str] | None = None) -> str | None:
-    """Why ``converted`` (whose recorded source identity is ``recorded``, and whose tensors cast on conversion
-    are ``cast``: ``{key: original dtype}``) is not a conversion of all of ``source`` as it is now, or None when it
+             cast: Mapping[str, str] | None = None, skipped: Sequence[str] = ()) -> str | None:
+    """Why ``converted`` (whose recorded source identity is ``recorded``, whose tensors cast on conversion
+    are ``cast``: ``{key: original dtype}``, and whose structure has None for the values at ``skipped``:
+    `flatten.skipped_values`) is not a conversion of all of ``source`` as it is now, or None when it
     is. Without a record (written by another tool, by `save`, or by an older version) nothing says it holds
     ``source``'s values, so it is not taken for them, whatever its age; a conversion of one subtree
-    (``--select``) or with casts (``--dtype``) holds other values than ``source``, so it is not taken either."""
+    (``--select``), with casts (``--dtype``) or without the values it could not store (``on_unsupported=skip``)
+    holds other values than ``source``, so it is not taken either."""
     st = os.stat(source)
     if not recorded:
         return (f"{Path(converted).name} records no source: written by another tool or by save(), it may hold other"
@@ -78,6 +80,10 @@ def mismatch(recorded: dict[str, Any] | None, source: str | os.PathLike[str], co
     if recorded.get("select"):
         return (f"{Path(converted).name} holds only '{recorded['select']}' of {Path(source).name} (converted with"
                 f" --select {recorded['select']})")
+    if skipped:
+        shown = ", ".join(skipped[:3]) + (", ..." if len(skipped) > 3 else "")
+        return (f"{Path(converted).name} holds None for {len(skipped)} value(s) of {Path(source).name} it could not"
+                f" store ({shown}; converted with on_unsupported=skip)")
     if cast:
         key, dtype = next(iter(cast.items()))
         return (f"{Path(converted).name} holds {Path(source).name}'s values cast to other dtypes (converted with"

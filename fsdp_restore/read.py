@@ -32,7 +32,8 @@ from typing import Any, NoReturn
 
 import torch
 from .errors import FormatError
-from .flatten import STRUCTURE_VERSION, flat_structure, iter_nodes_with_keys, unflatten, validate_structure
+from .flatten import (STRUCTURE_VERSION, flat_structure, iter_nodes_with_keys, skipped_values, unflatten,
+                      validate_structure)
 from .format import (DEFAULT_INDEX_NAME, INDEX_SUFFIX, META_CAST, META_CHECKSUMS, META_HEADER_CRC, META_SET_ID,
                      META_SOURCE, META_STRUCTURE, MISSING, PT_SUFFIXES, SAFETENSORS, TORCH_LEGACY, TORCH_ZIP,
                      FileHeader, TensorEntry, detect, parse_json, read_header, read_index)
@@ -79,7 +80,7 @@ def stale_sibling(path: str | os.PathLike[str]) -> tuple[Path, str] | None:
     if sibling is None or sibling == path or not path.is_file():
         return None
     with Checkpoint(sibling) as ckpt:
-        why = mismatch(ckpt.source, path, sibling, cast=ckpt.cast)
+        why = mismatch(ckpt.source, path, sibling, cast=ckpt.cast, skipped=ckpt.skipped_values())
     return (sibling, why) if why else None
 
 
@@ -254,7 +255,8 @@ class Checkpoint:
                 continue  # converted, then deleted to free the space: the conversion is all there is
             header = self.headers[shard]
             _refuse_stale(_source_record(header.metadata.get(META_SOURCE), shard), _json_meta(header, META_CAST),
-                          torch_shard, shard, source_named=torch_shard.name)
+                          torch_shard, shard, source_named=torch_shard.name,
+                          skipped=_skipped(header.metadata.get(META_STRUCTURE), shard))
         set_id = metadata.get(META_SET_ID)
         for shard, header in self.headers.items():
             if set_id is not None and header.metadata.get(META_SET_ID) != set_id:
@@ -325,7 +327,8 @@ class Checkpoint:
         if resolved != Path(path) and Path(path).is_file():  # opened through x.pt: must be x.pt's conversion
             # (what this header records: no second read)
             _refuse_stale(self.source, self.cast, path, resolved, source_named=str(path),
-                          also=f" (or open {resolved} itself to use it as it is)")
+                          also=f" (or open {resolved} itself to use it as it is)",
+                          skipped=_skipped(structure_json, self.index_path or files[0]))
         self.index_metadata = metadata  # the index's metadata ({} for a single file)
         self.has_structure = structure_json is not None
         self._structure_json = structure_json
@@ -335,6 +338,11 @@ class Checkpoint:
             where = self.index_path or files[0]
             self.structure = parse_json(structure_json, where, "structure metadata")
             validate_structure(self.structure, where, self.entries)
+
+    def skipped_values(self) -> list[str]:
+        """Paths of the values the conversion that wrote this checkpoint could not store (None here:
+        ``on_unsupported="skip"``)."""
+        return skipped_values(self.structure) if self.has_structure and self.structure_mentions('"skipped"') else []
 
     def structure_mentions(self, text: str) -> bool:
         """Whether ``text`` occurs in the structure's JSON: a test at the speed of a string search before a walk of
@@ -663,13 +671,20 @@ def _source_record(raw: str | None, where: Path) -> dict[str, Any] | None:
 
 
 def _refuse_stale(recorded: dict[str, Any] | None, cast: Mapping[str, str], source: str | os.PathLike[str],
-                  converted: Path, *, source_named: str, also: str = "") -> None:
+                  converted: Path, *, source_named: str, also: str = "", skipped: Sequence[str] = ()) -> None:
     """`FormatError` naming ``converted`` and the command that converts it again, where it is not a conversion of
     all of ``source`` (named ``source_named`` in the text) as it is now (`provenance.mismatch`)."""
-    why = mismatch(recorded, source, converted, cast=cast)
+    why = mismatch(recorded, source, converted, cast=cast, skipped=skipped)
     if why:
         raise FormatError(converted, f"was not converted from {source_named} as it is now ({why}); convert it again:"
                           f" fsdp-restore convert {source} {converted} --force{also}")
+
+
+def _skipped(structure_json: str | None, where: Path) -> list[str]:
+    """`flatten.skipped_values` of a structure's JSON (parsed only where the word is in it: most hold none)."""
+    if not structure_json or '"skipped"' not in structure_json:
+        return []
+    return skipped_values(parse_json(structure_json, where, "structure metadata"))
 
 
 def _json_meta(header: FileHeader, name: str) -> dict[str, str]:

@@ -314,10 +314,13 @@ def _same_on_every_rank(ckpt: Checkpoint, *, prefix: str | None, optim_prefix: s
         "method": method if weights else ignored,
         "optim_prefix": optim_prefix if optimizer is not None else ignored,
         "verify_checksums": bool(verify_checksums)}
+    also = {"check": " (or, with the check, of check_buffers=)",
+            # (a default found in the file: ranks given different files differ here first; the text is every rank's)
+            "model_prefix": " (or, where none was given, each rank found another in the file it opened: 'model' for a"
+                            " file with a model subtree, else ''; were they given different files?)"}
     for name in sorted(options):
-        also = " (or, with the check, of check_buffers=)" if name == "check" else ""
-        pairs.append((repr(options[name]), f"the ranks called the restore with different values of {name}={also} (one"
-                                           " value on every rank)"))
+        pairs.append((repr(options[name]), f"the ranks called the restore with different values of"
+                                           f" {name}={also.get(name, '')} (one value on every rank)"))
     pairs.append((repr(zlib.crc32(json.dumps(sorted(stored_as.items())).encode())),
                   "the ranks hold different models (other parameter or buffer names), or called the restore with"
                   " key_map= values that name them differently: every rank of the process group restores the same"

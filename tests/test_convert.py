@@ -622,6 +622,36 @@ def test_a_partial_or_cast_sibling_is_never_taken_for_the_pt(tmp_path, monkeypat
     fsdp_restore.restore_model(fresh, tmp_path / "m.safetensors", model_prefix="model" if "dtype" in options else "")
 
 
+@pytest.mark.parametrize("torch_free", [True, False], ids=["plain_pt", "torch_load"])
+def test_a_sibling_that_skipped_values_is_never_taken_for_the_pt(tmp_path, monkeypatch, torch_free):
+    """A sibling converted with ``on_unsupported="skip"`` holds None where x.pt holds a value it could not store:
+    taken for x.pt, load(x.pt) gave None for it with no word (found by a review). It is refused through x.pt and
+    said stale, naming the value; opened by its own name it is what it is."""
+    import datetime
+    import importlib
+
+    convert_module = importlib.import_module("fsdp_restore.convert")
+    if not torch_free:
+        monkeypatch.setattr(convert_module, "_convert_plain", lambda *args, **kwargs: None)
+    model = torch.nn.Linear(3, 3)
+    torch.save({"model": model.state_dict(), "every": datetime.timedelta(hours=1), "step": 3}, tmp_path / "m.pt")
+    with pytest.warns(UserWarning, match="skipped unsupported values"):
+        convert(tmp_path / "m.pt", tmp_path / "m.safetensors", allow_globals=["datetime.timedelta"],
+                on_unsupported="skip")
+    why = r"holds None for 1 value\(s\) of m.pt it could not store \(every; converted with on_unsupported=skip\)"
+    with pytest.warns(UserWarning, match=why):
+        with pytest.raises(UnsafePickleError):  # the .pt itself, loaded safely: its class needs allow_globals
+            fsdp_restore.load(tmp_path / "m.pt")
+    with pytest.warns(UserWarning, match=why):
+        assert fsdp_restore.load(tmp_path / "m.pt", trust_pickle=True)["every"] == datetime.timedelta(hours=1)
+    with pytest.raises(FormatError, match=why):
+        fsdp_restore.Checkpoint(tmp_path / "m.pt")
+    with pytest.raises(fsdp_restore.RestoreError, match=why):
+        fsdp_restore.restore_model(torch.nn.Linear(3, 3), tmp_path / "m.pt")
+    assert fsdp_restore.stale_sibling(tmp_path / "m.pt")[0] == tmp_path / "m.safetensors"
+    assert fsdp_restore.load(tmp_path / "m.safetensors")["every"] is None
+
+
 def test_a_source_that_ends_inside_a_tensor_is_named(tmp_path, monkeypatch):
     """The tensors' bytes are read at their offsets in the source: should the file end first (truncated while
     converting), the error names the source and nothing is left under the destination's name."""

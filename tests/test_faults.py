@@ -360,6 +360,22 @@ def test_ranks_that_opened_different_versions_fail_together(tmp_path, writer):
     assert len(set(messages)) == 1 and "opened different versions of the checkpoint" in messages[0]
 
 
+def test_ranks_given_a_training_checkpoint_and_a_weights_file_are_told_both(tmp_path):
+    """One rank given a training checkpoint ({"model": ...}), the other the same weights as a plain file: each finds
+    its own default model_prefix ('model', '') in the file it opened, which nobody passed; the one verdict says so
+    as well as that the files differ (the model_prefix line alone read as if a caller had passed two values)."""
+    from models import build
+
+    state = build("mlp", seed=0).state_dict()
+    paths = [tmp_path / "training.safetensors", tmp_path / "weights.safetensors"]
+    fsdp_restore.save({"model": state}, paths[0])
+    fsdp_restore.save(state, paths[1])
+    messages = run_ranks(_restore_own_file, 2, paths)
+    assert len(set(messages)) == 1, messages
+    assert "opened different versions of the checkpoint" in messages[0], messages[0]
+    assert "different values of model_prefix=" in messages[0] and "were they given different files?" in messages[0]
+
+
 def _restore_with(rank: int, world_size: int, path, options: list) -> str:
     from models import build, wrap
 
