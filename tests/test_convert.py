@@ -418,6 +418,22 @@ def test_a_lightning_checkpoint_casts_its_weights_and_not_its_optimizer_states(t
             assert torch.equal(back["optimizer_states"][0]["state"][index][name], t), name
 
 
+def test_a_weight_an_optimizer_state_also_holds_is_cast_as_a_weight(tmp_path):
+    """A tensor held both by the weights and by an optimizer's state (stored once, under its first name) is a weight:
+    a default cast casts it (it was kept, and said to be optimizer state, when the optimizer's keys were collected
+    without looking at who else holds them; found by a review), and the optimizer's own tensors keep their dtype."""
+    w, m = torch.randn(4, 4), torch.randn(4, 4)
+    obj = {"net": {"w": w}, "opt": {"state": {0: {"buf": w, "m": m}}, "param_groups": [{"params": [0], "lr": 0.1}]}}
+    torch.save(obj, tmp_path / "shared.pt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # something is cast: no "nothing was cast" warning
+        report = convert(tmp_path / "shared.pt", tmp_path / "shared.safetensors", dtype="bf16")
+    back = fsdp_restore.load(tmp_path / "shared.safetensors")
+    assert report.cast_tensors == 1 and torch.equal(back["net"]["w"], w.bfloat16())
+    assert back["opt"]["state"][0]["buf"].data_ptr() == back["net"]["w"].data_ptr()  # still one tensor
+    assert back["opt"]["state"][0]["m"].dtype == torch.float32 and torch.equal(back["opt"]["state"][0]["m"], m)
+
+
 def test_cast_of_optimizer_state_and_scalars_needs_patterns_that_name_them(train_ckpt, tmp_path):
     src, _ = train_ckpt
     convert(src, tmp_path / "a.safetensors", dtype="bf16", cast_include=["model.*", "optim.*"])
