@@ -100,6 +100,7 @@ def test_scale_simulation_runs_and_proves_coverage(tmp_path):
         assert share * 0.98 <= r["bytes"] <= share * 1.02 or r["rank"] == r["world"] - 1, r
 
 
+@pytest.mark.slow  # 14 s on 2 cores: with the other benchmarks' runs in the slow suite
 def test_the_alignment_and_read_benchmarks_run_every_method(tmp_path):
     """scripts/benchmark_alignment.py and scripts/benchmark_read.py at a tiny size: every placement and file, every
     read method (the restores inside them restore for real; nothing here asserts on seconds)."""

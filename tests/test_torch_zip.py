@@ -197,6 +197,7 @@ def test_a_training_checkpoint_with_rng_states(tmp_path):
     assert_exactly(ours, ref)
 
 
+@pytest.mark.slow  # 16 s on 2 cores: the reader's scale (the other tests cover its records)
 def test_many_tensors(tmp_path):
     obj = {"layers": [{"w": torch.randn(8, 8), "b": torch.randn(8), "step": torch.tensor(3.0)} for _ in range(1500)]}
     ours, ref = _roundtrip(tmp_path, obj)
