@@ -71,11 +71,6 @@ _WIDENING = {("float32", "float64"), ("float16", "float32"), ("float16", "float6
 _ROUNDING = {("float16", "bfloat16")}  # fewer significand bits, a wider range: it rounds, and never to inf
 
 
-def bf16_bits(bits: int) -> int:
-    """One fp32's bits (as an unsigned int) cast to bf16's, rounded to nearest, ties to even (finite values)."""
-    return (bits + 0x7FFF + (bits >> 16 & 1)) >> 16
-
-
 @dataclass(frozen=True)
 class Cast:
     """One cast made without torch, from ``source`` to ``target`` (torch's dtype names). Called on arrays of the two
@@ -100,10 +95,10 @@ class Cast:
 
     def __call__(self, source: np.ndarray, out: np.ndarray, work: np.ndarray) -> bool | None:
         """Cast ``source`` (bits) into ``out`` (bits, as many) as torch does, with ``work`` (any numpy array of at
-        least 4 bytes and the source's item size per element) as scratch. Returns whether the cast may have rounded a whole number (a narrowing
-        cast whose result reaches the target's `_Format.whole_limit`: the writer's `changed_by_cast` then looks at the
-        tensor); None, with ``out`` untouched, if a source value is NaN or inf or the cast makes one inf (the torch
-        path casts and counts those)."""
+        least 4 bytes and the source's item size per element) as scratch. Returns whether the cast may have rounded
+        a whole number (a narrowing cast whose result reaches the target's `_Format.whole_limit`: the writer's
+        `changed_by_cast` then looks at the tensor); None, with ``out`` untouched, if a source value is NaN or inf
+        or the cast makes one inf (the torch path casts and counts those)."""
         n = source.size
         if n == 0:
             return False

@@ -541,13 +541,15 @@ def _cast_run(pieces: list[_Piece], i: int, memory: mmap.mmap) -> tuple[int, boo
         return i + 1, False
     fd, start = piece.job.location  # type: ignore[misc]
     staging = _CAST_STAGING.get()
-    shift = _placement(piece.job.location, 0, source_size)  # type: ignore[arg-type]  (where a single tensor's read goes)
+    # (where a single tensor's read goes)
+    shift = _placement(piece.job.location, 0, source_size)  # type: ignore[arg-type]
     nbytes = source_nbytes(piece)
     views = [_CAST_STAGING.view[shift:shift + nbytes]]
     at, end, source_bytes, j = piece.at + piece.nbytes, start + nbytes, nbytes, i + 1
     while j < len(pieces) and len(views) < IOV_MAX - 1:
         piece = pieces[j]
-        if (piece.at != at or not castable(piece) or source_bytes + (nbytes := source_nbytes(piece)) > CAST_STAGING_BYTES
+        if (piece.at != at or not castable(piece)
+                or source_bytes + (nbytes := source_nbytes(piece)) > CAST_STAGING_BYTES
                 or (begin := _next_in_file(piece, fd, end)) is None):
             break
         if begin > end:

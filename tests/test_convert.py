@@ -381,7 +381,8 @@ def test_an_optimizer_saved_alone_keeps_its_precision_under_a_default_cast(tmp_p
     def context():
         return through_torch() if through == "torch" else contextlib.nullcontext()
 
-    with context(), pytest.warns(UserWarning, match=r"nothing was cast; .* optimizer's state .*cast_include=\['state\.\*'\]"):
+    warning = r"nothing was cast; .* optimizer's state .*cast_include=\['state\.\*'\]"
+    with context(), pytest.warns(UserWarning, match=warning):
         report = convert(tmp_path / "optimizer.pt", tmp_path / "optimizer.safetensors", dtype="bf16")
     assert report.cast_tensors == 0
     back = fsdp_restore.load(tmp_path / "optimizer.safetensors")
