@@ -613,6 +613,19 @@ def iter_nodes(node: Any, path: str = "") -> Iterator[tuple[str, dict[str, Any]]
             yield from iter_nodes(v, _join(path, i))
 
 
+def is_optimizer_state_dict(node: Any) -> bool:
+    """Whether a structure node is an optimizer's state dict as ``Optimizer.state_dict()`` gives it: ``state`` beside
+    ``param_groups``, a list of groups each with ``params`` (a config that has keys of those names is not one)."""
+    if not isinstance(node, dict) or node.get("type") not in _MAPPINGS:
+        return False
+    items = dict((k, v) for k, v in node.get("items", ()) if k in ("state", "param_groups"))
+    groups = items.get("param_groups")
+    listed = groups.get("items") if isinstance(groups, dict) and groups.get("type") == "list" else None
+    return "state" in items and bool(listed) and all(
+        isinstance(g, dict) and g.get("type") in _MAPPINGS and any(k == "params" for k, _ in g.get("items", ()))
+        for g in listed)
+
+
 def skipped_values(structure: Structure | None) -> list[str]:
     """Paths of the values a conversion with ``on_unsupported="skip"`` did not store (restored as None)."""
     if not structure:

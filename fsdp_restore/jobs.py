@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .flatten import holds_model_subtree, iter_nodes_with_keys
+from .flatten import holds_model_subtree, is_optimizer_state_dict, iter_nodes_with_keys
 from .format import StoredDtype, as_torch_dtype, stored_dtype, torch_dtype_from_string, torch_dtype_name
 from .share import Share
 from .write import Location, Reader, TensorJob, write_safetensors
@@ -56,8 +56,8 @@ def default_cast_scope(structure: dict[str, Any]) -> list[str]:
 
 
 def optimizer_state_keys(structure: dict[str, Any]) -> set[str]:
-    """The stored keys of the tensors held by an optimizer's state dict alone (a mapping holding ``state`` and
-    ``param_groups``, as ``Optimizer.state_dict()`` gives it) wherever it lies: the file itself (an ``optimizer.pt``
+    """The stored keys of the tensors held by an optimizer's state dict alone (`flatten.is_optimizer_state_dict`)
+    wherever it lies: the file itself (an ``optimizer.pt``
     saved alone, as the Hugging Face Trainer does), or a subtree (Lightning's ``optimizer_states``, a run's own
     layout). A default ``--dtype`` cast leaves them as they are. A tensor the weights hold too (stored once, under
     one of its names) is not among them: it is a weight."""
@@ -72,10 +72,8 @@ def optimizer_state_keys(structure: dict[str, Any]) -> set[str]:
         if kind == "tensor" and "key" in node:
             (inside if in_optimizer else outside).add(node["key"])
         elif kind in ("dict", "OrderedDict", "Namespace"):
-            items = node.get("items", ())
-            names = {k for k, _ in items if isinstance(k, str)}
-            in_optimizer = in_optimizer or (kind != "Namespace" and {"state", "param_groups"} <= names)
-            stack.extend((v, in_optimizer) for _, v in items)
+            in_optimizer = in_optimizer or is_optimizer_state_dict(node)
+            stack.extend((v, in_optimizer) for _, v in node.get("items", ()))
         elif kind in ("list", "tuple", "set", "frozenset"):
             stack.extend((v, in_optimizer) for v in node.get("items", ()))
     return inside - outside

@@ -23,7 +23,7 @@ from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from .errors import FsdpRestoreError
-from .flatten import holds_model_subtree, iter_tensor_nodes, subtree, unflatten
+from .flatten import holds_model_subtree, is_optimizer_state_dict, iter_tensor_nodes, subtree, unflatten
 from .read import Checkpoint
 from .shards import _join, clean_name
 
@@ -193,11 +193,18 @@ def _items(node: Any) -> list[tuple[Any, Any]]:
     return [(k, v) for k, v in node.get("items", [])]
 
 
-def _child(node: Any, name: str, prefix: str) -> Any:
-    for k, v in _items(node):
+def _child(node: Any, name: str, prefix: str, ckpt: Checkpoint) -> Any:
+    items = _items(node)
+    for k, v in items:
         if k == name:
             return v
-    raise FsdpRestoreError(f"'{prefix}' in the checkpoint is not an optimizer state dict (no '{name}')")
+    where = f"'{prefix}' in the checkpoint" if prefix else "the checkpoint's top level"
+    held = ", ".join(repr(k) for k, _ in items[:5]) + (", ..." if len(items) > 5 else "") or "no named entries"
+    found = [p for p in optimizer_prefixes(ckpt) if p != prefix]
+    fix = (f"it holds one under {' and '.join(repr(p) for p in found)}: pass optim_prefix={found[0]!r}" if found else
+           "pass the file that holds the optimizer's state (a weights file holds none), or optim_prefix= the key that"
+           " holds it")
+    raise FsdpRestoreError(f"{where} is not an optimizer state dict (no '{name}'; it holds {held}): {fix}")
 
 
 def optimizer_prefixes(ckpt: Checkpoint) -> list[str]:
@@ -219,13 +226,7 @@ def optimizer_prefixes(ckpt: Checkpoint) -> list[str]:
 def _is_optimizer(node: Any, prefix: str) -> bool:
     """An optimizer's state dict: ``state`` beside ``param_groups``, a list of groups with ``params`` (a config that
     has keys of those names is not one), or a flattened one."""
-    if not isinstance(node, dict):
-        return False
-    groups = next((v for k, v in _items(node) if k == "param_groups"), None)
-    listed = groups.get("items") if isinstance(groups, Mapping) and groups.get("type") == "list" else None
-    return ((bool(listed) and all(any(k == "params" for k, _ in _items(g)) for g in listed)
-             and any(k == "state" for k, _ in _items(node)))
-            or (bool(prefix) and _flattened(node)))
+    return is_optimizer_state_dict(node) or (isinstance(node, dict) and bool(prefix) and _flattened(node))
 
 
 def top_level_subtrees(ckpt: Checkpoint) -> list[str]:
@@ -336,8 +337,8 @@ def stored_optimizer(ckpt: Checkpoint, prefix: str, model_names: Iterable[str] =
     if _flattened(node):
         return _stored_flattened(ckpt, node, prefix, model_names, live_names)
     lazy = ckpt.tensors(exact=True)  # small values (group tensors such as lr): no mmap readahead
-    groups = unflatten(lazy, {"version": 1, "root": _child(node, "param_groups", prefix)})
-    state_node = _child(node, "state", prefix)
+    groups = unflatten(lazy, {"version": 1, "root": _child(node, "param_groups", prefix, ckpt)})
+    state_node = _child(node, "state", prefix, ckpt)
     if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list)
                                                for g in groups):
         raise FsdpRestoreError(f"'{prefix}.param_groups' in the checkpoint is not a list of param groups with 'params'")

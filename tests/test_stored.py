@@ -205,3 +205,29 @@ def test_a_config_with_state_and_param_groups_keys_is_not_an_optimizer(tmp_path)
     rest = fsdp_restore.restore(ours, tmp_path / "c.safetensors", optimizer=torch.optim.SGD(ours.parameters(), lr=0.5),
                                 optim_prefix="optimizer_states.0")
     assert dict(rest) == {"hparams": {"state": 1, "param_groups": [1]}, "optimizer_states": [None, {"name": "second"}]}
+
+
+@pytest.mark.parametrize("layout", ["weights", "optimizer elsewhere"])
+def test_an_optimizer_restored_from_where_none_is_says_what_is_there_and_the_fix(tmp_path, layout):
+    """``restore_optimizer`` given a weights file (a review's case: the error named '' and nothing else), or a
+    checkpoint whose optimizer is under another name: the error says where it looked, what is there, and the fix."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    obj = model.state_dict() if layout == "weights" else {"weights": model.state_dict(), "trainer": {
+        "optimizer": opt.state_dict(), "param_groups": 1}}
+    save(obj, tmp_path / "ck.safetensors")
+    fresh_model = torch.nn.Linear(3, 2)
+    fresh = torch.optim.AdamW(fresh_model.parameters())
+    with pytest.raises(RestoreError) as info:
+        fsdp_restore.restore_optimizer(fresh, fresh_model, tmp_path / "ck.safetensors",
+                                       optim_prefix="" if layout == "weights" else "trainer")
+    text = str(info.value)
+    if layout == "weights":
+        assert ("the checkpoint's top level is not an optimizer state dict (no 'param_groups'; it holds 'weight',"
+                in text), text
+        assert "pass the file that holds the optimizer's state (a weights file holds none)" in text, text
+    else:
+        assert "'trainer' in the checkpoint is not an optimizer state dict (no 'state'; it holds 'optimizer'," in text
+        assert "it holds one under 'trainer.optimizer': pass optim_prefix='trainer.optimizer'" in text, text
