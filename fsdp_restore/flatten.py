@@ -608,7 +608,7 @@ def iter_nodes(node: Any, path: str = "") -> Iterator[tuple[str, dict[str, Any]]
     if kind in _MAPPINGS:
         for k, v in node.get("items", []):
             yield from iter_nodes(v, _join(path, k if isinstance(k, (str, int)) else "?"))
-    elif kind in ("list", "tuple", "set", "frozenset"):
+    elif kind in _CONTAINERS:
         for i, v in enumerate(node.get("items", [])):
             yield from iter_nodes(v, _join(path, i))
 

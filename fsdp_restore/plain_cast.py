@@ -157,8 +157,3 @@ def torch_free_cast(source: str, target: str) -> Cast | None:
     """The cast from dtype ``source`` to ``target`` (torch's names, e.g. ``"float32"``) made here, or None if torch
     must make it."""
     return _CASTS.get((source, target))
-
-
-def cast_f32_to_bf16(source: np.ndarray, out: np.ndarray, work: np.ndarray) -> bool | None:
-    """`Cast` fp32 -> bf16: ``source`` as uint32 bits into ``out`` as uint16 bits (see `Cast.__call__`)."""
-    return _CASTS["float32", "bfloat16"](source, out, work)

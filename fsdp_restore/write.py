@@ -503,15 +503,10 @@ def _free_cast(job: TensorJob) -> Cast | None:
     source, target = job.source.dtype, job.dtype
     if source is target or job.reader is not None or job.location is None:
         return None
-    pair = (getattr(source, "name", None), getattr(target, "name", None))  # (a torch dtype has no name: None)
-    if pair not in _FREE_CASTS:
-        from .plain_cast import torch_free_cast
+    from .plain_cast import torch_free_cast
 
-        _FREE_CASTS[pair] = torch_free_cast(*pair) if None not in pair else None  # type: ignore[arg-type]
-    return _FREE_CASTS[pair]
-
-
-_FREE_CASTS: dict[tuple[str | None, str | None], Cast | None] = {}
+    # (a torch dtype has no name: no cast then)
+    return torch_free_cast(getattr(source, "name", ""), getattr(target, "name", ""))
 
 
 def _cast_run(pieces: list[_Piece], i: int, memory: mmap.mmap) -> tuple[int, bool]:
