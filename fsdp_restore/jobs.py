@@ -61,6 +61,8 @@ def optimizer_state_keys(structure: dict[str, Any]) -> set[str]:
     saved alone, as the Hugging Face Trainer does), or a subtree (Lightning's ``optimizer_states``, a run's own
     layout). A default ``--dtype`` cast leaves them as they are. A tensor the weights hold too (stored once, under
     one of its names) is not among them: it is a weight."""
+    # a walk of its own, not flatten.iter_nodes (which joins every node's dotted path): a quarter of the time on a
+    # checkpoint of 20,000 tensors, and no path is needed here
     inside: set[str] = set()
     outside: set[str] = set()
     stack = [(structure.get("root"), False)]

@@ -121,7 +121,30 @@ def _no_cyclic_gc() -> Iterator[None]:
             gc.enable()
 
 
-def _refuse_on_every_rank(error: Exception, what: str, group: dist.ProcessGroup | None) -> NoReturn:
+def _headline(label: str, checkpoint: object) -> str:
+    """A verdict's subject: "restore of run/step1000.safetensors". From the checkpoint as the call gave it, so that a
+    rank refusing an argument at the door and a rank that got as far as the plan's verdict raise the same text."""
+    if isinstance(checkpoint, Checkpoint):
+        return f"{label} of {checkpoint.path}"
+    if isinstance(checkpoint, (str, os.PathLike)):
+        return f"{label} of {os.fspath(checkpoint)}"
+    return label
+
+
+def _subtrees_read(plan: ReadPlan) -> list[str]:
+    """Where in the checkpoint the plan looked for names, for a verdict that reports names missing or unexpected
+    (a prefix may have been found rather than given, and such names are often the wrong subtree's)."""
+    parts = []
+    for report, what, option in ((plan.model_report, "the weights", "model_prefix"),
+                                 (plan.optim_report, "the optimizer state", "optim_prefix")):
+        if report is not None:
+            at = f"under '{report.prefix}'" if report.prefix else "at its top level"
+            parts.append(f"{what} {at} ({option}={report.prefix!r})")
+    return ["; ".join(parts)] if parts else []
+
+
+def _refuse_on_every_rank(error: Exception, label: str, checkpoint: object, group: dist.ProcessGroup | None
+                          ) -> NoReturn:
     """A bad argument found at the door of an entry point on this rank. Alone, it is raised as it is (a
     `ValueError` or `TypeError`); with several ranks the others are already on their way to the plan's verdict, so
     this rank joins that verdict with the error and every rank raises the same `RestoreError` naming it, at once,
@@ -132,7 +155,7 @@ def _refuse_on_every_rank(error: Exception, what: str, group: dist.ProcessGroup 
     problems = new_problems()
     with problems.guard():
         raise error
-    agree(problems, what, group)
+    agree(problems, _headline(label, checkpoint), group, generic=label)
     raise error  # not reached: agree raised on every rank
 
 
@@ -161,7 +184,8 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
     same: list[tuple[str, str]] = []
     extra: dict[str, Any] = {}
     extra_states: list[tuple[nn.Module, Any]] = []
-    what = "restore" if weights else "optimizer restore"
+    label = "restore" if weights else "optimizer restore"
+    what, check_what = _headline(label, checkpoint), _headline(f"{label} check", checkpoint)
     try:
         # -- phase 1: open, plan, validate the plan against the model's memory (nothing is modified) --------
         problems = new_problems()
@@ -179,6 +203,8 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
             plan = build_plan(model, ckpt, prefix=prefix, strict=strict, dtype_policy=dtype_policy, weights=weights,
                               optimizer=optimizer, optim_prefix=optim_prefix, key_map=key_map, modules=modules)
             problems.update(plan.problems)
+            if "missing" in plan.problems or "unexpected" in plan.problems:
+                problems.add("looked_in", _subtrees_read(plan))
             # the modules' extra states, read now (small values): a failure here leaves the model untouched
             extra_states = [(module, stored_value(ckpt, node)) for _, module, node in plan.extra_states]
             if verify_checksums:
@@ -204,7 +230,7 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
                                            optimizer=optimizer, strict=strict, check=check,
                                            check_buffers=check_buffers, method=method, dtype_policy=dtype_policy,
                                            stored_as=plan.stored_as, verify_checksums=verify_checksums)
-        agree(problems, what, group, coverage=coverage, buffer_prints=prints, same=same)
+        agree(problems, what, group, coverage=coverage, buffer_prints=prints, same=same, generic=label)
         assert ckpt is not None
         timings = {"plan": time.perf_counter() - t0}
 
@@ -252,12 +278,12 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
         sums_verdict = None
         if verify_checksums:  # every rank joins, whatever its reads did (the options agreed in phase 1)
             with problems.guard():
-                sums_verdict = joined_verdict(sums, ckpt, f"{what} check", group)
+                sums_verdict = joined_verdict(sums, ckpt, check_what, group)
                 problems.add("checksum", sums_verdict.damaged)
             timings["checksums"] = time.perf_counter() - t_sums
         t3 = time.perf_counter()
         try:
-            agree(problems, f"{what} check", group)
+            agree(problems, check_what, group, generic=f"{label} check")
         except RestoreError as e:  # unlike a failure of the plan, this one comes after the model was written to
             if "partly written" in str(e):
                 raise
@@ -275,10 +301,10 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
             ckpt.close()
 
 
-def _flag(name: str, value: object, what: str, group: dist.ProcessGroup | None) -> bool:
+def _flag(name: str, value: object, label: str, checkpoint: object, group: dist.ProcessGroup | None) -> bool:
     """A boolean option checked at the door: True or False only (a string such as "no" would read as true)."""
     if type(value) is not bool:
-        _refuse_on_every_rank(TypeError(f"{name} must be True or False, not {value!r}"), what, group)
+        _refuse_on_every_rank(TypeError(f"{name} must be True or False, not {value!r}"), label, checkpoint, group)
     return bool(value)
 
 
@@ -302,8 +328,9 @@ def _same_on_every_rank(ckpt: Checkpoint, *, prefix: str | None, optim_prefix: s
     the model's names with the checkpoint's name for each (``stored_as``: what a key map gave; without one, the
     names themselves), so that maps passed in different forms with the same effect agree, and ranks that hold
     different models are told so."""
-    pairs = [(ckpt.content_sample(), "the ranks opened different versions of the checkpoint (it was replaced while"
-              " they opened it, or the copies they read differ): give every rank the same file and restore again")]
+    pairs = [(ckpt.content_sample(), "the ranks opened different versions of the checkpoint (they were given different"
+              " files, such as a path computed on each rank, or it was replaced while they opened it, or the copies"
+              " they read differ): give every rank the same file and restore again")]
     ignored = "(not used)"  # every rank has every slot, in the same order: the messages are the same everywhere
     options: dict[str, object] = {
         # check_buffers= decides only with the check: one slot, so that a rank differing in check= alone is told so
@@ -312,7 +339,9 @@ def _same_on_every_rank(ckpt: Checkpoint, *, prefix: str | None, optim_prefix: s
         "model_prefix": (default_prefix(ckpt) if prefix is None else prefix) if weights else ignored,
         "strict": bool(strict) if weights or optimizer is not None else ignored,
         "method": method if weights else ignored,
-        "optim_prefix": optim_prefix if optimizer is not None else ignored,
+        # compared with or without an optimizer: restore() also leaves that subtree out of what it returns, and a rank
+        # without an optimizer must not read as a rank with another optim_prefix= (the optimizer= slot says it)
+        "optim_prefix": optim_prefix,
         "verify_checksums": bool(verify_checksums)}
     also = {"check": " (or, with the check, of check_buffers=)",
             # (a default found in the file: ranks given different files differ here first; the text is every rank's)
@@ -425,11 +454,12 @@ def restore_model(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpo
         thread_count = thread_count_argument(thread_count, threads)
         model_prefix = renamed_argument("prefix", prefix, "model_prefix", model_prefix)
     except (TypeError, ValueError) as e:
-        _refuse_on_every_rank(e, "restore", process_group)
+        _refuse_on_every_rank(e, "restore", checkpoint, process_group)
     plan, _ = _run(model, checkpoint, weights=True, optimizer=None, prefix=model_prefix, optim_prefix="optim",
                    strict=strict, check=check, check_buffers=check_buffers, method=method, threads=thread_count,
                    dtype_policy=dtype_policy, group=process_group, key_map=key_map,
-                   verify_checksums=_flag("verify_checksums", verify_checksums, "restore", process_group))
+                   verify_checksums=_flag("verify_checksums", verify_checksums, "restore", checkpoint,
+                                          process_group))
     assert plan.model_report is not None
     return plan.model_report
 
@@ -463,12 +493,13 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
         thread_count = thread_count_argument(thread_count, threads)
         optim_prefix = renamed_argument("prefix", prefix, "optim_prefix", optim_prefix)
     except (TypeError, ValueError) as e:
-        _refuse_on_every_rank(e, "optimizer restore", process_group)
+        _refuse_on_every_rank(e, "optimizer restore", checkpoint, process_group)
     optim_prefix = "optim" if optim_prefix is None else optim_prefix
     plan, _ = _run(model, checkpoint, weights=False, optimizer=optimizer, prefix=model_prefix,
                    optim_prefix=optim_prefix, strict=strict, check=check, check_buffers=False, method="read",
                    threads=thread_count, dtype_policy="cast", group=process_group, key_map=key_map,
-                   verify_checksums=_flag("verify_checksums", verify_checksums, "optimizer restore", process_group))
+                   verify_checksums=_flag("verify_checksums", verify_checksums, "optimizer restore", checkpoint,
+                                          process_group))
     assert plan.optim_report is not None
     return plan.optim_report
 
@@ -497,11 +528,12 @@ def restore(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint,
         model_prefix = renamed_argument("model_key", model_key, "model_prefix", model_prefix)
         optim_prefix = renamed_argument("optim_key", optim_key, "optim_prefix", optim_prefix)
     except (TypeError, ValueError) as e:
-        _refuse_on_every_rank(e, "restore", process_group)
+        _refuse_on_every_rank(e, "restore", checkpoint, process_group)
     optim_prefix = "optim" if optim_prefix is None else optim_prefix
     plan, extra = _run(model, checkpoint, weights=True, optimizer=optimizer, prefix=model_prefix,
                        optim_prefix=optim_prefix, strict=strict, check=check, check_buffers=check_buffers,
                        method="read", threads=thread_count, dtype_policy="cast", group=process_group,
                        extra_keys=(optim_prefix,), key_map=key_map,
-                       verify_checksums=_flag("verify_checksums", verify_checksums, "restore", process_group))
+                       verify_checksums=_flag("verify_checksums", verify_checksums, "restore", checkpoint,
+                                              process_group))
     return RestoreResult(model=plan.model_report, optimizer=plan.optim_report, extra=extra)

@@ -36,7 +36,9 @@ _LABELS = {
     "key_map": "key_map problems", "unreadable": "stored in a form a restore cannot read",
     "checksum": "restored values that are not the bytes the file records a crc32 of (verify_checksums=True)",
     "replicas": "parameters every rank holds whole that differ between the ranks",
+    "looked_in": "names looked for in",
 }
+_CONTEXT = {"looked_in"}  # kinds that say where, beside the problems: one line, not a count of items
 _NAMES_HINT = ("check model_prefix= (CLI: --model-prefix; the subtree holding the weights), pass key_map= when the"
                " model names its tensors differently, or strict=False to restore the keys that match (in the restore"
                " calls: check-restore proves a strict restore)")
@@ -153,21 +155,23 @@ MAX_SAME = 12  # values `agree` compares between ranks (``same``): a fixed numbe
 def agree(problems: Problems, what: str, group: dist.ProcessGroup | None = None, *,
           coverage: dict[str, tuple[int, int]] | None = None,
           buffer_prints: list[tuple[str, int]] | None = None, same: Sequence[tuple[str, str]] = (),
-          prints_kind: str = "buffers") -> None:
+          prints_kind: str = "buffers", generic: str | None = None) -> None:
     """Raise the same `RestoreError` on every rank if any rank has a problem, the ranks' plans do not
     cover every tensor exactly (``coverage``: `check.coverage_terms`), a non-persistent buffer differs
     between ranks (``buffer_prints``: (name, fingerprint) pairs; ``prints_kind``: what they are, "buffers", or
     "replicas" for a save's replicated parameters), or a value of ``same`` (pairs ``(value, what it means if it
     differs)``, at most `MAX_SAME`: the checkpoint version each rank opened, the options it was called with) is not the
     same text on every rank. Every rank calls it at the same point of the protocol, with its ``same`` in the
-    same order.
+    same order. ``what`` heads the error ("restore of run/x.safetensors"); where it is not the same text on every
+    rank (each rank was given its own file), ``generic`` ("restore") does instead, so that every rank raises the
+    same text.
 
-    Success costs one all-reduce of 31 integers. Failure costs a bounded number of small collectives,
+    Success costs one all-reduce of 33 integers. Failure costs a bounded number of small collectives,
     whatever the world size: no rank gathers anything per rank (see `_reports`). A rank whose ``problems`` met a
     KeyboardInterrupt raises that, from the verdict, once every rank has it."""
     try:
         _agree(problems, what, group, coverage=coverage, buffer_prints=buffer_prints, same=same,
-               prints_kind=prints_kind)
+               prints_kind=prints_kind, generic=generic)
     except RestoreError as e:
         if problems.interrupted:
             raise KeyboardInterrupt(str(e)) from e
@@ -176,7 +180,7 @@ def agree(problems: Problems, what: str, group: dist.ProcessGroup | None = None,
 
 def _agree(problems: Problems, what: str, group: dist.ProcessGroup | None, *,
            coverage: dict[str, tuple[int, int]] | None, buffer_prints: list[tuple[str, int]] | None,
-           same: Sequence[tuple[str, str]], prints_kind: str = "buffers") -> None:
+           same: Sequence[tuple[str, str]], prints_kind: str = "buffers", generic: str | None = None) -> None:
     if len(same) > MAX_SAME:
         raise ValueError(f"agree compares at most {MAX_SAME} values, not {len(same)}")
     rank, world = _rank(group)
@@ -185,10 +189,13 @@ def _agree(problems: Problems, what: str, group: dist.ProcessGroup | None, *,
     n = len(buffer_prints or [])
     slots = [zlib.crc32(value.encode()) % FINGERPRINT_MODULUS for value, _ in same]
     slots += [0] * (MAX_SAME - len(slots))
+    slots.append(zlib.crc32(what.encode()) % FINGERPRINT_MODULUS)  # the headline: the last slot
     values = [int(bool(problems)), d1, d2, fp, fp * fp, n, n * n] + [x for v in slots for x in (v, v * v)]
     with _collective(what, "agreeing on the verdict"):
         summed = _all_reduce(values, group) if world > 1 else values
     failing, s1, s2, f1, f2, n1, n2 = summed[:7]
+    if generic is not None and not _same_everywhere(summed[-2], summed[-1], world):
+        what = generic
     if failing:
         with _collective(what, "collecting the failing ranks' problems"):
             reports, counts = _reports(problems.items, bool(problems), failing, group, rank, world)
@@ -360,9 +367,13 @@ def _raise(problems: dict[str, list[str]], what: str, *, counts: dict[str, tuple
     lines = [f"{what} failed:"]
     hints = []
     for kind, items in problems.items():
-        lines.append("  " + problem_line(_LABELS.get(kind, kind), items, counts[kind]))
+        label = _LABELS.get(kind, kind)
+        lines.append(f"  {label}: {'; '.join(items)}" if kind in _CONTEXT else
+                     "  " + problem_line(label, items, counts[kind]))
         hint = _HINTS.get(kind)
         if hint and hint not in hints:
             hints.append(hint)
     lines.extend(f"  hint: {h}" for h in hints)
-    raise RestoreError("\n".join(lines), problems, counts)
+    # the context lines are in the text only: the error's problems are the problems
+    raise RestoreError("\n".join(lines), {k: v for k, v in problems.items() if k not in _CONTEXT},
+                       {k: v for k, v in counts.items() if k not in _CONTEXT})

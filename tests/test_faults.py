@@ -211,6 +211,8 @@ def test_a_bad_argument_on_one_rank_fails_every_rank_at_once(tmp_path, entry):
     texts = [text for text, _ in results]
     assert texts[0] == texts[1] and "ValueError: thread_count must be a positive int, not 0" in texts[0], texts
     assert "[rank 1]" in texts[0] and all(seconds < 30 for _, seconds in results), results
+    # the headline names the file: every rank was given the same one (the rank that left at the door too)
+    assert texts[0].startswith(f"{'optimizer ' if entry == 'restore_optimizer' else ''}restore of {path} failed:"), texts
 
 
 # ---- fuzzing -----------------------------------------------------------------------------
@@ -306,7 +308,7 @@ def _killed_mid_restore(rank, world_size, path, dies_at):
     raise _Seen("no error")
 
 
-@pytest.mark.parametrize("dies_at,phase", [(1, "restore failed"), (2, "restore check failed")])
+@pytest.mark.parametrize("dies_at,phase", [(1, "restore of"), (2, "restore check of")])
 def test_rank_killed_mid_restore_fails_survivors_with_restore_error(tmp_path, dies_at, phase):
     import re
 
@@ -327,7 +329,9 @@ def test_rank_killed_mid_restore_fails_survivors_with_restore_error(tmp_path, di
         first = errors[r].splitlines()[0]
         m = re.match(r"_Seen: RestoreError after ([0-9.]+)s: (.*)", first)
         assert m, errors[r]
-        assert float(m.group(1)) < 10 and phase in errors[r], errors[r]
+        # the headline names the phase and the file
+        assert float(m.group(1)) < 10, errors[r]
+        assert f"{phase} {tmp_path / 'm.safetensors'} failed:" in errors[r], errors[r]
         assert "a rank died or lost its connection" in errors[r] and "init_process_group" in errors[r], errors[r]
     assert time.monotonic() - t0 < 60
 
@@ -358,6 +362,7 @@ def test_ranks_that_opened_different_versions_fail_together(tmp_path, writer):
         paths.append(path)
     messages = run_ranks(_restore_own_file, 2, paths)
     assert len(set(messages)) == 1 and "opened different versions of the checkpoint" in messages[0]
+    assert messages[0].startswith("restore failed:"), messages[0]  # no one file to name: each rank had its own
 
 
 def test_ranks_given_a_training_checkpoint_and_a_weights_file_are_told_both(tmp_path):
@@ -413,6 +418,32 @@ def test_ranks_called_with_different_options_fail_together_naming_it(tmp_path, o
     expected = "key_map= values that name them differently" if name == "key_map" else f"different values of {name}="
     assert len(set(messages)) == 1 and expected in messages[0], messages[0]
     assert messages[0].count("different values of") == (name != "key_map"), messages[0]  # that option alone
+
+
+def _restore_with_an_optimizer_on_rank_0(rank: int, world_size: int, path) -> str:
+    from models import build, wrap
+
+    model = wrap(build("mlp", seed=1), "fsdp2", world_size)
+    opt = torch.optim.AdamW(model.parameters()) if rank == 0 else None
+    with pytest.raises(RestoreError) as info:
+        fsdp_restore.restore(model, path, optimizer=opt, optim_prefix="optimizer")
+    return str(info.value)
+
+
+def test_an_optimizer_on_one_rank_only_is_named_alone(tmp_path):
+    """Both ranks pass optim_prefix="optimizer", one of them an optimizer: the verdict names optimizer=, not
+    optim_prefix= too (which was compared only where an optimizer was given, so it read as differing)."""
+    from models import build
+
+    model = build("mlp", seed=0)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 7)).sum().backward()
+    opt.step()
+    path = tmp_path / "ck.safetensors"
+    fsdp_restore.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    messages = run_ranks(_restore_with_an_optimizer_on_rank_0, 2, path)
+    assert len(set(messages)) == 1 and "different values of optimizer=" in messages[0], messages[0]
+    assert messages[0].count("different values of") == 1, messages[0]
 
 
 def _restore_a_stage(rank: int, world_size: int, path, key_map) -> str:

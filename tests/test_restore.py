@@ -629,6 +629,28 @@ def test_subtree_options_have_one_name_each_and_the_old_ones_still_work(moved_fi
             _entry(name, path)[0](**both)
 
 
+@pytest.mark.parametrize("name,options,looked_in", [
+    ("restore_model", {"model_prefix": "weights"}, "the weights under 'weights' (model_prefix='weights')"),
+    ("restore_model", {"model_prefix": ""}, "the weights at its top level (model_prefix='')"),
+    ("restore", {"model_prefix": "weights", "optim_prefix": "opt"},
+     "the weights under 'weights' (model_prefix='weights'); the optimizer state under 'opt' (optim_prefix='opt')"),
+    ("restore_optimizer", {"optim_prefix": "elsewhere"}, None)])
+def test_a_failed_restore_names_the_file_and_where_it_looked_for_names(moved_file, name, options, looked_in):
+    """The verdict's first line names the file; where names are missing or unexpected, a line says which subtree
+    they were looked for in (a prefix may have been found, not given: the fix is often another one)."""
+    path, _ = moved_file
+    call, model, _ = _entry(name, path)
+    model.register_parameter("extra", torch.nn.Parameter(torch.zeros(2)))  # in no checkpoint: a failing restore
+    with pytest.raises(RestoreError) as info:
+        call(**options)
+    lines = str(info.value).splitlines()
+    subject = "optimizer restore" if name == "restore_optimizer" else "restore"
+    assert lines[0] == f"{subject} of {path} failed:", lines
+    assert [line for line in lines if "looked for in" in line] == (
+        [f"  names looked for in: {looked_in}"] if looked_in else []), lines
+    assert "looked_in" not in info.value.problems  # where it looked is context, not a problem
+
+
 @pytest.mark.parametrize("bad", [0, -1, True, 2.5, "4"])
 @pytest.mark.parametrize("name", ["restore_model", "restore", "restore_optimizer"])
 def test_bad_thread_count_is_refused_before_anything_is_read(trained_file, name, bad):
