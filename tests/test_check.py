@@ -195,6 +195,20 @@ def test_lost_integer_buffer_is_caught_by_validation(mlp_ckpt):
     assert validate_plan(plan, model_storages(model), ckpt) == {"plan: never planned (elements left unread)": ["counter"]}
 
 
+def test_a_chunk_of_an_integer_buffer_the_executor_skips_is_caught(mlp_ckpt, monkeypatch):
+    """The executor drops the int64 buffer's chunks: the plan is valid and a NaN cannot mark an integer, so only
+    the ledger's own accounting of what it poisoned and screened (every dtype, not just floating ones) sees it.
+    Oracle: the file holds arange(4) there; the skipped read would leave the -1s. Found by a fault-injection review:
+    with the ledger's verdict made over floating storages only, no other test failed."""
+    real = fsdp_restore.execute.chunked
+    monkeypatch.setattr(fsdp_restore.execute, "chunked", lambda items, ckpt, *rest: [
+        c for c in real(items, ckpt, *rest) if c[0].name != "counter"])
+    model = build("mlp", seed=5)
+    model.counter.fill_(-1)
+    with pytest.raises(RestoreError, match=r"not restored.*counter"):
+        fsdp_restore.restore_model(model, mlp_ckpt)
+
+
 def test_item_outside_the_model_or_its_tensor(mlp_ckpt):
     model = build("mlp", seed=5)
     ckpt, plan = _plan(mlp_ckpt, model)
@@ -207,6 +221,21 @@ def test_item_outside_the_model_or_its_tensor(mlp_ckpt):
     assert problems["plan: reads outside its stored tensor"] == ["blocks.0.bias"]
     assert problems["plan: planned twice"] == ["blocks.0.bias"]
 
+
+
+def test_a_column_block_reaching_past_its_tensor_is_refused(mlp_ckpt):
+    """An item of rows at a stride spans (rows - 1) * stride + run elements of its stored and global tensor, not
+    its count: out.weight is [3, 5] (15 elements); 5 rows of 3 at stride 5 write exactly the model's 15 elements,
+    yet the last row reads elements 20-22 of a 15-element tensor (an item checked by its count passed). Found by
+    a fault-injection review: the count put in for the span, no other test failed."""
+    model = build("mlp", seed=5)
+    ckpt, plan = _plan(mlp_ckpt, model)
+    item = next(i for i in plan.items if i.name == "out.weight")
+    assert item.dest.numel() == 15
+    item.rows, item.stride = 5, 5
+    problems = validate_plan(plan, model_storages(model), ckpt)
+    assert problems["plan: reads outside its stored tensor"] == ["out.weight"]
+    assert problems["plan: reads outside its tensor"] == ["out.weight"]
 
 def test_items_that_write_each_others_memory_are_caught(mlp_ckpt):
     """Two tensors of one shape whose items trade destinations (each reads its own values into the other's

@@ -478,16 +478,24 @@ def test_a_cast_beyond_the_target_range_is_refused_naming_every_tensor(tmp_path)
     assert "Traceback" not in res.stderr
 
 
-def test_a_cast_that_changes_whole_numbers_or_a_named_scalar_is_refused_as_verify_fails_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize("reader", ["without torch", "through torch"])
+def test_a_cast_that_changes_whole_numbers_or_a_named_scalar_is_refused_as_verify_fails_it(tmp_path, monkeypatch,
+                                                                                          reader):
     """`convert --dtype bf16` wrote, and `verify --against` then failed, a tensor of whole numbers the cast rounded
     (position ids, a counter): the rule was verify's alone. Convert refuses exactly what verify fails (verify's own
     rule is the oracle: its verdict on the file written with convert's check switched off), deciding over the whole
     tensor where only a far block holds the large values, and casts what verify passes: whole numbers the cast
-    keeps, large values that are not whole, a NaN among whole numbers, a named 0-dim value it keeps."""
+    keeps, large values that are not whole, a NaN among whole numbers, a named 0-dim value it keeps. Both ways of
+    reading the source cast it (`plain_cast` without torch; torch's cast, screened by `write.cast_screen`): a
+    fault-injection review found the second unchecked at its bound (257 cast to 256 passed with `<=` there)."""
     import ast
+    import importlib
     import re
 
     from fsdp_restore import write
+
+    if reader == "through torch":
+        monkeypatch.setattr(importlib.import_module("fsdp_restore.convert"), "_TORCH_FREE_READS", False)
 
     monkeypatch.setattr(write, "BLOCK_BYTES", 8192)  # two blocks per 8192-element tensor cast to bf16
     n = 8192
