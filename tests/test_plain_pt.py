@@ -523,6 +523,26 @@ def test_tensors_torch_refuses_are_declined(tmp_path, what, obj):
         load_plain(src)
 
 
+@pytest.mark.parametrize("wrap", ["tensor", "parameter"])
+def test_an_integer_tensor_that_requires_grad_is_declined(tmp_path, wrap):
+    """torch.load(weights_only=True) refuses an int64 tensor or parameter pickled with requires_grad=True (only
+    floating tensors can require gradients): the last NEWFALSE of the pickle (the outermost rebuild's
+    requires_grad) made NEWTRUE. Found by a fault-injection review: without the tensor's check, only the slow
+    bit-flip test failed."""
+    base = {"i": torch.zeros(2, dtype=torch.int64)}
+    if wrap == "parameter":
+        base = {"i": torch.nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)}
+    torch.save(base, tmp_path / "b.pt")
+    data = zipfile.ZipFile(tmp_path / "b.pt").read("b/data.pkl")
+    at = data.rindex(b"\x89")
+    src = _rewritten(tmp_path, data[:at] + b"\x88" + data[at + 1:], base=base)
+    with pytest.raises(RuntimeError, match="floating point"):  # the oracle: torch's own refusal
+        torch.load(src, weights_only=True)
+    with pytest.raises(NotPlain, match="requires_grad"):
+        load_plain(src)
+    assert _lane(src, tmp_path / "out.safetensors") is None
+
+
 def test_a_crafted_pickle_of_an_ordinary_tensor_loads_as_torch_loads_it(tmp_path):
     """The crafting above is faithful: the same arguments torch.save writes load alike."""
     src = _crafted(tmp_path, {"w": _Rebuild(_Storage("0", 4), 1, (3,), (1,), False, OrderedDict())})
