@@ -33,8 +33,11 @@ def test_a_command_that_imports_torch_still_exits_with_its_code_and_all_its_outp
     assert "converted" in ok.stdout and ok.stdout.rstrip().endswith("┘"), ok.stdout  # the report's last line
     assert f"converted {src} -> {dst}\n" in ok.stdout  # the paths whole, on one line
     assert "imports before it (torch...)" in ok.stdout  # the first use's import, apart from the conversion's time
-    # a cast to fp16 imports torch (to bf16 it does not: plain_cast), before the conversion, which the report says
-    cast = run("convert", src, tmp_path / "fp16.safetensors", "--dtype", "fp16")
+    # a cast from fp64 to bf16 imports torch (plain_cast leaves it to torch: it may round twice; fp32 -> fp16 no
+    # longer imports it, and passed here only while numpy's import took over 0.05 s), before the conversion,
+    # which the report says
+    torch.save({"model": {"w": torch.randn(8, 4, dtype=torch.float64)}}, tmp_path / "f64.pt")
+    cast = run("convert", tmp_path / "f64.pt", tmp_path / "bf16.safetensors", "--dtype", "bf16")
     imported = re.search(r"imports before it \(torch\.\.\.\)\s*│\s*([0-9.]+) s", cast.stdout)
     assert cast.returncode == 0 and imported and float(imported.group(1)) > 0.05, cast.stdout  # it said 0.01 s
     assert torch.equal(load_file(dst)["model.w"], torch.load(src)["model"]["w"])
