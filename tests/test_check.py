@@ -222,7 +222,6 @@ def test_item_outside_the_model_or_its_tensor(mlp_ckpt):
     assert problems["plan: planned twice"] == ["blocks.0.bias"]
 
 
-
 def test_a_column_block_reaching_past_its_tensor_is_refused(mlp_ckpt):
     """An item of rows at a stride spans (rows - 1) * stride + run elements of its stored and global tensor, not
     its count: out.weight is [3, 5] (15 elements); 5 rows of 3 at stride 5 write exactly the model's 15 elements,
@@ -236,6 +235,7 @@ def test_a_column_block_reaching_past_its_tensor_is_refused(mlp_ckpt):
     problems = validate_plan(plan, model_storages(model), ckpt)
     assert problems["plan: reads outside its stored tensor"] == ["out.weight"]
     assert problems["plan: reads outside its tensor"] == ["out.weight"]
+
 
 def test_items_that_write_each_others_memory_are_caught(mlp_ckpt):
     """Two tensors of one shape whose items trade destinations (each reads its own values into the other's

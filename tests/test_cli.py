@@ -32,7 +32,7 @@ def test_a_command_that_imports_torch_still_exits_with_its_code_and_all_its_outp
     assert ok.returncode == 0, ok.stderr
     assert "converted" in ok.stdout and ok.stdout.rstrip().endswith("┘"), ok.stdout  # the report's last line
     assert f"converted {src} -> {dst}\n" in ok.stdout  # the paths whole, on one line
-    assert "imports before it (torch...)" in ok.stdout  # the first use's import, apart from the conversion's time
+    assert "imports before it (torch...)" in ok.stdout  # what the command imported before the conversion
     # a cast from fp64 to bf16 imports torch (plain_cast leaves it to torch: it may round twice); the conversions
     # import it lazily, within their seconds, since they read and cast without torch (the report's import row is
     # what came before: a fp32 -> fp16 cast here passed a 0.05 s bound only while numpy's import took longer)
