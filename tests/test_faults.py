@@ -175,6 +175,19 @@ def test_error_on_one_rank_fails_every_rank(tmp_path):
         assert "nowhere.safetensors" in message and seconds < 30
 
 
+def _stepped_checkpoint(path, *, optim_key: str):
+    """The mlp's weights under "model" and its AdamW state after one step (moments and step filled) under
+    ``optim_key``, saved to ``path``; returns ``path``."""
+    from models import build
+
+    model = build("mlp", seed=0)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 7)).sum().backward()
+    opt.step()
+    fsdp_restore.save({"model": model.state_dict(), optim_key: opt.state_dict()}, path)
+    return path
+
+
 def _bad_argument_on_rank_1(rank, world_size, path, entry):
     from models import build, wrap
 
@@ -199,14 +212,7 @@ def test_a_bad_argument_on_one_rank_fails_every_rank_at_once(tmp_path, entry):
     """``thread_count=0`` on rank 1 only: it raised its ValueError at the door and left, while rank 0 waited in
     the plan's verdict for it (until its process exited, or the process group's timeout if it lingered). Now
     every rank raises the same RestoreError naming the argument, before anything is read."""
-    from models import build
-
-    model = build("mlp", seed=0)
-    opt = torch.optim.AdamW(model.parameters())
-    model(torch.randn(2, 7)).sum().backward()
-    opt.step()
-    path = tmp_path / "ck.safetensors"
-    fsdp_restore.save({"model": model.state_dict(), "optim": opt.state_dict()}, path)
+    path = _stepped_checkpoint(tmp_path / "ck.safetensors", optim_key="optim")
     results = run_ranks(_bad_argument_on_rank_1, 2, path, entry, pg_timeout=60)
     texts = [text for text, _ in results]
     assert texts[0] == texts[1] and "ValueError: thread_count must be a positive int, not 0" in texts[0], texts
@@ -433,14 +439,7 @@ def _restore_with_an_optimizer_on_rank_0(rank: int, world_size: int, path) -> st
 def test_an_optimizer_on_one_rank_only_is_named_alone(tmp_path):
     """Both ranks pass optim_prefix="optimizer", one of them an optimizer: the verdict names optimizer=, not
     optim_prefix= too (which was compared only where an optimizer was given, so it read as differing)."""
-    from models import build
-
-    model = build("mlp", seed=0)
-    opt = torch.optim.AdamW(model.parameters())
-    model(torch.randn(2, 7)).sum().backward()
-    opt.step()
-    path = tmp_path / "ck.safetensors"
-    fsdp_restore.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    path = _stepped_checkpoint(tmp_path / "ck.safetensors", optim_key="optimizer")
     messages = run_ranks(_restore_with_an_optimizer_on_rank_0, 2, path)
     assert len(set(messages)) == 1 and "different values of optimizer=" in messages[0], messages[0]
     assert messages[0].count("different values of") == 1, messages[0]
