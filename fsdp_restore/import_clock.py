@@ -1,0 +1,71 @@
+"""How long a package's first import takes, wherever in a command it happens.
+
+The CLI reports what a command spent importing torch apart from the work it timed: a conversion that reads
+and casts without torch imports it only where it needs it after all (a cast numpy cannot make exactly, a file
+the torch-free reader leaves to torch), inside its own seconds. A finder placed first on ``sys.meta_path``
+wraps the package's loader when Python looks for it, so that its execution (all of its own imports with it)
+is timed where it really runs; nothing else is wrapped, and nothing is timed if the package was already
+imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import importlib.machinery
+import sys
+import time
+from collections.abc import Iterator
+from types import ModuleType
+
+
+class ImportClock(importlib.abc.MetaPathFinder):
+    """The seconds spent executing ``name``'s first import while the clock is on ``sys.meta_path``
+    (`timing_import`). ``seconds`` is 0.0 when the package was not imported in that time."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.seconds = 0.0
+        self._looking = False
+
+    def find_spec(self, fullname: str, path: object, target: ModuleType | None = None
+                  ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self.name or self._looking:
+            return None
+        self._looking = True  # the finders after this one give the real spec
+        try:
+            spec = None
+            for finder in sys.meta_path:
+                if finder is not self and hasattr(finder, "find_spec"):
+                    spec = finder.find_spec(fullname, path, target)
+                    if spec is not None:
+                        break
+        finally:
+            self._looking = False
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run = spec.loader.exec_module
+
+        def timed(module: ModuleType) -> None:
+            started = time.perf_counter()
+            try:
+                run(module)
+            finally:
+                self.seconds += time.perf_counter() - started
+
+        spec.loader.exec_module = timed  # type: ignore[method-assign]  # this spec's own loader instance
+        return spec
+
+
+@contextlib.contextmanager
+def timing_import(name: str) -> Iterator[ImportClock]:
+    """Time ``name``'s first import if it happens inside the block: ``with timing_import("torch") as clock:``
+    then ``clock.seconds``."""
+    clock = ImportClock(name)
+    if name not in sys.modules:
+        sys.meta_path.insert(0, clock)
+    try:
+        yield clock
+    finally:
+        if clock in sys.meta_path:
+            sys.meta_path.remove(clock)
