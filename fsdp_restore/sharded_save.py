@@ -14,7 +14,8 @@ rank that has given up:
 2. every rank opens the temporary by name: a rank that does not see it is on another filesystem, which
    is refused (before a byte is written) with the fix. Agree.
 3. every rank ``pwrite`` s its items (threads; GPU memory staged through pinned buffers in chunks) and
-   fsyncs. Agree.
+   fsyncs; with ``verify_checksums=True`` it then reads back from the storage what it wrote (`_read_back`)
+   and compares each chunk's rows with the crc32s taken of them in memory. Agree.
 4. the checksums: each rank's crc32 of its pieces folded per tensor (`_Crc`) and joined over the ranks
    in one all-reduce, nothing read back; rank 0 patches them into the header(s), fsyncs, writes the index
    of a sharded set, renames the temporary over the destination and fsyncs the directory. Agree.
@@ -25,6 +26,7 @@ sees the old file or the new one: a single file is replaced with one ``rename``)
 
 from __future__ import annotations
 
+import array
 import contextlib
 import ctypes
 import errno
@@ -75,7 +77,7 @@ class SaveReport:
     bytes_written: int  # tensor bytes this rank wrote
     items: int  # this rank's write items
     seconds: float
-    timings: dict[str, float] = field(default_factory=dict)  # plan, open, write, commit
+    timings: dict[str, float] = field(default_factory=dict)  # plan, open, write, (verify,) commit
     checksums: dict[str, str] = field(default_factory=dict, repr=False)
 
 
@@ -158,9 +160,30 @@ class _Staging(threading.local):
     stream: Any = None
 
 
-def _write_items(plan: WritePlan, fds: list[int], threads: int, crc: _Crc) -> int:
+@dataclass(frozen=True)
+class _Written:
+    """One chunk this rank wrote, for `_read_back`: ``rows`` rows of ``row_bytes`` each, ``stride_bytes`` apart from
+    byte ``offset`` of file ``file_index``, and a digest of their crc32s in order (`_rows_digest`)."""
+
+    key: str
+    file_index: int
+    offset: int
+    rows: int
+    row_bytes: int
+    stride_bytes: int
+    digest: int
+
+
+def _rows_digest(crcs: Sequence[int]) -> int:
+    """The crc32 of a chunk's rows' crc32s, in order: four bytes a row, whatever the rows' size."""
+    return zlib.crc32(array.array("I", crcs).tobytes())
+
+
+def _write_items(plan: WritePlan, fds: list[int], threads: int, crc: _Crc,
+                 written: list[_Written] | None = None) -> int:
     """Write this rank's items in chunks of at most `CHUNK_BYTES` on ``threads`` threads; fold the crc32
-    of every chunk as it is written. Returns the bytes written."""
+    of every chunk as it is written (and, given ``written``, record each chunk there for `_read_back`).
+    Returns the bytes written."""
     tasks = []
     for item in plan.items:
         step = max(1, CHUNK_BYTES // item.data.element_size())
@@ -203,6 +226,9 @@ def _write_items(plan: WritePlan, fds: list[int], threads: int, crc: _Crc) -> in
         last = (start + (rows - 1) * item.stride) * size + run_bytes
         crc.add(item.key, crcs, run_bytes, item.stride * size, plan.jobs[item.key].nbytes - last)
         first_byte = base + start * size
+        if written is not None:  # (a list's append holds the GIL: the threads may share it)
+            written.append(_Written(item.key, file_index, first_byte, rows, run_bytes, item.stride * size,
+                                    _rows_digest(crcs)))
         start_writeback(fd, first_byte, last - start * size)
         return count * size
 
@@ -210,6 +236,42 @@ def _write_items(plan: WritePlan, fds: list[int], threads: int, crc: _Crc) -> in
         return sum(write(t) for t in tasks)
     with ThreadPoolExecutor(max_workers=threads) as pool:
         return sum(pool.map(write, tasks))
+
+
+def _read_back(paths: Sequence[Path], written: Sequence[_Written], threads: int) -> list[str]:
+    """The tensors of which a chunk this rank wrote (and fsynced) does not read back from ``paths`` as the bytes it
+    wrote: its rows' crc32s, taken again from the file, against those taken in memory before the write. The
+    files' cached pages are dropped first (``POSIX_FADV_DONTNEED``: clean pages only, so another rank's unsynced
+    writes stay) so that the bytes come from the storage where the kernel allows, not from this node's copy of
+    what was written: a disk or file system that lost, misplaced or damaged a write shows, as does a bug in where
+    the writer put a row."""
+    fds: list[int] = []
+    try:
+        for path in paths:
+            fds.append(os.open(path, os.O_RDONLY))
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fds[-1], 0, 0, os.POSIX_FADV_DONTNEED)
+        buffers = threading.local()
+
+        def damaged(chunk: _Written) -> str | None:
+            if getattr(buffers, "data", None) is None or len(buffers.data) < chunk.row_bytes:
+                buffers.data = bytearray(max(chunk.row_bytes, CHUNK_BYTES))
+            row = memoryview(buffers.data)[:chunk.row_bytes]
+            crcs = []
+            for r in range(chunk.rows):
+                n = os.preadv(fds[chunk.file_index], [row], chunk.offset + r * chunk.stride_bytes)
+                crcs.append(zlib.crc32(row[:n]) if n == chunk.row_bytes else -1)  # short: the file lost its end
+            return chunk.key if -1 in crcs or _rows_digest(crcs) != chunk.digest else None
+
+        if threads <= 1 or len(written) <= 1:
+            found = [damaged(chunk) for chunk in written]
+        else:
+            with ThreadPoolExecutor(max_workers=threads) as pool:
+                found = list(pool.map(damaged, written))
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return sorted({key for key in found if key is not None})
 
 
 # ---- the temporary -------------------------------------------------------------------------------------------
@@ -361,8 +423,9 @@ def _save_error(e: RestoreError, what: str, died_hint: str | None = None) -> Sav
             lines.append("  " + problem_line(_LABELS.get(kind, kind), items, e.counts.get(kind)))
     if any(text.startswith("a rank died") for text in e.problems.get("error", [])):
         lines.append(f"  hint: {died_hint or _DIED_HINT}")
-    if "replicas" in e.problems:
-        lines.append(f"  hint: {_HINTS['replicas']}")
+    for kind in ("replicas", "written"):
+        if kind in e.problems:
+            lines.append(f"  hint: {_HINTS[kind]}")
     return SaveError("\n".join(lines), e.problems, e.counts)
 
 
@@ -438,9 +501,12 @@ def _from_bytes(payload: bytes) -> Any:
 
 
 def _check_arguments(model: Any, path: Any, optimizer: Any, extra: Any, process_group: Any, max_shard_size: Any,
-                     thread_count: Any, on_unsupported: Any) -> tuple[int | None, str | os.PathLike[str]]:
+                     thread_count: Any, on_unsupported: Any, verify_checksums: Any = False
+                     ) -> tuple[int | None, str | os.PathLike[str]]:
     """The shard size, and the path the save writes to (where a symbolic link at ``path`` points)."""
     objects_argument("save_sharded(model, path, optimizer=optimizer)", model, optimizer, optional=True)
+    if type(verify_checksums) is not bool:  # a string such as "no" would read as true
+        raise TypeError(f"verify_checksums must be True or False, not {verify_checksums!r}")
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise TypeError(f"path must be a str or os.PathLike, not {type(path).__name__}")
     path = through_link(path)
@@ -460,7 +526,7 @@ def _check_arguments(model: Any, path: Any, optimizer: Any, extra: Any, process_
 def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: torch.optim.Optimizer | None = None,
                  extra: dict[str, Any] | None = None, process_group: dist.ProcessGroup | None = None,
                  max_shard_size: int | str | None = None, thread_count: int | None = None,
-                 on_unsupported: str = "error") -> SaveReport:
+                 on_unsupported: str = "error", verify_checksums: bool = False) -> SaveReport:
     """Save a sharded model (and optimizer) into one unsharded checkpoint; call on every rank.
 
     Every rank writes its own bytes straight into the final file (no gather): the file is byte for byte
@@ -481,6 +547,11 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
     removes the temporary and leaves an existing checkpoint at ``path`` untouched. ``thread_count``: write
     threads per rank (default 4). ``on_unsupported="skip"`` stores a value of ``extra`` that the format cannot
     hold as None, with a warning, as `convert` does.
+
+    ``verify_checksums=True``: before the rename, every rank reads back from the storage what it wrote (its pages
+    dropped from this node's cache first, where the kernel allows) and compares every row with the crc32 taken of
+    it in memory, so that a disk or file system that lost, misplaced or damaged a write fails the save, naming each
+    tensor, instead of replacing a good checkpoint. It costs a read of the checkpoint (each rank its share).
     """
     t0 = time.perf_counter()
     process_group_argument(process_group)  # before the group is asked for this rank's place in it
@@ -501,7 +572,7 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
             remote_state = None
             with problems.guard():
                 size, path = _check_arguments(model, path, optimizer, extra, process_group, max_shard_size,
-                                              thread_count, on_unsupported)
+                                              thread_count, on_unsupported, verify_checksums)
                 if rank == 0:
                     dst0 = Path(path)
                     # the modules' extra states are rank 0's, as the state dict a gather to rank 0 makes holds them
@@ -565,15 +636,22 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
             problems = new_problems()
             crc = _Crc()
             written = 0
+            chunks: list[_Written] | None = [] if verify_checksums else None
+            threads = thread_count or DEFAULT_SAVE_THREADS
             with problems.guard():
                 try:
-                    written = _write_items(plan, fds, thread_count or DEFAULT_SAVE_THREADS, crc)
+                    written = _write_items(plan, fds, threads, crc, chunks)
                     for fd in fds:
                         os.fsync(fd)
                 except OSError as e:  # (a file system that does not preallocate: the space runs out here)
                     raise said_of_space(e, dst, sum(f.size for f in plan.files)) from None
+                if chunks is not None:
+                    t_back = time.perf_counter()
+                    paths = [tmp / f.name for f in plan.files] if sharded else [tmp]
+                    problems.add("written", _read_back(paths, chunks, threads))
+                    timings["verify"] = time.perf_counter() - t_back
             _agree(problems, "save_sharded (write)", group)
-            timings["write"] = time.perf_counter() - t2
+            timings["write"] = time.perf_counter() - t2 - timings.get("verify", 0.0)
 
             # -- phase 4: checksums, rename --------------------------------------------------------------------------
             t3 = time.perf_counter()

@@ -36,6 +36,7 @@ _LABELS = {
     "key_map": "key_map problems", "unreadable": "stored in a form a restore cannot read",
     "checksum": "restored values that are not the bytes the file records a crc32 of (verify_checksums=True)",
     "replicas": "parameters every rank holds whole that differ between the ranks",
+    "written": "written, but read back from the storage as other bytes (verify_checksums=True)",
     "looked_in": "names looked for in",
 }
 _CONTEXT = {"looked_in"}  # kinds that say where, beside the problems: one line, not a count of items
@@ -59,12 +60,15 @@ _HINTS = {
                " fsdp_restore.init_non_persistent_buffers(model) (Hugging Face rotary embeddings, modules with"
                " reset_buffers()), re-run your own buffer initialisation, or build these modules on the real"
                " device; pass check_buffers=False if they are meant to differ",
+    "written": "the storage did not keep what this save wrote (a failing disk, a file system that lost or misplaced"
+               " a write): nothing was put at the destination and a checkpoint already there is untouched; check"
+               " the storage, then save again",
     "replicas": "parameters that every rank holds whole differ between the ranks, so the file would take each from"
                 " whichever rank writes it: nothing keeps them in sync (a module left outside fully_shard, whose"
                 " gradients no rank all-reduces): shard it too (fully_shard(model) on the root as well), wrap the"
                 " model in DistributedDataParallel, or keep them equal yourself before saving",
 }
-_PER_RANK = ("error", "unrestored", "buffers", "replicas")  # kinds whose items may differ between ranks
+_PER_RANK = ("error", "unrestored", "buffers", "replicas", "written")  # kinds whose items may differ between ranks
 
 
 @dataclass

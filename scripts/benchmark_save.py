@@ -8,7 +8,8 @@ writes to the same disk; the clock runs from the call to the last rank's return 
 fsynced: ours and DCP fsync their files, the gather path is fsynced explicitly):
 
 - ``ours``: ``fsdp_restore.save_sharded(model, path, optimizer=opt, extra=...)``: one unsharded file, each
-  rank writing its own bytes; ``ours-model``: the same, weights only (the HF layout);
+  rank writing its own bytes; ``ours+verify``: the same with ``verify_checksums=True`` (each rank reads back
+  from the storage what it wrote before the rename); ``ours-model``: the same, weights only (the HF layout);
 - ``gather``: ``get_state_dict(full_state_dict=True, cpu_offload=True)`` + ``torch.save`` on rank 0 (FSDP1:
   ``cpu_offload=False``, which torch 2.13 needs on the CPU);
 - ``dcp``: ``dcp.save`` of the sharded state dicts (per-rank files: not one unsharded checkpoint);
@@ -53,7 +54,7 @@ from fsdp_restore.measure import PeakAnonMemory, disk_write_bytes  # noqa: E402
 from fsdp_restore.write import CHUNK_BYTES  # noqa: E402
 
 FLOOR_THREADS = 4  # save_sharded's default thread_count
-METHODS = ("floor", "floor+writeback", "ours", "ours-model", "gather", "dcp", "dcp+hf")
+METHODS = ("floor", "floor+writeback", "ours", "ours+verify", "ours-model", "gather", "dcp", "dcp+hf")
 
 
 def _with_state(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -97,6 +98,8 @@ def save_worker(rank: int, world_size: int, method: str, fsdp: str, kind: str, m
     def run(dst: Path) -> None:
         if method == "ours":
             fsdp_restore.save_sharded(model, dst, optimizer=opt, extra={"step": 1})
+        elif method == "ours+verify":
+            fsdp_restore.save_sharded(model, dst, optimizer=opt, extra={"step": 1}, verify_checksums=True)
         elif method == "ours-model":
             fsdp_restore.save_sharded(model, dst)
         elif method == "gather":
