@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "benchmark.py"
-SAVE_METHODS = {"floor", "floor+writeback", "ours", "ours-model", "gather", "dcp", "dcp+hf"}
+SAVE_METHODS = {"floor", "floor+writeback", "ours", "ours+verify", "ours-model", "gather", "dcp", "dcp+hf"}
 RESTORE_METHODS = {"fsdp2": {"ours", "ours-nocheck", "dcp", "broadcast", "every-rank-loads", "ours+optim"},
                    "fsdp1": {"ours", "ours-nocheck", "broadcast", "apply", "ours+optim"}}
 
@@ -53,6 +53,7 @@ def test_every_method_runs_and_ours_requests_only_its_share(tmp_path):
     for fsdp in ("fsdp2", "fsdp1"):
         ours = saves[fsdp, "ours"]
         assert ours["output_bytes"] == saves[fsdp, "floor"]["output_bytes"] == saves[fsdp, "floor+writeback"]["output_bytes"]
+        assert saves[fsdp, "ours+verify"]["output_bytes"] == ours["output_bytes"]
         assert 0.3 < saves[fsdp, "ours-model"]["output_bytes"] / ours["output_bytes"] < 0.35
         assert sum(ours["written_per_rank"]) >= ours["output_bytes"]  # every byte written by some rank
 
