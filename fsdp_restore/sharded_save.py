@@ -14,8 +14,9 @@ rank that has given up:
 2. every rank opens the temporary by name: a rank that does not see it is on another filesystem, which
    is refused (before a byte is written) with the fix. Agree.
 3. every rank ``pwrite`` s its items (threads; GPU memory staged through pinned buffers in chunks) and
-   fsyncs; with ``verify_checksums=True`` it then reads back from the storage what it wrote (`_read_back`)
-   and compares each chunk's rows with the crc32s taken of them in memory. Agree.
+   fsyncs. Agree. With ``verify_checksums=True``, then (every rank's writes in the file) every rank reads back
+   from the storage what it wrote (`_read_back`) and compares each chunk's rows with the crc32s taken of the
+   bytes it wrote (a GPU shard's host copy). Agree.
 4. the checksums: each rank's crc32 of its pieces folded per tensor (`_Crc`) and joined over the ranks
    in one all-reduce, nothing read back; rank 0 patches them into the header(s), fsyncs, writes the index
    of a sharded set, renames the temporary over the destination and fsyncs the directory. Agree.
@@ -257,11 +258,16 @@ def _read_back(paths: Sequence[Path], written: Sequence[_Written], threads: int)
             if getattr(buffers, "data", None) is None or len(buffers.data) < chunk.row_bytes:
                 buffers.data = bytearray(max(chunk.row_bytes, CHUNK_BYTES))
             row = memoryview(buffers.data)[:chunk.row_bytes]
-            crcs = []
+            fd, crcs = fds[chunk.file_index], []
             for r in range(chunk.rows):
-                n = os.preadv(fds[chunk.file_index], [row], chunk.offset + r * chunk.stride_bytes)
-                crcs.append(zlib.crc32(row[:n]) if n == chunk.row_bytes else -1)  # short: the file lost its end
-            return chunk.key if -1 in crcs or _rows_digest(crcs) != chunk.digest else None
+                at, got = chunk.offset + r * chunk.stride_bytes, 0
+                while got < chunk.row_bytes:  # a read may return less than asked; 0 only at the file's end
+                    n = os.preadv(fd, [row[got:]], at + got)
+                    if n == 0:
+                        return chunk.key  # the file lost its end
+                    got += n
+                crcs.append(zlib.crc32(row))
+            return chunk.key if _rows_digest(crcs) != chunk.digest else None
 
         if threads <= 1 or len(written) <= 1:
             found = [damaged(chunk) for chunk in written]
@@ -548,10 +554,11 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
     threads per rank (default 4). ``on_unsupported="skip"`` stores a value of ``extra`` that the format cannot
     hold as None, with a warning, as `convert` does.
 
-    ``verify_checksums=True``: before the rename, every rank reads back from the storage what it wrote (its pages
-    dropped from this node's cache first, where the kernel allows) and compares every row with the crc32 taken of
-    it in memory, so that a disk or file system that lost, misplaced or damaged a write fails the save, naming each
-    tensor, instead of replacing a good checkpoint. It costs a read of the checkpoint (each rank its share).
+    ``verify_checksums=True``: before the rename, once every rank has written and fsynced, every rank reads back
+    from the storage what it wrote (its pages dropped from this node's cache first, where the kernel allows) and
+    compares every row with the crc32 taken of the bytes it wrote (of a GPU shard: its host copy), so that a disk or
+    file system that lost, misplaced or damaged a write fails the save, naming each tensor, instead of replacing a
+    good checkpoint. It costs a read of the checkpoint (each rank its share).
     """
     t0 = time.perf_counter()
     process_group_argument(process_group)  # before the group is asked for this rank's place in it
@@ -645,13 +652,16 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
                         os.fsync(fd)
                 except OSError as e:  # (a file system that does not preallocate: the space runs out here)
                     raise said_of_space(e, dst, sum(f.size for f in plan.files)) from None
-                if chunks is not None:
-                    t_back = time.perf_counter()
+            _agree(problems, "save_sharded (write)", group)
+            timings["write"] = time.perf_counter() - t2
+            if chunks is not None:  # only now: every rank has written and fsynced, so a write one rank put in
+                t_back = time.perf_counter()  # another's place is in the file when that one reads back
+                problems = new_problems()
+                with problems.guard():
                     paths = [tmp / f.name for f in plan.files] if sharded else [tmp]
                     problems.add("written", _read_back(paths, chunks, threads))
-                    timings["verify"] = time.perf_counter() - t_back
-            _agree(problems, "save_sharded (write)", group)
-            timings["write"] = time.perf_counter() - t2 - timings.get("verify", 0.0)
+                _agree(problems, "save_sharded (read back)", group)
+                timings["verify"] = time.perf_counter() - t_back
 
             # -- phase 4: checksums, rename --------------------------------------------------------------------------
             t3 = time.perf_counter()

@@ -415,9 +415,95 @@ def test_verify_checksums_refuses_a_save_the_storage_did_not_keep(tmp_path, faul
     text, damaged = texts.pop(), results[0][1]
     assert damaged, "the fault did not damage the checkpoint saved without the read-back"
     assert "read back from the storage as other bytes (verify_checksums=True)" in text, text
-    assert "(write)" in text and "nothing was put at the destination" in text, text
+    assert "(read back)" in text and "nothing was put at the destination" in text, text
     for key in damaged:  # the tensors verify finds damaged in the unchecked save: each named
         assert key in text, (key, text)
+
+
+def _late_write_into_another_ranks_place(rank, world_size, path):
+    """Rank 1 puts its (zero) half of the bias 72 bytes early, over rank 0's weight, and late: after rank 0 would
+    have read its own bytes back had it not waited for every rank's writes."""
+    import time
+
+    import fsdp_restore.sharded_save as sharded_save
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    with torch.no_grad():
+        model.bias.zero_()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    if rank == 1:
+        real = sharded_save._pwrite_all
+
+        def late_and_misplaced(fd, data, offset):
+            if len(data) == 8 and not any(bytes(data)):  # this rank's half of the zero bias
+                time.sleep(2.0)
+                return real(fd, data, offset - 72)  # onto rank 0's first weight row
+            return real(fd, data, offset)
+
+        sharded_save._pwrite_all = late_and_misplaced
+    with pytest.raises(SaveError) as info:
+        save_sharded(model, path, verify_checksums=True, thread_count=1)
+    return str(info.value)
+
+
+def test_verify_checksums_reads_back_only_once_every_rank_has_written(tmp_path):
+    path = str(tmp_path / "w.safetensors")
+    texts = set(run_ranks(_late_write_into_another_ranks_place, 2, path))
+    assert len(texts) == 1, texts
+    text = texts.pop()
+    assert "save_sharded (read back) failed" in text and "): weight [rank 0]" in text, text  # the victim names it
+    assert not os.path.exists(path) and not _leftovers(path)
+
+
+def _lost_tensor_in_a_set(rank, world_size, root):
+    """A set of shards, 4 write threads: every write into one tensor of a later file is lost (the tensor found by
+    its bytes' place in the first save's header), whichever thread makes it. A read that returns less than asked
+    (half, at most) is not taken for a lost write."""
+    import fsdp_restore.sharded_save as sharded_save
+
+    model, opt, extra = _trained("mlp", "fsdp2", world_size, seed=0)
+    path = os.path.join(root, "ckpt")
+    save_sharded(model, path, optimizer=opt, extra=extra, max_shard_size=300)
+    index = json.load(open(os.path.join(path, "model.safetensors.index.json")))["weight_map"]
+    key, name = sorted(index.items(), key=lambda kv: (kv[1], kv[0]))[-1]  # a tensor of the last file
+    raw = open(os.path.join(path, name), "rb").read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    begin, end = (8 + n + b for b in json.loads(raw[8:8 + n])[key]["data_offsets"])
+    before = {f: open(os.path.join(path, f), "rb").read() for f in sorted(os.listdir(path))} if rank == 0 else {}
+    real_write, real_read = sharded_save._pwrite_all, os.preadv
+
+    def lossy(fd, data, offset):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(name) and begin <= offset < end:
+            return None
+        return real_write(fd, data, offset)
+
+    def short(fd, buffers, offset):
+        (view,) = buffers
+        return real_read(fd, [view[:max(1, len(view) // 2)]], offset)
+
+    sharded_save._pwrite_all, os.preadv = lossy, short
+    try:
+        with pytest.raises(SaveError) as info:
+            save_sharded(model, path, optimizer=opt, extra=extra, max_shard_size=300, thread_count=4,
+                         verify_checksums=True)
+        sharded_save._pwrite_all = real_write
+        save_sharded(model, path, optimizer=opt, extra=extra, max_shard_size=300, thread_count=4,
+                     verify_checksums=True)  # faithful: short reads resumed, no false alarm
+    finally:
+        sharded_save._pwrite_all, os.preadv = real_write, real_read
+    unchanged = all(open(os.path.join(path, f), "rb").read() == b for f, b in before.items()) if rank == 0 else True
+    return str(info.value), key, unchanged
+
+
+def test_verify_checksums_reads_each_file_of_a_set_on_every_thread(tmp_path):
+    results = run_ranks(_lost_tensor_in_a_set, 2, str(tmp_path))
+    texts = {text for text, _, _ in results}
+    assert len(texts) == 1, texts
+    text, key = texts.pop(), results[0][1]
+    assert "read back from the storage as other bytes" in text and f": {key} [rank" in text, (key, text)
 
 
 def _saved_twice(rank, world_size, path, name, how):
