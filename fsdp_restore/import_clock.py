@@ -3,8 +3,10 @@
 The CLI reports what a command spent importing torch apart from the work it timed: a conversion that reads
 and casts without torch imports it only where it needs it after all (a cast numpy cannot make exactly, a file
 the torch-free reader leaves to torch), inside its own seconds. A finder placed first on ``sys.meta_path``
-wraps the package's loader when Python looks for it, so that its execution (all of its own imports with it)
-is timed where it really runs; nothing else is wrapped, and nothing is timed if the package was already
+times the package's execution (all of its own imports with it) where it really runs: it wraps the
+``exec_module`` of the loader Python found for it, a loader of that one file (a ``FileLoader``: packages
+installed as files), and unwraps it after that one call; a package loaded otherwise (built in, from a zip
+archive, whose loaders serve other modules too) is not timed. Nothing is timed if the package was already
 imported.
 """
 
@@ -19,6 +21,11 @@ from collections.abc import Iterator
 from types import ModuleType
 
 
+# loaders made for one file each (``importlib``'s `FileLoader`s), not shared with other modules
+_FILE_LOADERS = (importlib.machinery.SourceFileLoader, importlib.machinery.SourcelessFileLoader,
+                 importlib.machinery.ExtensionFileLoader)
+
+
 class ImportClock(importlib.abc.MetaPathFinder):
     """The seconds spent executing ``name``'s first import while the clock is on ``sys.meta_path``
     (`timing_import`). ``seconds`` is 0.0 when the package was not imported in that time."""
@@ -27,6 +34,7 @@ class ImportClock(importlib.abc.MetaPathFinder):
         self.name = name
         self.seconds = 0.0
         self._looking = False
+        self._wrapped: list[importlib.abc.Loader] = []
 
     def find_spec(self, fullname: str, path: object, target: ModuleType | None = None
                   ) -> importlib.machinery.ModuleSpec | None:
@@ -42,19 +50,27 @@ class ImportClock(importlib.abc.MetaPathFinder):
                         break
         finally:
             self._looking = False
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+        loader = spec.loader if spec is not None else None
+        if not isinstance(loader, _FILE_LOADERS):
             return spec
-        run = spec.loader.exec_module
+        run = loader.exec_module
 
         def timed(module: ModuleType) -> None:
+            self.unwrap()  # one call: a reload runs the loader's own method
             started = time.perf_counter()
             try:
                 run(module)
             finally:
                 self.seconds += time.perf_counter() - started
 
-        spec.loader.exec_module = timed  # type: ignore[method-assign]  # this spec's own loader instance
+        loader.exec_module = timed  # type: ignore[method-assign]  # on this file's own loader only
+        self._wrapped.append(loader)
         return spec
+
+    def unwrap(self) -> None:
+        """Give the loaders wrapped so far their own ``exec_module`` back."""
+        while self._wrapped:
+            vars(self._wrapped.pop()).pop("exec_module", None)
 
 
 @contextlib.contextmanager
@@ -69,3 +85,4 @@ def timing_import(name: str) -> Iterator[ImportClock]:
     finally:
         if clock in sys.meta_path:
             sys.meta_path.remove(clock)
+        clock.unwrap()
