@@ -19,7 +19,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from dist import run_ranks
+from dist import GLOO, NCCL, cases, run_ranks
 from models import build, full_state, wrap
 
 import fsdp_restore
@@ -515,12 +515,14 @@ def _saved_twice(rank, world_size, path, name, how):
         sorted(checked.timings)
 
 
-@pytest.mark.parametrize("name,how,world_size", [("mlp", "fsdp2", 3), ("llama", "tp", 2)])
-def test_verify_checksums_passes_a_faithful_save_and_writes_the_same_file(tmp_path, name, how, world_size):
-    """A save that reads back what it wrote (TP: column blocks, rows at a stride) passes and writes the file the
-    default save writes."""
+@pytest.mark.parametrize("name,how,world_size,backend", cases(3, "mlp", "fsdp2", only=GLOO)
+                         + cases(2, "llama", "tp", only=GLOO) + cases(1, "mlp", "fsdp2", only=NCCL)
+                         + cases(2, "mlp", "fsdp2", only=("gloo-cuda",)))
+def test_verify_checksums_passes_a_faithful_save_and_writes_the_same_file(tmp_path, name, how, world_size, backend):
+    """A save that reads back what it wrote (TP: column blocks, rows at a stride; on a GPU: shards staged through
+    pinned host buffers) passes and writes the file the default save writes."""
     path = str(tmp_path / "ckpt.safetensors")
-    results = run_ranks(_saved_twice, world_size, path, name, how)
+    results = run_ranks(_saved_twice, world_size, path, name, how, backend=backend)
     first, second, same_sums, timings = results[0]
     assert first == second  # apart from the set id of a sharded set, a save is deterministic: byte for byte
     assert all(r[2] for r in results) and "verify" in timings, timings
