@@ -18,8 +18,9 @@ rank that has given up:
    from the storage what it wrote (`_read_back`) and compares each chunk's rows with the crc32s taken of the
    bytes it wrote (a GPU shard's host copy). Agree.
 4. the checksums: each rank's crc32 of its pieces folded per tensor (`_Crc`) and joined over the ranks
-   in one all-reduce, nothing read back; rank 0 patches them into the header(s), fsyncs, writes the index
-   of a sharded set, renames the temporary over the destination and fsyncs the directory. Agree.
+   in one all-reduce; rank 0 patches them into the header(s), fsyncs (``verify_checksums=True``: reads each
+   header back from the storage), writes the index of a sharded set, renames the temporary over the
+   destination and fsyncs the directory. Agree.
 
 On any failure the temporary is removed; a checkpoint already under the final name is untouched (a reader
 sees the old file or the new one: a single file is replaced with one ``rename``).
@@ -280,6 +281,21 @@ def _read_back(paths: Sequence[Path], written: Sequence[_Written], threads: int)
     return sorted({key for key in found if key is not None})
 
 
+def _header_read_back(path: Path, nbytes: int) -> bytes:
+    """A file's first ``nbytes`` as the storage holds them (its cached pages dropped first, where the kernel allows)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        chunks, at = [], 0
+        while at < nbytes and (chunk := os.pread(fd, nbytes - at, at)):
+            chunks.append(chunk)
+            at += len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 # ---- the temporary -------------------------------------------------------------------------------------------
 
 
@@ -377,12 +393,20 @@ def _open_temp(tmp: Path, plan: WritePlan, sharded: bool, rank: int) -> list[int
 
 
 def _commit(dst: Path, tmp: Path, plan: WritePlan, sharded: bool, checksums: dict[str, str],
-            fds: list[int]) -> None:
-    """Rank 0, once every rank has written and fsynced: the real checksums into the header(s), fsync,
-    the index of a sharded set, then the temporary in place of the destination."""
+            fds: list[int], verify: bool = False) -> None:
+    """Rank 0, once every rank has written and fsynced: the real checksums into the header(s), fsync (``verify``:
+    each header read back from the storage), the index of a sharded set, then the temporary in place of the
+    destination."""
     for f, fd in zip(plan.files, fds):
-        _pwrite_all(fd, with_checksums(f.header, f.jobs, checksums), 0)
+        header = with_checksums(f.header, f.jobs, checksums)
+        _pwrite_all(fd, header, 0)
         os.fsync(fd)
+        if verify:
+            path = tmp / f.name if sharded else tmp
+            if _header_read_back(path, len(header)) != header:
+                shown = dst / f.name if sharded else dst  # (the temporary's name means nothing to the caller)
+                raise FsdpRestoreError(f"{shown}: its header read back from the storage is not the one written"
+                                       f" (verify_checksums=True): {_HINTS['written']}")
     if sharded:
         _write_small_file(tmp / DEFAULT_INDEX_NAME, index_bytes(plan.output_files(), structure_json=plan.structure_json,
                                                                     metadata=plan.metadata))
@@ -556,9 +580,10 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
 
     ``verify_checksums=True``: before the rename, once every rank has written and fsynced, every rank reads back
     from the storage what it wrote (its pages dropped from this node's cache first, where the kernel allows) and
-    compares every row with the crc32 taken of the bytes it wrote (of a GPU shard: its host copy), so that a disk or
-    file system that lost, misplaced or damaged a write fails the save, naming each tensor, instead of replacing a
-    good checkpoint. It costs a read of the checkpoint (each rank its share).
+    compares every row with the crc32 taken of the bytes it wrote (of a GPU shard: its host copy), and rank 0 reads
+    back the header it writes last, so that a disk or file system that lost, misplaced or damaged a write fails the
+    save, naming each tensor (or file), instead of replacing a good checkpoint. It costs a read of the checkpoint
+    (each rank its share).
     """
     t0 = time.perf_counter()
     process_group_argument(process_group)  # before the group is asked for this rank's place in it
@@ -672,7 +697,7 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
             with problems.guard():
                 if rank == 0:
                     try:
-                        _commit(dst, tmp, plan, sharded, checksums, fds)
+                        _commit(dst, tmp, plan, sharded, checksums, fds, verify=verify_checksums)
                     except ReplacedError:  # after the rename: its error says the new version is in place
                         created, committed = False, True
                         raise

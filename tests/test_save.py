@@ -420,6 +420,39 @@ def test_verify_checksums_refuses_a_save_the_storage_did_not_keep(tmp_path, faul
         assert key in text, (key, text)
 
 
+def _header_lost_at_the_commit(rank, world_size, path):
+    """Rank 0's commit rewrites the header with the real checksums: that write lost, the placeholders stay."""
+    import fsdp_restore.sharded_save as sharded_save
+
+    model, opt, extra = _old_checkpoint(rank, world_size, path, "fsdp2")
+    before = open(path, "rb").read() if rank == 0 else b""
+    if rank == 0:
+        real, headers = sharded_save._pwrite_all, [0]
+
+        def lossy(fd, data, offset):
+            if offset == 0:
+                headers[0] += 1
+                if headers[0] == 2:  # the first is the temporary's own, with placeholders
+                    return None
+            return real(fd, data, offset)
+
+        sharded_save._pwrite_all = lossy
+    with pytest.raises(SaveError) as info:
+        save_sharded(model, path, optimizer=opt, extra=extra, verify_checksums=True)
+    if rank == 0:
+        assert open(path, "rb").read() == before and not _leftovers(path)
+    return str(info.value)
+
+
+def test_verify_checksums_reads_back_the_header_written_at_the_commit(tmp_path):
+    path = str(tmp_path / "ckpt.safetensors")
+    texts = set(run_ranks(_header_lost_at_the_commit, 2, path))
+    assert len(texts) == 1, texts
+    text = texts.pop()
+    assert "save_sharded (commit) failed" in text and "ckpt.safetensors" in text, text
+    assert "its header read back from the storage is not the one written" in text, text
+
+
 def _late_write_into_another_ranks_place(rank, world_size, path):
     """Rank 1 puts its (zero) half of the bias 72 bytes early, over rank 0's weight, and late: after rank 0 would
     have read its own bytes back had it not waited for every rank's writes."""
