@@ -282,7 +282,8 @@ def _read_back(paths: Sequence[Path], written: Sequence[_Written], threads: int)
 
 
 def _header_read_back(path: Path, nbytes: int) -> bytes:
-    """A file's first ``nbytes`` as the storage holds them (its cached pages dropped first, where the kernel allows)."""
+    """A file's first ``nbytes`` (fewer where it is shorter) as the storage holds them (its cached pages dropped
+    first, where the kernel allows)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         if hasattr(os, "posix_fadvise"):
@@ -394,9 +395,9 @@ def _open_temp(tmp: Path, plan: WritePlan, sharded: bool, rank: int) -> list[int
 
 def _commit(dst: Path, tmp: Path, plan: WritePlan, sharded: bool, checksums: dict[str, str],
             fds: list[int], verify: bool = False) -> None:
-    """Rank 0, once every rank has written and fsynced: the real checksums into the header(s), fsync (``verify``:
-    each header read back from the storage), the index of a sharded set, then the temporary in place of the
-    destination."""
+    """Rank 0, once every rank has written and fsynced: the real checksums into the header(s), fsync, the index of a
+    sharded set (``verify``: each header and the index read back from the storage), then the temporary in place of
+    the destination."""
     for f, fd in zip(plan.files, fds):
         header = with_checksums(f.header, f.jobs, checksums)
         _pwrite_all(fd, header, 0)
@@ -408,9 +409,12 @@ def _commit(dst: Path, tmp: Path, plan: WritePlan, sharded: bool, checksums: dic
                 raise FsdpRestoreError(f"{shown}: its header read back from the storage is not the one written"
                                        f" (verify_checksums=True): {_HINTS['written']}")
     if sharded:
-        _write_small_file(tmp / DEFAULT_INDEX_NAME, index_bytes(plan.output_files(), structure_json=plan.structure_json,
-                                                                    metadata=plan.metadata))
+        index = index_bytes(plan.output_files(), structure_json=plan.structure_json, metadata=plan.metadata)
+        _write_small_file(tmp / DEFAULT_INDEX_NAME, index)
         _fsync_dir(tmp)
+        if verify and _header_read_back(tmp / DEFAULT_INDEX_NAME, len(index) + 1) != index:  # (+1: nothing after it)
+            raise FsdpRestoreError(f"{dst / DEFAULT_INDEX_NAME}: read back from the storage, it is not the index"
+                                   f" written (verify_checksums=True): {_HINTS['written']}")
     refuse_foreign_directory(dst, one_file=not sharded)  # again: a file put there meanwhile is not ours to delete
     carry_kept_files(dst, tmp)
     _replace(tmp, dst)  # the writer's: one step, a reader finds the old version or the new one

@@ -420,13 +420,18 @@ def test_verify_checksums_refuses_a_save_the_storage_did_not_keep(tmp_path, faul
         assert key in text, (key, text)
 
 
-def _header_lost_at_the_commit(rank, world_size, path):
-    """Rank 0's commit rewrites the header with the real checksums: that write lost, the placeholders stay."""
+def _lost_at_the_commit(rank, world_size, root, what):
+    """Rank 0's commit rewrites the header with the real checksums (lost: the placeholders stay), and writes a set's
+    index (lost: it ends 10 bytes short)."""
     import fsdp_restore.sharded_save as sharded_save
 
-    model, opt, extra = _old_checkpoint(rank, world_size, path, "fsdp2")
-    before = open(path, "rb").read() if rank == 0 else b""
-    if rank == 0:
+    model, opt, extra = _trained("mlp", "fsdp2", world_size, seed=0)
+    shard = 300 if what == "index" else None
+    path = os.path.join(root, "ckpt" if shard else "ckpt.safetensors")
+    save_sharded(model, path, optimizer=opt, extra=extra, max_shard_size=shard)
+    files = [os.path.join(path, f) for f in sorted(os.listdir(path))] if shard else [path]
+    before = [open(f, "rb").read() for f in files] if rank == 0 else []
+    if rank == 0 and what == "header":
         real, headers = sharded_save._pwrite_all, [0]
 
         def lossy(fd, data, offset):
@@ -437,20 +442,24 @@ def _header_lost_at_the_commit(rank, world_size, path):
             return real(fd, data, offset)
 
         sharded_save._pwrite_all = lossy
+    if rank == 0 and what == "index":
+        real_small = sharded_save._write_small_file
+        sharded_save._write_small_file = lambda where, data: real_small(where, data[:-10])
     with pytest.raises(SaveError) as info:
-        save_sharded(model, path, optimizer=opt, extra=extra, verify_checksums=True)
+        save_sharded(model, path, optimizer=opt, extra=extra, max_shard_size=shard, verify_checksums=True)
     if rank == 0:
-        assert open(path, "rb").read() == before and not _leftovers(path)
+        assert [open(f, "rb").read() for f in files] == before and not _leftovers(path)
     return str(info.value)
 
 
-def test_verify_checksums_reads_back_the_header_written_at_the_commit(tmp_path):
-    path = str(tmp_path / "ckpt.safetensors")
-    texts = set(run_ranks(_header_lost_at_the_commit, 2, path))
+@pytest.mark.parametrize("what", ["header", "index"])
+def test_verify_checksums_reads_back_what_rank_0_writes_at_the_commit(tmp_path, what):
+    texts = set(run_ranks(_lost_at_the_commit, 2, str(tmp_path), what))
     assert len(texts) == 1, texts
     text = texts.pop()
-    assert "save_sharded (commit) failed" in text and "ckpt.safetensors" in text, text
-    assert "its header read back from the storage is not the one written" in text, text
+    assert "save_sharded (commit) failed" in text, text
+    assert ("ckpt.safetensors: its header read back from the storage is not the one written" in text if what == "header"
+            else "model.safetensors.index.json: read back from the storage, it is not the index written" in text), text
 
 
 def _late_write_into_another_ranks_place(rank, world_size, path):
