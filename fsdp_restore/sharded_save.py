@@ -585,7 +585,7 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
     ``verify_checksums=True``: before the rename, once every rank has written and fsynced, every rank reads back
     from the storage what it wrote (its pages dropped from this node's cache first, where the kernel allows) and
     compares every row with the crc32 taken of the bytes it wrote (of a GPU shard: its host copy), and rank 0 reads
-    back the header it writes last, so that a disk or file system that lost, misplaced or damaged a write fails the
+    back the header (and a set's index) it writes last, so that a disk or file system that lost, misplaced or damaged a write fails the
     save, naming each tensor (or file), instead of replacing a good checkpoint. It costs a read of the checkpoint
     (each rank its share).
     """
