@@ -281,7 +281,7 @@ def _read_back(paths: Sequence[Path], written: Sequence[_Written], threads: int)
     return sorted({key for key in found if key is not None})
 
 
-def _header_read_back(path: Path, nbytes: int) -> bytes:
+def _stored_start(path: Path, nbytes: int) -> bytes:
     """A file's first ``nbytes`` (fewer where it is shorter) as the storage holds them (its cached pages dropped
     first, where the kernel allows)."""
     fd = os.open(path, os.O_RDONLY)
@@ -404,7 +404,7 @@ def _commit(dst: Path, tmp: Path, plan: WritePlan, sharded: bool, checksums: dic
         os.fsync(fd)
         if verify:
             path = tmp / f.name if sharded else tmp
-            if _header_read_back(path, len(header)) != header:
+            if _stored_start(path, len(header)) != header:
                 shown = dst / f.name if sharded else dst  # (the temporary's name means nothing to the caller)
                 raise FsdpRestoreError(f"{shown}: its header read back from the storage is not the one written"
                                        f" (verify_checksums=True): {_HINTS['written']}")
@@ -412,7 +412,7 @@ def _commit(dst: Path, tmp: Path, plan: WritePlan, sharded: bool, checksums: dic
         index = index_bytes(plan.output_files(), structure_json=plan.structure_json, metadata=plan.metadata)
         _write_small_file(tmp / DEFAULT_INDEX_NAME, index)
         _fsync_dir(tmp)
-        if verify and _header_read_back(tmp / DEFAULT_INDEX_NAME, len(index) + 1) != index:  # (+1: nothing after it)
+        if verify and _stored_start(tmp / DEFAULT_INDEX_NAME, len(index) + 1) != index:  # (+1: nothing after it)
             raise FsdpRestoreError(f"{dst / DEFAULT_INDEX_NAME}: read back from the storage, it is not the index"
                                    f" written (verify_checksums=True): {_HINTS['written']}")
     refuse_foreign_directory(dst, one_file=not sharded)  # again: a file put there meanwhile is not ours to delete
