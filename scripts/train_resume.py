@@ -25,6 +25,8 @@ def main() -> None:
     parser.add_argument("--fsdp", choices=["fsdp2", "fsdp1"], default="fsdp2")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--save", help="after training, save from the shards here (every rank writes its own bytes)")
+    parser.add_argument("--verify-save", action="store_true",
+                        help="read back what the save wrote before it replaces the old checkpoint (verify_checksums)")
     args = parser.parse_args()
 
     use_cuda = torch.cuda.is_available()
@@ -67,10 +69,12 @@ def main() -> None:
         if rank == 0:
             print(f"step {step} loss {loss.item():.6f}")
     if args.save:  # the rest of the checkpoint (RNG, config...) comes along from rank 0, with the new step
-        report = fsdp_restore.save_sharded(model, args.save, optimizer=optimizer, extra={**extra, "step": step})
+        report = fsdp_restore.save_sharded(model, args.save, optimizer=optimizer, extra={**extra, "step": step},
+                                           verify_checksums=args.verify_save)
         if rank == 0:
             print(f"saved step {step} to {report.path}: {report.nbytes / 1e6:.1f} MB, each rank wrote its own"
-                  f" {report.bytes_written / 1e6:.1f} MB (rank 0), no gather")
+                  f" {report.bytes_written / 1e6:.1f} MB (rank 0), no gather"
+                  + (", and read it back from the storage" if args.verify_save else ""))
     dist.barrier()  # no rank tears its process group down while a peer is still using it
     dist.destroy_process_group()
 
