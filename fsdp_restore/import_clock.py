@@ -2,12 +2,12 @@
 
 The CLI reports what a command spent importing torch apart from the work it timed: a conversion that reads
 and casts without torch imports it only where it needs it after all (a cast numpy cannot make exactly, a file
-the torch-free reader leaves to torch), inside its own seconds. A finder placed first on ``sys.meta_path``
-times the package's execution (all of its own imports with it) where it really runs: it wraps the
-``exec_module`` of the loader Python found for it, a loader of that one file (a ``FileLoader``: packages
-installed as files), and unwraps it after that one call; a package loaded otherwise (built in, from a zip
-archive, whose loaders serve other modules too) is not timed. Nothing is timed if the package was already
-imported.
+the torch-free reader leaves to torch), that is, inside the conversion's timed seconds. A finder placed first
+on ``sys.meta_path`` times the package's execution (all of its own imports with it) where it really runs: it
+wraps the ``exec_module`` of the loader Python found for it, a loader of that one file (a ``FileLoader``:
+packages installed as files), and unwraps it after that one call (or at the end of the `timing_import` block);
+a package loaded otherwise (built in, from a zip archive, whose loaders serve other modules too) is not timed.
+Nothing is timed if the package was already imported.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ rank that has given up:
 2. every rank opens the temporary by name: a rank that does not see it is on another filesystem, which
    is refused (before a byte is written) with the fix. Agree.
 3. every rank ``pwrite`` s its items (threads; GPU memory staged through pinned buffers in chunks) and
-   fsyncs. Agree. With ``verify_checksums=True``, then (every rank's writes in the file) every rank reads back
-   from the storage what it wrote (`_read_back`) and compares each chunk's rows with the crc32s taken of the
+   fsyncs. Agree. With ``verify_checksums=True``, once every rank's writes are in the file, every rank reads
+   back from the storage what it wrote (`_read_back`) and compares each chunk's rows with the crc32s taken of the
    bytes it wrote (a GPU shard's host copy). Agree.
 4. the checksums: each rank's crc32 of its pieces folded per tensor (`_Crc`) and joined over the ranks
    in one all-reduce; rank 0 patches them into the header(s), fsyncs (``verify_checksums=True``: reads each
@@ -585,9 +585,9 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
     ``verify_checksums=True``: before the rename, once every rank has written and fsynced, every rank reads back
     from the storage what it wrote (its pages dropped from this node's cache first, where the kernel allows) and
     compares every row with the crc32 taken of the bytes it wrote (of a GPU shard: its host copy), and rank 0 reads
-    back the header (and a set's index) it writes last, so that a disk or file system that lost, misplaced or damaged a write fails the
-    save, naming each tensor (or file), instead of replacing a good checkpoint. It costs a read of the checkpoint
-    (each rank its share).
+    back the header (and a set's index) it writes last, so that a disk or file system that lost, misplaced or
+    damaged a write fails the save, naming each tensor (or file), instead of replacing a good checkpoint. It costs a
+    read of the checkpoint (each rank its share).
     """
     t0 = time.perf_counter()
     process_group_argument(process_group)  # before the group is asked for this rank's place in it
