@@ -153,6 +153,14 @@ def on_unsupported_argument(on_unsupported: object) -> None:
         raise ValueError(f"on_unsupported must be 'error' or 'skip', not {on_unsupported!r}")
 
 
+def flag_argument(name: str, value: object) -> bool:
+    """A boolean option of a public entry point, checked at the door: True or False only (a string such as "no"
+    would read as true), else a `TypeError` naming it."""
+    if type(value) is not bool:
+        raise TypeError(f"{name} must be True or False, not {value!r}")
+    return value
+
+
 def thread_count_argument(thread_count: object, threads: object = None, *, stacklevel: int = 3) -> int | None:
     """The ``thread_count=`` of a public entry point, checked at the door: None (the entry point's default) or
     an int >= 1, else a `ValueError` naming it. ``threads=``, its name before, is accepted for one release with

@@ -31,7 +31,7 @@ from torch import nn
 
 from . import check as checks
 from .buffers import buffer_problems
-from .errors import (RestoreError, objects_argument, process_group_argument, renamed_argument,
+from .errors import (RestoreError, flag_argument, objects_argument, process_group_argument, renamed_argument,
                      thread_count_argument)
 from .execute import DEFAULT_READ_THREADS, cache_chunk_bytes, execute_reads
 from .key_map import KeyMap
@@ -303,9 +303,10 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
 
 def _flag(name: str, value: object, label: str, checkpoint: object, group: dist.ProcessGroup | None) -> bool:
     """A boolean option checked at the door: True or False only (a string such as "no" would read as true)."""
-    if type(value) is not bool:
-        _refuse_on_every_rank(TypeError(f"{name} must be True or False, not {value!r}"), label, checkpoint, group)
-    return bool(value)
+    try:
+        return flag_argument(name, value)
+    except TypeError as e:
+        _refuse_on_every_rank(e, label, checkpoint, group)
 
 
 _PARTLY_WRITTEN = {  # by whether the model's weights were restored too

@@ -52,11 +52,12 @@ from torch import nn
 
 from . import save_plan
 from .checksum import _multiply, _shift, shift_power
-from .errors import (FsdpRestoreError, RestoreError, SaveError, objects_argument, on_unsupported_argument,
-                     process_group_argument, thread_count_argument)
+from .errors import (FsdpRestoreError, RestoreError, SaveError, flag_argument, objects_argument,
+                     on_unsupported_argument, process_group_argument, thread_count_argument)
 from .execute import parts
 from .format import DEFAULT_INDEX_NAME
 from .jobs import shard_size_argument
+from .mapped import preadv_exactly
 from .restore import _no_cyclic_gc, _refuse_unsharded_fsdp1, _reshard_fsdp2
 from .save_plan import WriteItem, WritePlan
 from .shards import extra_state_modules
@@ -261,12 +262,10 @@ def _read_back(paths: Sequence[Path], written: Sequence[_Written], threads: int)
             row = memoryview(buffers.data)[:chunk.row_bytes]
             fd, crcs = fds[chunk.file_index], []
             for r in range(chunk.rows):
-                at, got = chunk.offset + r * chunk.stride_bytes, 0
-                while got < chunk.row_bytes:  # a read may return less than asked; 0 only at the file's end
-                    n = os.preadv(fd, [row[got:]], at + got)
-                    if n == 0:
-                        return chunk.key  # the file lost its end
-                    got += n
+                try:
+                    preadv_exactly(fd, [row], chunk.offset + r * chunk.stride_bytes)
+                except EOFError:
+                    return chunk.key  # the file lost its end
                 crcs.append(zlib.crc32(row))
             return chunk.key if _rows_digest(crcs) != chunk.digest else None
 
@@ -281,18 +280,19 @@ def _read_back(paths: Sequence[Path], written: Sequence[_Written], threads: int)
     return sorted({key for key in found if key is not None})
 
 
-def _stored_start(path: Path, nbytes: int) -> bytes:
-    """A file's first ``nbytes`` (fewer where it is shorter) as the storage holds them (its cached pages dropped
-    first, where the kernel allows)."""
+def _stored_start(path: Path, nbytes: int) -> tuple[bytes | None, int]:
+    """A file's first ``nbytes`` as the storage holds them (its cached pages dropped first, where the kernel
+    allows; None where the file is shorter), and the file's size."""
     fd = os.open(path, os.O_RDONLY)
     try:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        chunks, at = [], 0
-        while at < nbytes and (chunk := os.pread(fd, nbytes - at, at)):
-            chunks.append(chunk)
-            at += len(chunk)
-        return b"".join(chunks)
+        data = bytearray(nbytes)
+        try:
+            preadv_exactly(fd, [memoryview(data)], 0)
+        except EOFError:
+            return None, os.fstat(fd).st_size
+        return bytes(data), os.fstat(fd).st_size
     finally:
         os.close(fd)
 
@@ -404,7 +404,7 @@ def _commit(dst: Path, tmp: Path, plan: WritePlan, sharded: bool, checksums: dic
         os.fsync(fd)
         if verify:
             path = tmp / f.name if sharded else tmp
-            if _stored_start(path, len(header)) != header:
+            if _stored_start(path, len(header))[0] != header:
                 shown = dst / f.name if sharded else dst  # (the temporary's name means nothing to the caller)
                 raise FsdpRestoreError(f"{shown}: its header read back from the storage is not the one written"
                                        f" (verify_checksums=True): {_HINTS['written']}")
@@ -412,7 +412,7 @@ def _commit(dst: Path, tmp: Path, plan: WritePlan, sharded: bool, checksums: dic
         index = index_bytes(plan.output_files(), structure_json=plan.structure_json, metadata=plan.metadata)
         _write_small_file(tmp / DEFAULT_INDEX_NAME, index)
         _fsync_dir(tmp)
-        if verify and _stored_start(tmp / DEFAULT_INDEX_NAME, len(index) + 1) != index:  # (+1: nothing after it)
+        if verify and _stored_start(tmp / DEFAULT_INDEX_NAME, len(index)) != (index, len(index)):
             raise FsdpRestoreError(f"{dst / DEFAULT_INDEX_NAME}: read back from the storage, it is not the index"
                                    f" written (verify_checksums=True): {_HINTS['written']}")
     refuse_foreign_directory(dst, one_file=not sharded)  # again: a file put there meanwhile is not ours to delete
@@ -539,8 +539,7 @@ def _check_arguments(model: Any, path: Any, optimizer: Any, extra: Any, process_
                      ) -> tuple[int | None, str | os.PathLike[str]]:
     """The shard size, and the path the save writes to (where a symbolic link at ``path`` points)."""
     objects_argument("save_sharded(model, path, optimizer=optimizer)", model, optimizer, optional=True)
-    if type(verify_checksums) is not bool:  # a string such as "no" would read as true
-        raise TypeError(f"verify_checksums must be True or False, not {verify_checksums!r}")
+    flag_argument("verify_checksums", verify_checksums)
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise TypeError(f"path must be a str or os.PathLike, not {type(path).__name__}")
     path = through_link(path)
