@@ -455,10 +455,23 @@ def _version() -> str:
         return __version__
 
 
+class _VersionFlag(argparse.Action):
+    """``--version``, the version looked up only when asked for: `importlib.metadata` costs every other command a
+    few tens of milliseconds of imports (BENCHMARKS.md, "Session 22")."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(f"{parser.prog} {_version()}")  # on stdout, as argparse's own version action
+        parser.exit()
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fsdp-restore", description=__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action=_VersionFlag, help="show the program's version number and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     # --debug also after the command (a flag typed last); SUPPRESS: a command without it keeps the top level's
     debug = argparse.ArgumentParser(add_help=False)

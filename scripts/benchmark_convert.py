@@ -11,7 +11,8 @@ pages are dropped from the page cache (``fsync`` + ``POSIX_FADV_DONTNEED``; ``--
 (``wait4``), the bytes it read from and wrote to the disk (the change in this process's ``/proc/self/io``, which
 takes in a reaped child's counts) and its peak anonymous memory (RssAnon sampled every 10 ms). Apart from the
 conversions: the whole-process time of ``fsdp-restore --version`` and of importing what a conversion imports,
-the fixed cost every command pays before it reads a byte.
+the fixed cost every command pays before it reads a byte. The commands run from compiled bytecode, as an installed
+package does (`CHILD_ENV`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark_sharded import _peak_anon  # noqa: E402  (RssAnon of a child, sampled every 10 ms)
 
 CLI = [sys.executable, "-m", "fsdp_restore"]
+# The commands run as an installed package runs: from compiled bytecode (pip compiles it at install; an editable
+# install writes it on its first run). Where the environment forbids writing it (PYTHONDONTWRITEBYTECODE), every run
+# would compile the package's modules again, ~0.1 s that no user pays (BENCHMARKS.md, "Session 22").
+CHILD_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
 console = Console()
 
 
@@ -91,7 +96,7 @@ def run(cmd: list[str]) -> dict[str, Any]:
     """One whole process: wall, CPU, disk bytes and peak anonymous memory."""
     before = _io()
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=CHILD_ENV)
     stop, peak = threading.Event(), [0]
     watcher = threading.Thread(target=_peak_anon, args=(proc.pid, stop, peak), daemon=True)
     watcher.start()
@@ -166,6 +171,8 @@ def main() -> None:
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"machine": f"{os.cpu_count()} cores, " + os.uname().release, "evict": args.evict,
+                               "bytecode": "compiled, as an installed package runs (the children's environment"
+                                           " without PYTHONDONTWRITEBYTECODE)",
                                "cases": {},
                                "fixed_costs_s": fixed_costs(5)}
     console.print(f"fixed costs (whole process, warm): {results['fixed_costs_s']}")
