@@ -33,7 +33,7 @@ import torch
 from .format import TensorEntry
 from .plan import ReadItem
 from .read import Checkpoint
-from .write import cast_overflow, overflow_listing
+from .write import cast_overflow, narrowing, overflow_count, overflow_listing
 
 DEFAULT_READ_THREADS = 4  # past 4, more threads read no faster on the GPU path (BENCHMARKS.md, "GPU")
 READ_CHUNK_BYTES = 16 * 1024 * 1024  # items above this are split so that several threads share them
@@ -128,9 +128,10 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
-def read_piece(ckpt: Checkpoint, key: str, src_start: int, dest: torch.Tensor, rows: int = 1, stride: int = 0) -> None:
+def read_piece(ckpt: Checkpoint, key: str, src_start: int, dest: torch.Tensor, rows: int = 1, stride: int = 0) -> int:
     """Read into ``dest`` (1-D, contiguous) on the calling thread, wherever it lives, and wait for it
-    (a one-off staging buffer when it is not CPU memory of the stored dtype). The executor uses `_Worker`."""
+    (a one-off staging buffer when it is not CPU memory of the stored dtype). Returns how many finite values
+    a cast into ``dest``'s dtype made inf or NaN (`cast_overflow`). The executor uses `_Worker`."""
     caller_stream = torch.cuda.current_stream(dest.device) if dest.device.type == "cuda" else None
     worker = _Worker(ckpt, dest.device, after=caller_stream, pinned_buffers=1,
                      chunk_bytes=_read_bytes(dest.device, READ_CHUNK_BYTES))
@@ -138,6 +139,7 @@ def read_piece(ckpt: Checkpoint, key: str, src_start: int, dest: torch.Tensor, r
         worker.read(key, src_start, dest, rows, stride)
     finally:
         worker.finish()
+    return worker.overflowed[key]
 
 
 def parts(src_start: int, n: int, rows: int, stride: int, step: int) -> Iterator[tuple[int, int, int, int]]:
@@ -176,6 +178,8 @@ class _Worker:
     ones: torch.Tensor | None = None  # 0xFF bytes on the device: the source that re-poisons a pinned buffer
     turn: int = 0
     overflowed: Counter[str] = field(default_factory=Counter)  # per stored key: finite values a cast made inf/NaN
+    # (GPU) the same, per cast still on the device: counted there, read once the stream is done (`finish`)
+    device_overflows: list[tuple[str, torch.Tensor]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.device.type == "cuda":
@@ -304,8 +308,11 @@ class _Worker:
                     buf = self.on_device[i] = torch.empty(self.host[i].numel(), dtype=torch.uint8, device=self.device)
                 buf[:raw_bytes.numel()].copy_(raw_bytes, non_blocking=True)
                 at = 0
-                for d, size, e in zip(dests, sizes, entries):
-                    d.copy_(buf[at:at + size].view(e.dtype))
+                for (key, *_), d, size, e in zip(reads, dests, sizes, entries):
+                    stored = buf[at:at + size].view(e.dtype)
+                    d.copy_(stored)
+                    if narrowing(e.dtype, d.dtype):  # as on the CPU (`cast_overflow`), without waiting for the device
+                        self.device_overflows.append((key, overflow_count(stored, d)))
                     at += size
             self._repoison_and_record(i, raw_bytes)
 
@@ -322,9 +329,17 @@ class _Worker:
         self.events[i] = event
 
     def finish(self) -> None:
-        """Wait for every copy in flight; the caller's stream may then use the memory."""
+        """Wait for every copy in flight; the caller's stream may then use the memory. The casts' overflow
+        counts made on the device are read now, in one transfer."""
         if self.stream is not None:
             self.stream.synchronize()
+        if self.device_overflows:
+            keys = [key for key, _ in self.device_overflows]
+            counts = torch.stack([n for _, n in self.device_overflows]).tolist()
+            self.device_overflows = []
+            for key, n in zip(keys, counts):
+                if n:
+                    self.overflowed[key] += n
 
 
 class Chunk(NamedTuple):
@@ -452,8 +467,10 @@ def execute_reads(ckpt: Checkpoint, items: Sequence[ReadItem], threads: int = DE
         if before is not None:
             before(dests)
         if dests[0].device != device:  # items on several devices (rare): one-off staging on this thread
+            w = worker()
             for c, dest in zip(group, dests):
-                read_piece(ckpt, c.item.key, c.src_start, dest, c.rows, c.item.stride)
+                if n := read_piece(ckpt, c.item.key, c.src_start, dest, c.rows, c.item.stride):
+                    w.overflowed[c.item.key] += n  # (the worker's own count, said with the others below)
         else:
             worker().read_group(group, dests)
         if after is not None:

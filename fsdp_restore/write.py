@@ -731,17 +731,25 @@ def cast_screen(source_dtype: torch.dtype, out: torch.Tensor, source: Callable[[
     large = not (-limit < low and high < limit)
     if not narrowing(source_dtype, out.dtype):
         return 0, large
+    if out.dtype.itemsize != 1 and math.isfinite(low) and math.isfinite(high):
+        return 0, large
+    return int(overflow_count(source(), out)), large
+
+
+def overflow_count(source: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """How many finite values of ``source`` its cast into ``out`` (same shape) made inf or NaN, or, in a float8
+    dtype without inf, saturated from beyond its range: a 0-dim tensor on ``out``'s device, so that a caller on a
+    GPU stream can collect it without waiting for the device (`execute`'s staging turns it into a number once
+    its stream is done)."""
+    flat = source.reshape(-1)
+    flat = flat.float() if flat.element_size() == 1 else flat  # a float8 source: no isfinite or abs of its own
+    values = out.reshape(-1)
     if out.dtype.itemsize == 1:  # float8_e4m3fn has no inf: a value beyond its range saturates to +-448, finite
-        flat = source().reshape(-1)
-        flat = flat.float() if flat.element_size() == 1 else flat  # a float8 source: no isfinite or abs of its own
         edge, tie_fits = rounds_past_largest(out.dtype)
         magnitude = flat.abs()
         beyond = flat.isfinite() & ((magnitude > edge) if tie_fits else (magnitude >= edge))
-        return int((beyond | (flat.isfinite() & ~values.reshape(-1).isfinite())).sum()), large
-    if math.isfinite(low) and math.isfinite(high):
-        return 0, large
-    flat = source().reshape(-1)
-    return int((torch.isfinite(flat) & ~torch.isfinite(out.reshape(-1))).sum()), large
+        return (beyond | (flat.isfinite() & ~values.float().isfinite())).sum()
+    return (flat.isfinite() & ~values.isfinite()).sum()
 
 
 @functools.lru_cache(maxsize=None)

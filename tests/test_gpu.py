@@ -53,3 +53,30 @@ def test_memory_stays_within_the_pool(tmp_path, dtype):
     # same dtype: straight from pinned memory into the parameters; a cast adds one device buffer per pinned one
     assert device_extra <= ones + (pool if dtype == "bf16-file" else 0) + 8 * 2**20, device_extra
     assert read > 100 * 2**20
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("check", [True, False])
+def test_a_cast_on_the_device_beyond_the_models_range_fails_naming_every_tensor(tmp_path, dtype, check):
+    """On the GPU the cast into the model's dtype is made on the device, after the upload: an fp32 value beyond
+    fp16's 65504 became inf there, unscreened (the CPU path and the apply route refused it). Values the file
+    holds as inf are not the cast's doing, and values in range restore."""
+    from models import build
+
+    state = build("mlp").state_dict()
+    state["inp.weight"][0, 0] = 1e6
+    state["out.weight"][1, 2] = -1e6
+    if dtype == torch.float16:
+        state["blocks.0.bias"][0] = float("inf")
+    torch.save({"model": state}, tmp_path / "m.pt")
+    fsdp_restore.convert(tmp_path / "m.pt", tmp_path / "m.safetensors")
+    model = build("mlp").to(device="cuda", dtype=dtype)
+    with pytest.raises(fsdp_restore.RestoreError) as info:
+        fsdp_restore.restore_model(model, tmp_path / "m.safetensors", check=check)
+    text = str(info.value)
+    assert "'model.inp.weight' (1 values), 'model.out.weight' (1 values)" in text and "bias" not in text, text
+    state["inp.weight"][0, 0], state["out.weight"][1, 2] = 1.0, 2.0
+    torch.save({"model": state}, tmp_path / "m.pt")
+    fsdp_restore.convert(tmp_path / "m.pt", tmp_path / "m.safetensors", force=True)
+    fsdp_restore.restore_model(model, tmp_path / "m.safetensors", check=check and dtype == torch.float16)
+    assert torch.equal(model.inp.weight.detach().cpu(), state["inp.weight"].to(dtype))
