@@ -748,8 +748,20 @@ def overflow_count(source: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         edge, tie_fits = rounds_past_largest(out.dtype)
         magnitude = flat.abs()
         beyond = flat.isfinite() & ((magnitude > edge) if tie_fits else (magnitude >= edge))
-        return (beyond | (flat.isfinite() & ~values.float().isfinite())).sum()
+        changed = beyond | (flat.isfinite() & ~values.float().isfinite())
+        if not holds_infinity(out.dtype):  # a stored inf becomes +-448 (e4m3fn) or NaN (the fnuz types)
+            changed |= flat.isinf()
+        return changed.sum()
     return (flat.isfinite() & ~values.isfinite()).sum()
+
+
+@functools.lru_cache(maxsize=None)
+def holds_infinity(dtype: torch.dtype) -> bool:
+    """Whether a floating ``dtype`` has an infinity (torch's own cast of one tells: the float8 types other than
+    e5m2 have none)."""
+    import torch
+
+    return bool(torch.tensor([float("inf")]).to(dtype).float().isinf().all())
 
 
 @functools.lru_cache(maxsize=None)

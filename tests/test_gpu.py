@@ -78,5 +78,5 @@ def test_a_cast_on_the_device_beyond_the_models_range_fails_naming_every_tensor(
     state["inp.weight"][0, 0], state["out.weight"][1, 2] = 1.0, 2.0
     torch.save({"model": state}, tmp_path / "m.pt")
     fsdp_restore.convert(tmp_path / "m.pt", tmp_path / "m.safetensors", force=True)
-    fsdp_restore.restore_model(model, tmp_path / "m.safetensors", check=check and dtype == torch.float16)
+    fsdp_restore.restore_model(model, tmp_path / "m.safetensors", check=check)
     assert torch.equal(model.inp.weight.detach().cpu(), state["inp.weight"].to(dtype))
