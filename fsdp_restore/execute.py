@@ -311,7 +311,9 @@ class _Worker:
                 for (key, *_), d, size, e in zip(reads, dests, sizes, entries):
                     stored = buf[at:at + size].view(e.dtype)
                     d.copy_(stored)
-                    if narrowing(e.dtype, d.dtype):  # as on the CPU (`cast_overflow`), without waiting for the device
+                    # as on the CPU (`cast_overflow`), without waiting for the device; its masks are transient
+                    # device memory of a few bytes per element of the chunk (at most a chunk's, per read thread)
+                    if narrowing(e.dtype, d.dtype):
                         self.device_overflows.append((key, overflow_count(stored, d)))
                     at += size
             self._repoison_and_record(i, raw_bytes)
@@ -422,8 +424,10 @@ def grouped(chunks: Iterable[Chunk], chunk_bytes: int | None = None) -> Iterator
 
 
 def overflow_message(overflowed: dict[str, int]) -> str:
-    """A restore's casts into the model's dtype that made finite values of these stored keys inf or NaN."""
-    return ("the cast into the model's dtype made finite values infinite or NaN (beyond that dtype's range) in "
+    """A restore's casts into the model's dtype that made finite values of these stored keys inf or NaN, or an inf
+    something else (`write.overflow_count`)."""
+    return ("the cast into the model's dtype made finite values infinite or NaN (beyond that dtype's range), or"
+            " infinite values finite or NaN (a float8 dtype without infinity), in "
             + overflow_listing(overflowed, quoted=True) + ": restore into a model whose dtype's range holds them"
               " (fp16 tops out at 65504), or bring those values into range before casting")
 
@@ -504,10 +508,16 @@ def execute_reads(ckpt: Checkpoint, items: Sequence[ReadItem], threads: int = DE
             for f in [reader_pool(threads).submit(work) for _ in range(min(threads, len(chunks)))]:
                 f.result()
     finally:
-        for w in workers:
-            w.finish()
+        unfinished: list[BaseException] = []
+        for w in workers:  # every worker waited for, whichever fails: none leaves copies in flight
+            try:
+                w.finish()
+            except BaseException as e:  # noqa: BLE001 - raised below, after the first failed read's error
+                unfinished.append(e)
     if failed:
         raise failed[0]
+    if unfinished:
+        raise unfinished[0]
     overflowed = sum((w.overflowed for w in workers), Counter())
     if overflowed:  # every element was written, but not with a value of the checkpoint's
         raise ValueError(overflow_message(overflowed))

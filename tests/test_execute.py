@@ -289,3 +289,39 @@ def test_pinned_staging_grows_only_while_every_buffer_is_in_flight_and_reuses_th
     stage(worker, used, "y", done=True)  # the upload before it is done: its buffer again, nothing more pinned
     assert len(worker.host) == 1 and used[0] == used[1]
     assert len(worker.on_device) == len(worker.events) == len(worker.host)
+
+
+def test_a_worker_that_fails_to_finish_neither_hides_the_failed_read_nor_leaves_the_others_unfinished(
+        stored, monkeypatch):
+    """Every worker is waited for (on a GPU: its copies still in flight), even when one fails to finish; a
+    failed read's error is the one raised, and a worker's failure to finish is raised when no read failed."""
+    monkeypatch.setattr(execute, "READ_CHUNK_BYTES", 4096)  # many groups: every thread gets a worker
+    monkeypatch.setattr(execute, "MIN_CHUNK_BYTES", 4096)
+    finished = []
+    first = [True]
+
+    def finish(self):
+        finished.append(self)
+        if first[0]:
+            first[0] = False
+            raise RuntimeError("the device stream failed")
+
+    monkeypatch.setattr(execute._Worker, "finish", finish)
+    real = Checkpoint.read_contiguous
+
+    def fail_one(self, parts):
+        if any(part[0] == "small.150" for part in parts):
+            raise OSError(5, "Input/output error")
+        real(self, parts)
+
+    monkeypatch.setattr(Checkpoint, "read_contiguous", fail_one)
+    with pytest.raises(fsdp_restore.RestoreError, match="Input/output error") as info:
+        fsdp_restore.restore_model(Mixed(), stored, check=False, thread_count=4)
+    assert "device stream failed" not in str(info.value)
+    assert len(finished) >= 2 and len(set(map(id, finished))) == len(finished)
+    monkeypatch.setattr(Checkpoint, "read_contiguous", real)
+    finished.clear()
+    first[0] = True
+    with pytest.raises(fsdp_restore.RestoreError, match="device stream failed"):
+        fsdp_restore.restore_model(Mixed(), stored, check=False, thread_count=4)
+    assert len(finished) >= 2
