@@ -824,12 +824,15 @@ def changed_by_cast(job: TensorJob, chunk: int = 1 << 22) -> float | None:
 
 
 def narrowing(source: torch.dtype, target: torch.dtype) -> bool:
-    """Whether casting floating ``source`` to floating ``target`` can make a finite value inf or NaN (``target``'s
-    largest finite value is smaller: fp32 -> fp16, and -> bf16 at the very top of fp32's range)."""
+    """Whether casting ``source`` to floating ``target`` can make a finite value inf or NaN (``target``'s largest
+    finite value is smaller: fp32 -> fp16, -> bf16 at the very top of fp32's range, and an integer past the
+    target's range, int32 -> fp16)."""
     import torch
 
-    return (source.is_floating_point and target.is_floating_point
-            and torch.finfo(target).max < torch.finfo(source).max)
+    if not target.is_floating_point or source == torch.bool:
+        return False
+    largest = torch.finfo(source).max if source.is_floating_point else torch.iinfo(source).max
+    return torch.finfo(target).max < largest
 
 
 def overflow_listing(overflowed: Mapping[str, int], *, quoted: bool = False) -> str:

@@ -358,6 +358,25 @@ def test_an_inf_into_a_float8_dtype_without_infinity_fails(tmp_path, dtype):
     assert "'model.inp.weight' (1 values)" in str(info.value) and "without infinity" in str(info.value), info.value
 
 
+@pytest.mark.parametrize("check", [True, False])
+def test_an_integer_beyond_the_models_floating_range_fails_too(tmp_path, check):
+    """An int32 70000 restored into an fp16 parameter became inf silently (only float-to-float casts were
+    screened)."""
+    class Counts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(4, dtype=torch.float16), requires_grad=False)
+
+    stored = torch.tensor([1, 70000, -70000, 65504], dtype=torch.int32)
+    fsdp_restore.save({"w": stored}, tmp_path / "c.safetensors")
+    model = Counts()
+    with pytest.raises(RestoreError, match=r"'w' \(2 values\)"):
+        restore_model(model, tmp_path / "c.safetensors", check=check)
+    fsdp_restore.save({"w": torch.tensor([1, 7, -7, 65504], dtype=torch.int32)}, tmp_path / "c.safetensors")
+    restore_model(model, tmp_path / "c.safetensors", check=check)
+    assert torch.equal(model.w.detach(), torch.tensor([1, 7, -7, 65504], dtype=torch.float16))
+
+
 def _apply_route_overflow(rank, world_size, path):
     model = wrap(build("mlp").half(), "fsdp1-FULL_SHARD-flat", world_size)
     with pytest.raises(RestoreError) as info:
