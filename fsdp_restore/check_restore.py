@@ -58,7 +58,15 @@ def load_factory(spec: str) -> Callable[[], nn.Module]:
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ValueError(f"--model: {module_name} has no function {attr}")
-    return factory
+
+    def build() -> nn.Module:
+        model = factory()
+        if not isinstance(model, nn.Module):  # else an AttributeError deep in the sharding, naming nothing of theirs
+            raise TypeError(f"--model: {spec} returned {type(model).__name__}, not a torch.nn.Module: the function"
+                            " must build the model and return it")
+        return model
+
+    return build
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:

@@ -630,7 +630,8 @@ def _pread_into(fd: int, views: list[Any], offset: int, file: Path, keys: list[s
     while views:
         got = os.preadv(fd, views[:IOV_MAX], offset)
         if got == 0:
-            raise FormatError(file, f"tensor '{keys[0]}': file ends at byte {offset} (truncated?)")
+            raise FormatError(file, f"tensor '{keys[0]}': file ends at byte {offset} (truncated?): copy the file"
+                                    " again, or convert or save it again from its source")
         offset += got
         while views and got >= len(views[0]):
             got -= len(views[0])

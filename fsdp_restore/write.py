@@ -1264,8 +1264,7 @@ def make_parent(dst: Path) -> None:
                     and not os.path.exists(in_the_way) else "a file, not a directory")
             raise type(e)(e.errno, f"cannot create the directory {dst.parent}: {in_the_way} is {what}; give a"
                           " destination in a directory") from None
-        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise
+        # (a permission, a read-only or special file system such as /proc, a full disk: said of their directory)
         raise type(e)(e.errno, f"cannot create the directory {dst.parent} ({e.strerror}): give a destination in a"
                       " directory you can write to") from None
 

@@ -79,6 +79,16 @@ def test_a_model_or_key_map_that_fails_to_load_is_one_line(setup):
         assert res.returncode == 2 and said in res.stderr and "Traceback" not in res.stderr, (extra, res.stderr)
 
 
+def test_a_factory_that_returns_no_model_is_named(setup):
+    """A --model function returning something else failed deep in the sharding ("AttributeError: 'int' object has
+    no attribute 'modules'"), naming nothing of the user's."""
+    (setup / "notmodel.py").write_text("def build():\n    return 3\n")
+    report = run_check_restore(str(setup / "ck.safetensors"), f"{setup / 'notmodel.py'}:build", nproc=1)
+    assert not report.ok
+    text = " ".join(report.problems)
+    assert "notmodel.py:build returned int, not a torch.nn.Module" in text and "AttributeError" not in text, text
+
+
 LLAMA_FACTORY = '''
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM

@@ -956,3 +956,6 @@ def test_missing_directories_are_created_and_a_file_in_the_way_is_named(tmp_path
     if os.path.isdir("/sys/kernel"):  # a directory no one may create in
         with pytest.raises(OSError, match=r"cannot create the directory /sys/new \(.*\): give a destination"):
             convert(tmp_path / "a.pt", "/sys/new/x.safetensors", max_shard_size=max_shard_size)
+    if os.path.isdir("/proc/self"):  # (ENOENT there: it was the bare "[Errno 2] No such file or directory: '/proc/x'")
+        with pytest.raises(OSError, match=r"cannot create the directory /proc/x \(.*\): give a destination"):
+            convert(tmp_path / "a.pt", "/proc/x/y.safetensors", max_shard_size=max_shard_size)

@@ -223,6 +223,7 @@ def test_a_fault_of_the_sibling_read_in_place_of_a_pt_says_so(tmp_path):
     with pytest.raises(FormatError) as direct:  # named itself: as before
         fsdp_restore.open_checkpoint(tmp_path / "x.safetensors")
     assert "in place of" not in str(direct.value)
+    assert "truncated?): copy the file again, or convert or save it again" in str(direct.value)  # (no fix was said)
 
 
 def test_an_index_of_torch_shards_reads_their_conversions(tmp_path):
