@@ -829,10 +829,21 @@ def narrowing(source: torch.dtype, target: torch.dtype) -> bool:
     target's range, int32 -> fp16)."""
     import torch
 
-    if not target.is_floating_point or source == torch.bool:
+    if not target.is_floating_point or source == torch.bool or not (source.is_floating_point or _integer(source)):
         return False
     largest = torch.finfo(source).max if source.is_floating_point else torch.iinfo(source).max
     return torch.finfo(target).max < largest
+
+
+def _integer(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` is a plain integer type (torch's iinfo knows it; not complex, not quantized)."""
+    import torch
+
+    try:
+        torch.iinfo(dtype)
+    except TypeError:
+        return False
+    return True
 
 
 def overflow_listing(overflowed: Mapping[str, int], *, quoted: bool = False) -> str:
