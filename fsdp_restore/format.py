@@ -182,6 +182,9 @@ class FileHeader:
     metadata: dict[str, str] = field(default_factory=dict)
 
 
+TRUNCATED_FIX = "copy the file again, or convert or save it again from its source"  # what a file cut short needs
+
+
 def read_header(path: str | os.PathLike[str], fd: int | None = None) -> FileHeader:
     """Parse and validate the header of one safetensors file.
 
@@ -216,7 +219,7 @@ def read_header(path: str | os.PathLike[str], fd: int | None = None) -> FileHead
                               " (corrupt or not a safetensors file)")
         if 8 + n > file_size:
             raise FormatError(path, f"header length {n} runs past the end of the {file_size} byte file"
-                              " (truncated?): copy the file again, or convert or save it again from its source")
+                              f" (truncated?): {TRUNCATED_FIX}")
         raw = os.pread(fd, n, 8)
     except OSError as e:
         raise FormatError(path, f"cannot read: {e.strerror or e}") from None
@@ -329,8 +332,7 @@ def _validate_header(path: Path, header: dict[str, Any], data_start: int, file_s
                               f" {shape} need {expected}")
         if end > data_size:
             raise FormatError(path, f"tensor '{key}': data_offsets end {end} is past the data section"
-                              f" ({data_size} bytes; file truncated?): copy the file again, or convert or save it"
-                              " again from its source")
+                              f" ({data_size} bytes; file truncated?): {TRUNCATED_FIX}")
         spans.append((begin, end, key))
         entries[key] = _new_entry(TensorEntry, (key, path, dtype, tuple(shape), data_start + begin, end - begin, numel,
                                                 itemsize))

@@ -36,7 +36,7 @@ from .flatten import (STRUCTURE_VERSION, flat_structure, iter_nodes_with_keys, s
                       validate_structure)
 from .format import (DEFAULT_INDEX_NAME, INDEX_SUFFIX, META_CAST, META_CHECKSUMS, META_HEADER_CRC, META_SET_ID,
                      META_SOURCE, META_STRUCTURE, MISSING, PT_SUFFIXES, SAFETENSORS, TORCH_LEGACY, TORCH_ZIP,
-                     FileHeader, TensorEntry, detect, parse_json, read_header, read_index)
+                     TRUNCATED_FIX, FileHeader, TensorEntry, detect, parse_json, read_header, read_index)
 from .mapped import IOV_MAX
 from .provenance import mismatch
 
@@ -630,8 +630,7 @@ def _pread_into(fd: int, views: list[Any], offset: int, file: Path, keys: list[s
     while views:
         got = os.preadv(fd, views[:IOV_MAX], offset)
         if got == 0:
-            raise FormatError(file, f"tensor '{keys[0]}': file ends at byte {offset} (truncated?): copy the file"
-                                    " again, or convert or save it again from its source")
+            raise FormatError(file, f"tensor '{keys[0]}': file ends at byte {offset} (truncated?): {TRUNCATED_FIX}")
         offset += got
         while views and got >= len(views[0]):
             got -= len(views[0])
