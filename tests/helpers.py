@@ -122,3 +122,30 @@ def through_torch():
         yield
     finally:
         module._TORCH_FREE_READS = before
+
+
+class SecondThreadGate:
+    """Holds each thread's first call until a second thread makes one too (or 30 s pass), so that a test of
+    work spread over threads sees at least two of them: on a busy machine one thread can otherwise take every
+    piece before another starts. Call it at the top of a patched per-piece function; `reset` between runs."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._lock = threading.Lock()
+        self._arrived = threading.Event()
+        self._threads: set[int] = set()
+
+    def __call__(self) -> None:
+        import threading
+
+        with self._lock:
+            self._threads.add(threading.get_ident())
+            if len(self._threads) >= 2:
+                self._arrived.set()
+        assert self._arrived.wait(timeout=30), "a second thread never started"
+
+    def reset(self) -> None:
+        with self._lock:
+            self._threads.clear()
+            self._arrived.clear()

@@ -14,6 +14,7 @@ import fsdp_restore
 from fsdp_restore import checksum, verify, write
 from fsdp_restore.format import read_header
 from fsdp_restore.read import Checkpoint
+from helpers import SecondThreadGate
 
 
 @settings(max_examples=200, deadline=None)
@@ -61,8 +62,10 @@ def test_big_tensor_is_split_across_threads_and_stored_exactly(tmp_path, monkeyp
     monkeypatch.setattr(write, "BLOCK_BYTES", 64 * 1024)  # blocks of 64 KB, so that the tensor spans many
     writers: dict[tuple[int, int], int] = {}
     real = write._write_block
+    wait_for_a_second_writer = SecondThreadGate()
 
     def recording(block, progress):
+        wait_for_a_second_writer()
         for piece in block.pieces:
             if piece.job.key == "model.embed":
                 size = piece.job.dtype.itemsize

@@ -4,8 +4,6 @@ The oracle is safetensors' own reader (``load_file``) of the same file."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -15,6 +13,7 @@ from fsdp_restore import execute
 from fsdp_restore.execute import chunked, grouped
 from fsdp_restore.plan import build_plan
 from fsdp_restore.read import Checkpoint
+from helpers import SecondThreadGate
 
 
 class Mixed(torch.nn.Module):
@@ -310,18 +309,7 @@ def test_a_worker_that_fails_to_finish_neither_hides_the_failed_read_nor_leaves_
 
     monkeypatch.setattr(execute._Worker, "finish", finish)
     real = Checkpoint.read_contiguous
-    readers: set[int] = set()
-    two_readers = threading.Event()
-    lock = threading.Lock()
-
-    def wait_for_a_second_reader() -> None:
-        """Hold a thread's first read until a second thread reads too: on a busy machine one thread can
-        otherwise take every group before another starts, and there would be one worker to finish."""
-        with lock:
-            readers.add(threading.get_ident())
-            if len(readers) >= 2:
-                two_readers.set()
-        assert two_readers.wait(timeout=30), "a second read thread never started"
+    wait_for_a_second_reader = SecondThreadGate()
 
     def gated(self, parts):
         wait_for_a_second_reader()
@@ -340,8 +328,7 @@ def test_a_worker_that_fails_to_finish_neither_hides_the_failed_read_nor_leaves_
     assert len(finished) >= 2 and len(set(map(id, finished))) == len(finished)
     monkeypatch.setattr(Checkpoint, "read_contiguous", gated)
     finished.clear()
-    readers.clear()
-    two_readers.clear()
+    wait_for_a_second_reader.reset()
     first[0] = True
     with pytest.raises(fsdp_restore.RestoreError, match="device stream failed"):
         fsdp_restore.restore_model(Mixed(), stored, check=False, thread_count=4)
