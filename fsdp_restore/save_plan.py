@@ -223,17 +223,7 @@ def _replicas(model: nn.Module, targets: Sequence[Target], rank: int, world: int
             coord = mesh.get_coordinate()
             replicas, index = 1, 0
             if mesh.size() != world:  # a sub-mesh (FSDP over "dp" of a dp x tp mesh): the other dims replicate it
-                root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else None
-                names, root_names = mesh.mesh_dim_names or (), (root.mesh_dim_names or ()) if root is not None else ()
-                if root is None or root.size() != world or not names or not set(names) <= set(root_names):
-                    raise FsdpRestoreError(f"{target.name}: its device mesh spans {mesh.size()} of the {world} ranks"
-                                           " and no named root mesh of all of them says who else holds it; save with"
-                                           " a process group of the mesh's ranks")
-                root_coord = root.get_coordinate()
-                for d, dim_name in enumerate(root_names):
-                    if dim_name not in names:
-                        index = index * root.size(d) + root_coord[d]
-                        replicas *= root.size(d)
+                replicas, index = _sub_mesh_replica(target.name, mesh, world)
             for d, placement in enumerate(dt.placements):
                 if placement.is_replicate():
                     index = index * mesh.size(d) + coord[d]
@@ -242,6 +232,41 @@ def _replicas(model: nn.Module, targets: Sequence[Target], rank: int, world: int
         else:
             out[target.name] = (world, rank)
     return out
+
+
+def _sub_mesh_replica(name: str, mesh: Any, world: int) -> tuple[int, int]:
+    """(replicas, this rank's replica index) of a tensor whose device mesh is a sub-mesh of a root mesh of all
+    ``world`` ranks: the root's dimensions along which the sub-mesh's ranks do not vary hold its other copies.
+    Told from the ranks themselves, not the dimensions' names, so that a flattened sub-mesh (torchtitan's
+    ``dp_shard_cp``, FSDP over data x context parallel beside tensor parallel) is one too."""
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else None
+    if root is None or root.size() != world or root.get_coordinate() is None:
+        raise FsdpRestoreError(f"{name}: its device mesh spans {mesh.size()} of the {world} ranks and is not part of"
+                               " a device mesh of all of them, so nothing says who else holds it; save with a"
+                               " process group of the mesh's ranks")
+    ranks = root.mesh
+    own = root.get_coordinate()
+    members = set(mesh.mesh.flatten().tolist())
+    varying, fixed = [], []
+    for d in range(ranks.dim()):
+        along = [int(ranks[(*own[:d], i, *own[d + 1:])]) for i in range(ranks.size(d))]
+        inside = [r in members for r in along]
+        if all(inside) and ranks.size(d) > 1:
+            varying.append(d)
+        elif sum(inside) == 1:
+            fixed.append(d)
+        else:
+            varying = None  # the sub-mesh takes some, not all, of this dimension's ranks: no slice of the root
+            break
+    if varying is None or prod(ranks.size(d) for d in varying) != mesh.size():
+        raise FsdpRestoreError(f"{name}: its device mesh (ranks {sorted(members)}) is not a slice of the root mesh of"
+                               f" all {world} ranks (shape {tuple(ranks.shape)}), so nothing says who else holds"
+                               " it; save with a process group of the mesh's ranks")
+    replicas, index = 1, 0
+    for d in fixed:
+        index = index * ranks.size(d) + own[d]
+        replicas *= ranks.size(d)
+    return replicas, index
 
 
 def _unsynced_replica_prints(model: nn.Module, targets: Sequence[Target], replicas: dict[str, tuple[int, int]],

@@ -118,10 +118,10 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def wrap(model: nn.Module, how: str, world_size: int) -> nn.Module:
-    """how: plain | ddp | fsdp2 | hsdp | fsdp1-<STRATEGY>-<orig|flat> | tp | fsdp2+tp"""
+    """how: plain | ddp | fsdp2 | hsdp | fsdp1-<STRATEGY>-<orig|flat> | tp | fsdp2+tp | fsdp2cp+tp"""
     if how == "plain":
         return model
-    if how in ("tp", "fsdp2+tp"):
+    if how in ("tp", "fsdp2+tp", "fsdp2cp+tp"):
         return _tensor_parallel(model, how, world_size)
     if how == "ddp":
         return nn.parallel.DistributedDataParallel(model, device_ids=[DEVICE] if DEVICE.type == "cuda" else None)
@@ -170,18 +170,24 @@ def _tp_plan(model: nn.Module) -> dict:
 
 
 def _tensor_parallel(model: nn.Module, how: str, world_size: int) -> nn.Module:
-    """how: tp (1-D mesh) | fsdp2+tp (dp x tp = 2 x world_size/2, FSDP2 over TP); a Llama."""
+    """how: tp (1-D mesh) | fsdp2+tp (dp x tp = 2 x world_size/2, FSDP2 over TP) | fsdp2cp+tp (torchtitan's
+    dp_shard x cp x tp = 1 x 2 x world_size/2, FSDP2 over the flattened dp_shard_cp sub-mesh); a Llama."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
     if how == "tp":
         return parallelize_module(model, init_device_mesh(DEVICE.type, (world_size,)), _tp_plan(model))
-    mesh = init_device_mesh(DEVICE.type, (2, world_size // 2), mesh_dim_names=("dp", "tp"))
+    if how == "fsdp2cp+tp":
+        mesh = init_device_mesh(DEVICE.type, (1, 2, world_size // 2), mesh_dim_names=("dp_shard", "cp", "tp"))
+        dp = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    else:
+        mesh = init_device_mesh(DEVICE.type, (2, world_size // 2), mesh_dim_names=("dp", "tp"))
+        dp = mesh["dp"]
     parallelize_module(model, mesh["tp"], _tp_plan(model))
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+        fully_shard(layer, mesh=dp)
+    fully_shard(model, mesh=dp)
     return model
 
 

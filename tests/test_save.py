@@ -62,7 +62,7 @@ def _trained(name: str, how: str, world_size: int, seed: int = 0, steps: int = 2
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     gen = torch.Generator().manual_seed(seed + 1)
     for _ in range(steps):
-        if how in ("tp", "fsdp2+tp"):  # the test's TP plan shards for restores, not for a forward: made-up grads
+        if how in ("tp", "fsdp2+tp", "fsdp2cp+tp"):  # the test's TP plan shards for restores, not for a forward: made-up grads
             for p in model.parameters():
                 if p.requires_grad:
                     p.grad = p.detach() * 0.5 + 0.01
@@ -216,7 +216,8 @@ def test_full_checkpoint_matches_the_converted_gather(tmp_path, name, how, world
 
 WIDE = [("mlp", "fsdp2", 4), ("mlp", "hsdp", 4), ("mlp", "fsdp1-FULL_SHARD-flat", 2),
         ("mlp", "fsdp1-FULL_SHARD-orig", 3), ("mlp", "fsdp1-HYBRID_SHARD-flat", 4), ("llama", "tp", 2),
-        ("llama", "fsdp2+tp", 4), ("llama", "ddp", 3), ("llama-tied", "fsdp2", 2), ("llama-tied", "plain", 1),
+        ("llama", "fsdp2+tp", 4), ("llama", "fsdp2cp+tp", 4), ("llama", "ddp", 3), ("llama-tied", "fsdp2", 2),
+        ("llama-tied", "plain", 1),
         ("mlp", "fsdp1-NO_SHARD-flat", 2), ("mlp", "fsdp1-SHARD_GRAD_OP-orig", 2)]
 
 
