@@ -4,9 +4,10 @@ The mirror of restore.py; this module only orchestrates, in phases with one verd
 that a failure anywhere becomes the same `SaveError` on every rank and nobody waits in a collective for a
 rank that has given up:
 
-0. rank 0 sends ``extra`` and the temporary's name to every rank (one ``all_gather_object``, which also
-   carries the layout of each rank's optimizer state where ranks may hold state for different parameters:
-   FSDP1 with ``use_orig_params`` keeps none for a parameter of which a rank holds no element).
+0. rank 0 sends ``extra`` and the temporary's name to every rank (a broadcast: each rank holds it once, at any
+   world size); then one ``all_gather_object`` of each rank's arguments (ranks called differently are told
+   which argument differs) and of the layout of its optimizer state where ranks may hold state for different
+   parameters (FSDP1 with ``use_orig_params`` keeps none for a parameter of which a rank holds no element).
 1. plan (save_plan.py): the header from the model on every rank, this rank's write items. Rank 0 creates
    the temporary next to the destination and preallocates it. Agree: no rank failed, every rank computed
    the same header (a digest), and the items of all ranks write every element of every tensor once
@@ -505,6 +506,38 @@ def _agree(problems: Any, what: str, group: dist.ProcessGroup | None,
 DEFAULT_SAVE_THREADS = 4  # write threads per rank when save_sharded is given no thread_count
 
 
+def _call_arguments(optimizer: Any, size: int | None, verify_checksums: bool,
+                    on_unsupported: str) -> dict[str, Any]:
+    """The arguments of a save that every rank must give alike (``extra`` is rank 0's; ``thread_count`` is each
+    rank's own)."""
+    return {"optimizer": "given" if optimizer is not None else "None", "max_shard_size": size,
+            "verify_checksums": verify_checksums, "on_unsupported": on_unsupported}
+
+
+def _differing_arguments(called_with: Sequence[dict[str, Any] | None]) -> str:
+    """What the ranks gave differently (each argument, with its value per rank), or "" where they agree (a rank
+    whose arguments were refused at the door, None here, is reported by its own error)."""
+    given = [(rank, args) for rank, args in enumerate(called_with) if args is not None]
+    if not given:
+        return ""
+    lines = []
+    for name in given[0][1]:
+        by_value: dict[str, list[int]] = {}
+        for rank, args in given:
+            by_value.setdefault(str(args[name]), []).append(rank)
+        if len(by_value) > 1:
+            lines.append(f"{name}: " + "; ".join(f"{value} on {_ranks_text(ranks)}" for value, ranks in by_value.items()))
+    if not lines:
+        return ""
+    return ("save_sharded was called with different arguments on different ranks (" + "; ".join(lines) + "): call it"
+            " with the same ones on every rank (extra may differ: rank 0's is saved)")
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+    return f"rank{'s' if len(ranks) > 1 else ''} {shown}"
+
+
 def _to_bytes(value: Any) -> bytes:
     """Rank 0's ``extra`` (and the write's names) for the other ranks, as ``torch.save`` writes it: tensors that share
     memory keep sharing it, and every dtype travels (Python's own pickle loses both). A value it cannot write (a
@@ -617,17 +650,26 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
                                          uuid.uuid4().hex, states))  # the temporary's name, a sharded set's id
                 if optimizer is not None and world > 1 and save_plan.needs_state_schema(model):
                     schema = save_plan.state_schema(model, optimizer)
-            if world > 1:  # one exchange, whatever happened above: rank 0's payload, and state schemas if any
+            called_with = None if problems else _call_arguments(optimizer, size, verify_checksums, on_unsupported)
+            differing = ""
+            if world > 1:  # whatever happened above: rank 0's payload to all (a broadcast: each rank holds it once,
+                # at any world size), then every rank's state schema (if any) and arguments to all (small)
+                box = [payload]
                 sent: list[Any] = [None] * world
                 with _exchange("save_sharded (start)", "sending rank 0's extra"):
-                    dist.all_gather_object(sent, (payload, schema), group=group)
-                payload = sent[0][0]
-                if any(s is not None for _, s in sent):
-                    remote_state = save_plan.merge_schemas([s for _, s in sent])
+                    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0,
+                                               group=group)
+                    dist.all_gather_object(sent, (schema, called_with), group=group)
+                payload = box[0]
+                if any(s is not None for s, _ in sent):
+                    remote_state = save_plan.merge_schemas([s for s, _ in sent])
+                differing = _differing_arguments([a for _, a in sent])
             # -- phase 1: plan, agree on the header and on the coverage --------------------------------------------
             coverage: dict[str, tuple[int, int]] = {}
             header: str | None = None
             with problems.guard():
+                if differing:  # every rank has every rank's arguments: the same error on all of them
+                    raise FsdpRestoreError(differing)
                 if payload is None:
                     if not problems:  # rank 0's own problem (bad arguments) is reported already
                         raise FsdpRestoreError("rank 0 could not send extra (see its error)" if rank else

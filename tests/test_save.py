@@ -816,6 +816,45 @@ def test_memory_stays_flat_and_replicas_split_large_tensors(tmp_path):
         assert torch.equal(loaded[k], v), k
 
 
+def _extra_memory(rank, world_size, path):
+    from fsdp_restore.measure import PeakAnonMemory
+
+    model = wrap(torch.nn.Linear(4, 4), "ddp", world_size)
+    extra = {"blob": torch.arange(8 * 2**20, dtype=torch.float32)} if rank == 0 else None  # 32 MB
+    with PeakAnonMemory(interval=0.002) as mem:
+        save_sharded(model, path, extra=extra)
+    return mem.peak - mem.start
+
+
+def test_rank_0s_extra_costs_each_rank_the_same_at_any_world_size(tmp_path):
+    """extra travels from rank 0 by broadcast: each rank holds it a few times over, not once per rank (an
+    all-gather gives every rank a slot of rank 0's size per rank: at 1024 ranks, a 32 MB extra would be 32 GB)."""
+    path = str(tmp_path / "x.safetensors")
+    grown = run_ranks(_extra_memory, 4, path)
+    assert max(grown) < 6 * 32 * 2**20, [g / 2**20 for g in grown]  # an all-gather of 4 slots took 8-10x here
+    assert torch.equal(fsdp_restore.load(path)["blob"], torch.arange(8 * 2**20, dtype=torch.float32))
+
+
+def _optimizer_on_rank_0_only(rank, world_size, path):
+    model = wrap(torch.nn.Linear(4, 4), "ddp", world_size)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        save_sharded(model, path, optimizer=opt if rank == 0 else None, verify_checksums=rank == 1)
+    except SaveError as e:
+        return str(e)
+    return "saved"
+
+
+def test_ranks_given_different_arguments_are_told_which(tmp_path):
+    path = str(tmp_path / "x.safetensors")
+    texts = run_ranks(_optimizer_on_rank_0_only, 3, path)
+    assert len(set(texts)) == 1, texts  # the same error on every rank
+    text = texts[0]
+    assert "different arguments" in text and "optimizer: given on rank 0; None on ranks 1, 2" in text, text
+    assert "verify_checksums: False on ranks 0, 2; True on rank 1" in text, text
+    assert not os.path.exists(path) and not _leftovers(path)
+
+
 def test_crc_of_pieces_folded_in_any_order_is_zlibs():
     """A tensor's crc32 from the ranks' pieces (ranges and rows at a stride, folded in any order), as zlib's."""
     import zlib
