@@ -464,7 +464,9 @@ def _save_error(e: RestoreError, what: str, died_hint: str | None = None) -> Sav
     return SaveError("\n".join(lines), e.problems, e.counts)
 
 
-_DIED_HINT = ("find the rank that died in its own log and exit status (killed, out of memory, a crash) or the broken"
+_DIED_HINT = ("every rank of the process group must call save_sharded (not only rank 0: a rank that waits elsewhere,"
+              " in a barrier or another collective, leaves the others waiting here until the timeout); otherwise find"
+              " the rank that died in its own log and exit status (killed, out of memory, a crash) or the broken"
               " connection, fix that and save again; the checkpoint under the final name is untouched (a temporary"
               " left by a rank 0 that died is removed by the next save or convert to that path)")
 _DIED_AT_COMMIT_HINT = ("find the rank that died in its own log and exit status (killed, out of memory, a crash) or the"

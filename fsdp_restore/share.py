@@ -111,5 +111,6 @@ def _collective(what: str) -> Iterator[None]:
         yield
     except RuntimeError as e:  # DistBackendError, DistNetworkError and gloo's errors all derive from it
         text = str(e).strip().splitlines()[0] if str(e).strip() else "(no message)"
-        raise ConvertError(f"convert ({what}): a rank died or lost its connection ({type(e).__name__}: {text});"
-                           f" {DIED_NOTE}") from None
+        raise ConvertError(f"convert ({what}): a rank died or lost its connection, or did not make this call"
+                           f" ({type(e).__name__}: {text}); {DIED_NOTE} (every rank of the process group must"
+                           " run the conversion)") from None

@@ -104,7 +104,9 @@ class Problems:
             self.add("error", [f"{type(e).__name__}: {text}"])
 
 
-_DIED_HINT = ("find the rank that died in its own log and exit status (killed, out of memory, a crash) or the"
+_DIED_HINT = ("every rank of the process group must call it (a rank that waits elsewhere, in a barrier or another"
+              " collective, leaves the others waiting here until the timeout); otherwise"
+              " find the rank that died in its own log and exit status (killed, out of memory, a crash) or the"
               " broken connection, fix that and restart every rank; do not use what was being restored as it is (a"
               " restore stopped in its reads leaves it partly written; one stopped while planning, untouched)."
               " With gloo on one host the others fail at once; with NCCL, or a rank that hangs, they wait until the process group's timeout: pass timeout= to"
@@ -121,7 +123,8 @@ def _collective(what: str, step: str) -> Iterator[None]:
     except RuntimeError as e:  # DistBackendError, DistNetworkError and gloo's errors all derive from it
         text = str(e).strip()
         cause = f"{type(e).__name__}: {text.splitlines()[0] if text else '(no message)'}"
-        line = f"a rank died or lost its connection (the verdict's collective, {step}, failed with {cause})"
+        line = (f"a rank died or lost its connection, or did not make this call (the verdict's collective, {step},"
+                f" failed with {cause})")
         raise RestoreError(f"{what} failed:\n  {_LABELS['error']} (1): {line}\n  hint: {_DIED_HINT}",
                            {"error": [line]}) from e
 

@@ -855,6 +855,27 @@ def test_ranks_given_different_arguments_are_told_which(tmp_path):
     assert not os.path.exists(path) and not _leftovers(path)
 
 
+def _only_rank_0_saves(rank, world_size, path):
+    model = wrap(torch.nn.Linear(4, 4), "ddp", world_size)
+    try:
+        if rank == 0:
+            save_sharded(model, path)
+        else:
+            torch.distributed.barrier()  # as after `if rank == 0: save_sharded(...)`
+    except Exception as e:  # noqa: BLE001 - what each rank is told
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_a_save_that_only_some_ranks_call_says_every_rank_must_call_it(tmp_path):
+    """The ranks that are not in the call wait elsewhere; the process group's timeout ends the wait, and the
+    save's error says what a user most likely did, not only that a rank may have died."""
+    path = str(tmp_path / "x.safetensors")
+    texts = run_ranks(_only_rank_0_saves, 2, path, pg_timeout=5, timeout=120)
+    assert texts[0].startswith("SaveError") and "every rank" in texts[0] and "must call" in texts[0], texts[0]
+    assert not os.path.exists(path) and not _leftovers(path)
+
+
 def test_crc_of_pieces_folded_in_any_order_is_zlibs():
     """A tensor's crc32 from the ranks' pieces (ranges and rows at a stride, folded in any order), as zlib's."""
     import zlib
