@@ -67,17 +67,30 @@ def allow_global_hint(names: list[str]) -> str:
     a class with the pickle's arguments (so only a data class may be allowed: a function, or a class of a module
     whose classes act, is refused at the door, `allowed_global`, and is not offered), ``--trust-pickle`` runs the
     whole pickle."""
-    allowable = [n for n in names if n.split(".", 1)[0] not in _ACTING_MODULES and n not in _ACTING_CLASSES]
+    functions = [n for n in names if _imported_non_class(n)]
+    allowable = [n for n in names if n.split(".", 1)[0] not in _ACTING_MODULES and n not in _ACTING_CLASSES
+                 and n not in functions]
     trust = ("If you trust the file, pass --trust-pickle (trust_pickle=True). Either way such a value is not stored"
              " (only plain types are): add on_unsupported=skip to drop it (load() returns None there; verify, given the"
              " same flags, accepts the drop the file declares)")
+    if not allowable and functions == names:
+        return (f"{'It is a function' if len(names) == 1 else 'Each is a function'}, not a data class: the unpickler"
+                f" would call it with the pickle's arguments (running the pickle), so it cannot be allowed. {trust}")
     if not allowable:
-        return (f"{'It is a class' if len(names) == 1 else 'Each is a class'} of a module whose classes act when"
-                f" called (files, processes, code), so it cannot be allowed. {trust}")
+        return (f"{'It is a class' if len(names) == 1 else 'Each is a class or a function'} of a module whose classes"
+                f" act when called (files, processes, code), so it cannot be allowed. {trust}")
     return (f"If {'it is a data class' if len(allowable) == 1 else 'each is a data class'} you know (a config, a"
             f" dataclass, datetime.timedelta), allow it with --allow-global {allowable[0]} (allow_globals=[...]): the"
             " unpickler then calls the class with the pickle's arguments, so never allow one that acts (a file,"
             f" a process, a function such as shutil.rmtree: that is running the pickle). {trust}")
+
+
+def _imported_non_class(name: str) -> bool:
+    """Whether ``name`` is an attribute of a module this process has imported already (``builtins.eval``) that is
+    not a class: a function, which `allowed_global` refuses. Nothing is imported to tell."""
+    module, _, attr = name.rpartition(".")
+    obj = getattr(sys.modules.get(module), attr, None) if module else None
+    return obj is not None and not isinstance(obj, type)
 
 
 # modules whose classes act when called (open or write files, start processes, load libraries, connect, run code):

@@ -90,6 +90,12 @@ class _Flattener:
     def encode(self, obj: Any, path: str, depth: int = 0) -> Any:
         # Exact type checks: a subclass (IntEnum, defaultdict, a custom dict) would not come back as itself.
         t = type(obj)
+        if depth >= MAX_DEPTH and t in _HOLDERS and _holds_itself(obj):  # a cycle: endless depth (looked
+            # for only this deep, where every container of a cycle is met: it costs nothing before)
+            cut = path if len(path) <= 120 else f"{path[:120]}..."
+            raise UnsupportedObjectError(cut, obj, "a container that holds itself (a cycle: a list, dict or tuple"
+                                         " among its own items, at any depth), which no checkpoint can store; remove"
+                                         " the reference back to it before saving", skippable=False)
         if depth > MAX_DEPTH:  # readers refuse deeper structures (validate_structure): never write one
             raise UnsupportedObjectError(path, obj, f"nested deeper than {MAX_DEPTH} levels, which readers refuse;"
                                          " flatten that part (e.g. a list of its items) before saving")
@@ -645,3 +651,21 @@ def iter_nodes_with_keys(node: Any, path: str = "") -> Iterator[tuple[str, dict[
     elif node.get("type") in ("list", "tuple", "set", "frozenset"):
         for i, v in enumerate(node.get("items", [])):
             yield from iter_nodes_with_keys(v, _join(path, i))
+
+
+_HOLDERS = (dict, OrderedDict, list, tuple)  # Python containers a cycle may run through (not the node kinds above)
+
+
+def _holds_itself(obj: Any) -> bool:
+    """Whether ``obj``, a container, is among the containers it holds at any depth (a cycle)."""
+    seen: set[int] = set()
+    todo = [obj]
+    while todo:
+        node = todo.pop()
+        for item in node.values() if type(node) in (dict, OrderedDict) else node:
+            if item is obj:
+                return True
+            if type(item) in _HOLDERS and id(item) not in seen:
+                seen.add(id(item))
+                todo.append(item)
+    return False

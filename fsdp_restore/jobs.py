@@ -42,8 +42,10 @@ def cast_target(dtype: torch.dtype | StoredDtype | str | None) -> StoredDtype | 
         dtype = torch_dtype_from_string(dtype)
     if described is None or described.name not in _CASTABLE:
         name = described.name if described is not None else str(dtype).removeprefix("torch.")
-        raise ValueError(f"dtype {name} is not a floating target: --dtype takes bf16, fp16, fp32 or fp64 (casting"
-                         " to an integer or bool type would silently change values)")
+        why = ("a float8 type holds too few values and too small a range for weights and optimizer state: every"
+               " value would round, and large ones overflow" if name.startswith("float8") else
+               "casting to an integer, bool or complex type would silently change values")
+        raise ValueError(f"dtype {name} is not a target --dtype takes: bf16, fp16, fp32 or fp64 ({why})")
     return described
 
 

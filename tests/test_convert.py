@@ -193,6 +193,22 @@ class _Deletes:
         return (shutil.rmtree, (self.victim,))
 
 
+class _Evaluates:
+    def __reduce__(self):
+        return (eval, ("1 + 1",))
+
+
+def test_a_builtin_function_the_pickle_calls_is_not_offered_to_allow(tmp_path):
+    """builtins.eval is no data class: the refusal offered --allow-global builtins.eval, which the door then
+    refused ('not a class'). A function of a module already imported is told apart without importing anything."""
+    torch.save({"w": torch.ones(2), "x": _Evaluates()}, tmp_path / "evil.pt")
+    with pytest.raises(UnsafePickleError) as info:
+        convert(tmp_path / "evil.pt", tmp_path / "out.safetensors")
+    text = str(info.value)
+    assert "builtins.eval" in text and "is a function" in text and "cannot be allowed" in text, text
+    assert "--allow-global" not in text and "--trust-pickle" in text, text
+
+
 @pytest.mark.parametrize("allowed", ["shutil.rmtree", "builtins.exec", "subprocess.Popen", "io.FileIO", "_pyio.FileIO",
                                      "zipfile.ZipFile", "logging.FileHandler", "tarfile.TarFile"])
 def test_allow_globals_takes_data_classes_only(tmp_path, allowed):
@@ -311,12 +327,15 @@ def test_peak_anonymous_memory_is_bounded(tmp_path, dtype):
 
 @pytest.mark.parametrize("dtype,named", [("int8", "int8"), ("int32", "int32"), ("bool", "bool"), ("uint8", "uint8"),
                                          ("I8", "int8"), (" Int8 ", "int8"), ("BOOL", "bool"), ("U8", "uint8"),
-                                         (torch.int64, "int64"), ("complex64", "complex64"), (7, "7")])
-def test_non_floating_dtype_is_refused(train_ckpt, tmp_path, dtype, named):
-    """Refused by torch's name for it, however it was spelled."""
+                                         (torch.int64, "int64"), ("complex64", "complex64"), (7, "7"),
+                                         ("float8_e4m3fn", "float8_e4m3fn"), (torch.float8_e5m2, "float8_e5m2")])
+def test_a_dtype_that_is_not_a_cast_target_is_refused(train_ckpt, tmp_path, dtype, named):
+    """Refused by torch's name for it, however it was spelled, saying why for its kind."""
     src, _ = train_ckpt
-    with pytest.raises(ValueError, match=f"^dtype {named} is not a floating target"):
+    with pytest.raises(ValueError, match=f"^dtype {named} is not a target --dtype takes") as info:
         convert(src, tmp_path / "x.safetensors", dtype=dtype)
+    why = "float8 type holds too few values" if named.startswith("float8") else "integer, bool or complex type"
+    assert why in str(info.value), info.value
     assert not (tmp_path / "x.safetensors").exists()
 
 
@@ -564,7 +583,7 @@ def test_cli_int8_is_one_clear_error(train_ckpt, tmp_path):
     src, _ = train_ckpt
     res = subprocess.run([sys.executable, "-m", "fsdp_restore", "convert", str(src), str(tmp_path / "o.safetensors"),
                           "--dtype", "int8"], capture_output=True, text=True)
-    assert res.returncode == 2 and "not a floating target" in res.stderr and "Traceback" not in res.stderr  # usage
+    assert res.returncode == 2 and "not a target --dtype takes" in res.stderr and "Traceback" not in res.stderr
 
 
 # ---- no stale sibling ----------------------------------------------------------------------------------

@@ -127,6 +127,35 @@ def test_unsupported_object_names_its_path_and_type():
         assert e.path == "cfg.items.1" and "Custom" in e.type_name
 
 
+@pytest.mark.parametrize("make", ["list", "dict", "tuple-in-list", "through-two"])
+def test_a_container_that_holds_itself_is_named_as_a_cycle(make):
+    """A cycle was reported as nesting past 256 levels, with a path of 256 keys and no word of a cycle."""
+    if make == "list":
+        obj = [torch.ones(1)]
+        obj.append(obj)
+    elif make == "dict":
+        obj = {"w": torch.ones(1)}
+        obj["self"] = obj
+    elif make == "tuple-in-list":
+        obj = []
+        obj.append((obj, 1))
+    else:
+        a, b = {"x": 1}, {"y": 2}
+        a["b"], b["a"] = b, a
+        obj = [a]
+    with pytest.raises(UnsupportedObjectError, match="holds itself") as info:
+        flatten({"state": obj})
+    assert len(str(info.value)) < 600 and "on_unsupported" not in str(info.value)
+
+
+def test_nesting_past_the_limit_without_a_cycle_is_still_said_as_depth():
+    deep = torch.ones(1)
+    for _ in range(300):
+        deep = [deep]
+    with pytest.raises(UnsupportedObjectError, match="nested deeper than 256 levels"):
+        flatten({"d": deep})
+
+
 def test_skip_unsupported_warns_and_restores_none():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
