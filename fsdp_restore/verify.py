@@ -393,7 +393,8 @@ def _load_failure(e: Exception, path: Any, trust_pickle: bool) -> str:
 
 
 def _select(obj: Any, select: str | None) -> Any:
-    """The subtree at dotted path ``select``: dict keys (matched by their text), list indices, attributes.
+    """The subtree at dotted path ``select``: dict keys (matched by their text; the str key first where an int has
+    the same text), list indices, attributes.
     A walker of its own, not `convert.select_subtree`: the oracle shares no code with what it checks."""
     for i, part in enumerate(select.split(".") if select else []):
         here = ".".join(select.split(".")[:i]) or "<root>"  # type: ignore[union-attr]
@@ -402,7 +403,7 @@ def _select(obj: Any, select: str | None) -> Any:
             if not keys:
                 raise KeyError(f"select='{select}': no key '{part}' at '{here}' (keys there:"
                                f" {', '.join(str(k) for k in list(obj)[:10])}{', ...' if len(obj) > 10 else ''})")
-            obj = obj[keys[0]]
+            obj = obj[part if part in keys else keys[0]]  # a str key before an int of the same text, as --select
         elif isinstance(obj, (list, tuple)) and part.isdigit() and int(part) < len(obj):
             obj = obj[int(part)]
         elif isinstance(obj, argparse.Namespace) and hasattr(obj, part):

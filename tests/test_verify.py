@@ -38,6 +38,18 @@ def test_good_file_passes(good):
     assert report.ok and report.checksummed == 2 and report.compared == 2
 
 
+def test_a_select_path_whose_text_names_an_int_and_a_str_key_picks_the_same_one_as_convert(tmp_path):
+    """``{0: ..., "0": ...}``: convert --select took the str key, verify --select the int one, so a faithful
+    conversion failed its verify."""
+    src = tmp_path / "src.pt"
+    torch.save({"optim": {"state": {0: {"m": torch.full((2,), 4.0)}, "0": {"m": torch.full((2,), 5.0)}}}}, src)
+    out = tmp_path / "out.safetensors"
+    fsdp_restore.convert(src, out, select="optim.state.0")
+    assert torch.equal(fsdp_restore.load(out)["m"], torch.full((2,), 5.0))  # the str key's
+    report = verify(out, against=src, select="optim.state.0")
+    assert report.ok and report.compared == 1, report.problems
+
+
 def test_flipped_byte_names_the_key(good):
     src, dst = good
     _flip(dst, "model.b")
