@@ -137,16 +137,26 @@ def plan_jobs(tensors: dict[str, torch.Tensor], structure: dict[str, Any], dtype
     if dtype is None and (cast_include is not None or cast_exclude):
         warnings.warn("cast_include / cast_exclude choose what a dtype cast (--dtype) applies to; without a dtype they"
                       " change nothing", stacklevel=3)
-    elif dtype is not None:  # a typo, or a key named another way (--select drops the subtree's prefix; a tied alias)
+    # every name a stored tensor has in the checkpoint: its key, and the path of each tied alias stored as it (a
+    # pattern may name the tensor by any of them, as the user sees it in their state dict)
+    tensor_keys: set[str] = set()
+    aliases: dict[str, list[str]] = {}
+    if dtype is not None:
+        for path, node in iter_nodes_with_keys(structure["root"]):
+            if node["type"] == "tensor":
+                tensor_keys.add(node["key"])
+                if path != node["key"]:
+                    aliases.setdefault(node["key"], []).append(path)
         given = [("cast_include", p) for p in cast_include or ()] + [("cast_exclude", p) for p in cast_exclude]
-        unmatched = [f"{name} '{p}'" for name, p in given if not any(fnmatch.fnmatchcase(k, p) for k in tensors)]
+        every_name = [*tensors, *(path for paths in aliases.values() for path in paths)]
+        # a typo, or a key named another way (--select drops the subtree's prefix)
+        unmatched = [f"{name} '{p}'" for name, p in given if not any(fnmatch.fnmatchcase(k, p) for k in every_name)]
         if unmatched:
             shown = ", ".join(list(tensors)[:5]) + (", ..." if len(tensors) > 5 else "")
             warnings.warn(f"{', '.join(unmatched)} matches no stored tensor, so it changes nothing; the stored keys"
                           f" look like: {shown or '(none)'}", stacklevel=3)
     if dtype is None:  # nothing is cast: each tensor keeps its dtype (without a walk of the structure)
         return [TensorJob(key, t, t.dtype) for key, t in tensors.items()]
-    tensor_keys = {node["key"] for _, node in iter_nodes_with_keys(structure["root"]) if node["type"] == "tensor"}
     include = list(cast_include) if cast_include is not None else default_cast_scope(structure)
     kept = optimizer_state_keys(structure) if cast_include is None else set()  # (named by cast_include: cast)
 
@@ -154,10 +164,11 @@ def plan_jobs(tensors: dict[str, torch.Tensor], structure: dict[str, Any], dtype
         source = stored_dtype(t.dtype)  # a torch-free reader's dtype, or torch's described alike
         if source is None or source is dtype or source.name not in _CASTABLE or key not in tensor_keys:
             return t.dtype
-        if key in kept or any(fnmatch.fnmatchcase(key, p) for p in cast_exclude):
+        names = [key, *aliases.get(key, ())]  # excluded under any of its names: kept (one tensor, one dtype)
+        if key in kept or any(fnmatch.fnmatchcase(n, p) for p in cast_exclude for n in names):
             return t.dtype
-        named = [p for p in include if fnmatch.fnmatchcase(key, p)]
-        if not named or (t.dim() == 0 and not any(p == key and not _GLOB.search(p) for p in named)):
+        named = [p for p in include if any(fnmatch.fnmatchcase(n, p) for n in names)]
+        if not named or (t.dim() == 0 and not any(p in names and not _GLOB.search(p) for p in named)):
             return t.dtype
         # described without torch: so is its target; a torch tensor's, as torch's (importing it: only for such one)
         return dtype if t.dtype is source else as_torch_dtype(dtype)

@@ -498,6 +498,29 @@ def test_a_cast_beyond_the_target_range_is_refused_naming_every_tensor(tmp_path)
 
 
 @pytest.mark.parametrize("reader", ["without torch", "through torch"])
+def test_a_tied_weight_is_named_to_the_cast_by_any_of_its_names(tmp_path, reader):
+    """A tied head stored once under the embedding's key: ``cast_exclude=[model.head.weight]`` (the name a user sees
+    in their state dict) warned "matches no stored tensor" and cast the weight anyway."""
+    import contextlib
+    import warnings
+
+    tied = torch.randn(10, 4)
+    torch.save({"model": {"embed.weight": tied, "head.weight": tied, "o": torch.randn(3)}}, tmp_path / "src.pt")
+    with through_torch() if reader == "through torch" else contextlib.nullcontext():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "matches no stored tensor"
+            convert(tmp_path / "src.pt", tmp_path / "ex.safetensors", dtype="bf16", cast_exclude=["model.head.weight"])
+            convert(tmp_path / "src.pt", tmp_path / "in.safetensors", dtype="bf16", cast_include=["model.head.*"])
+    excluded, included = (fsdp_restore.load(tmp_path / f"{n}.safetensors")["model"] for n in ("ex", "in"))
+    assert excluded["head.weight"].data_ptr() == excluded["embed.weight"].data_ptr()
+    assert torch.equal(excluded["head.weight"], tied) and excluded["o"].dtype == torch.bfloat16
+    assert torch.equal(included["embed.weight"], tied.to(torch.bfloat16)) and included["o"].dtype == torch.float32
+    assert included["head.weight"].data_ptr() == included["embed.weight"].data_ptr()
+    for name in ("ex", "in"):
+        assert fsdp_restore.verify(tmp_path / f"{name}.safetensors", against=tmp_path / "src.pt").ok
+
+
+@pytest.mark.parametrize("reader", ["without torch", "through torch"])
 def test_a_cast_that_changes_whole_numbers_or_a_named_scalar_is_refused_as_verify_fails_it(tmp_path, monkeypatch,
                                                                                           reader):
     """`convert --dtype bf16` wrote, and `verify --against` then failed, a tensor of whole numbers the cast rounded
