@@ -1152,6 +1152,11 @@ def check_destination(dst: str | os.PathLike[str], *, force: bool, sources: Sequ
     target = dst.resolve()
     for src in sources:
         where = Path(src).resolve()
+        if not one_file and target in where.parents and where != target:  # shards go in beside other files
+            raise FileExistsError(f"{dst} holds the source {src}: a set of shards written beside it would leave two"
+                                  " checkpoints' weights in one directory (a loader reads one of them), and"
+                                  " replacing the directory would delete the source; write the shards to another"
+                                  f" directory (e.g. {dst.name}-safetensors) and copy the config files over")
         if where == target or target in where.parents:
             what = "is the source" if where == target else f"is a directory holding the source {src}"
             raise FileExistsError(f"{dst} {what}: replacing it would delete the source; write to another path")

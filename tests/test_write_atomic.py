@@ -228,8 +228,11 @@ def test_force_never_replaces_a_directory_of_other_files_or_the_source(tmp_path)
     the source itself, or a directory holding the source is refused before anything is written."""
     run, src = _user_directory(tmp_path)
     before = sorted(p.name for p in run.iterdir())
-    for dst, shard, words in ((run, None, "holding the source"), (run, 100, "holding the source"),
-                              (src, None, "is the source")):
+    for dst, shard, words in ((run, None, "holding the source"), (src, None, "is the source"),
+                              # shards into the directory of the source (an HF model directory's pytorch_model.bin):
+                              # said as what it would do, with the fix (it said the source would be deleted)
+                              (run, 100, "holds the source .*two checkpoints' weights .*write the shards to another"
+                                         " directory")):
         with pytest.raises(FileExistsError, match=words):
             fsdp_restore.convert(src, dst, force=True, max_shard_size=shard)
     other = tmp_path / "other"
