@@ -236,7 +236,9 @@ class _Flattener:
             if base is None:
                 if len(refs) > 1:
                     warnings.warn("tensors at " + ", ".join(r.path for r in refs) + " share storage but none of"
-                                  " them covers the others; storing them as separate tensors", stacklevel=3)
+                                  " them is a row-major tensor, of the others' dtype, that covers them (a flat"
+                                  " buffer's views, a channels_last tensor and its views, views in another dtype);"
+                                  " storing them as separate tensors", stacklevel=3)
                 for ref in refs:
                     ref.node["key"] = key = self.key_for(ref.path, ref.tensor)
                     tensors[key] = ref.tensor

@@ -106,6 +106,15 @@ def test_views_of_one_buffer_share_storage():
     assert back[1][2] == -1.0 and back[2][1, 1] == -1.0
 
 
+def test_a_channels_last_tensor_and_its_view_are_stored_apart_saying_why():
+    """The tensor covers the storage but is not row-major: the warning said none of them covers the others."""
+    c = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    with pytest.warns(UserWarning, match="row-major .*channels_last"):
+        tensors, structure = flatten({"c": c, "c2": c[:, 1]})
+    back = unflatten(tensors, structure)
+    assert torch.equal(back["c"], c) and torch.equal(back["c2"], c[:, 1])
+
+
 def test_readable_keys_and_collisions():
     t1, t2, t3 = torch.zeros(1), torch.ones(1), torch.full((1,), 2.0)
     obj = {"model": {"layers.0.attn.weight": t1}, "optim": {"state": {3: {"exp_avg": t2}}},
