@@ -262,20 +262,34 @@ def select_subtree(obj: Any, select: str | None, *, source: object = None) -> An
 
 
 def _descend(obj: Any, select: str) -> Any:
+    """The subtree at ``select``: a dict's key by its text (a str key before an int of the same text; a key that
+    holds dots, such as a flat state dict's ``model.embed.weight``, where no shorter key matches), a list's index, a
+    Namespace's attribute."""
     node = obj
-    for i, part in enumerate(select.split(".")):
+    parts = select.split(".")
+    i = 0
+    while i < len(parts):
+        part = parts[i]
         if isinstance(node, dict):
-            key = part if part in node else int(part) if part.lstrip("-").isdigit() and int(part) in node else None
+            key, taken = None, 1
+            for taken in range(1, len(parts) - i + 1):  # the shortest key that matches, dots and all
+                text = ".".join(parts[i:i + taken])
+                key = text if text in node else int(text) if text.lstrip("-").isdigit() and int(text) in node else None
+                if key is not None:
+                    break
             if key is None:
-                raise KeyError(f"select='{select}': no key '{part}' at '{'.'.join(select.split('.')[:i]) or '<root>'}'"
+                raise KeyError(f"select='{select}': no key '{part}' at '{'.'.join(parts[:i]) or '<root>'}'"
                                f" (keys there: {', '.join(map(str, list(node)[:10]))})")
             node = node[key]
-        elif isinstance(node, (list, tuple)) and part.isdigit() and int(part) < len(node):
+            i += taken
+            continue
+        if isinstance(node, (list, tuple)) and part.isdigit() and int(part) < len(node):
             node = node[int(part)]
         elif isinstance(node, argparse.Namespace) and hasattr(node, part):
             node = getattr(node, part)
         else:
             raise KeyError(f"select='{select}': cannot descend into {type(node).__name__} with '{part}'")
+        i += 1
     return node
 
 

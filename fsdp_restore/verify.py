@@ -393,23 +393,33 @@ def _load_failure(e: Exception, path: Any, trust_pickle: bool) -> str:
 
 
 def _select(obj: Any, select: str | None) -> Any:
-    """The subtree at dotted path ``select``: dict keys (matched by their text; the str key first where an int has
-    the same text), list indices, attributes.
+    """The subtree at dotted path ``select``: dict keys (matched by their text: the shortest key that the rest of
+    the path starts with, up to a dot, so that a key holding dots is found where no shorter key is; a str key
+    before an int of the same text), list indices, attributes.
     A walker of its own, not `convert.select_subtree`: the oracle shares no code with what it checks."""
-    for i, part in enumerate(select.split(".") if select else []):
-        here = ".".join(select.split(".")[:i]) or "<root>"  # type: ignore[union-attr]
+    rest, done = select or "", ""
+    while rest:
+        here = done or "<root>"
         if isinstance(obj, dict):
-            keys = [k for k in obj if str(k) == part]
-            if not keys:
+            matching = [k for k in obj if rest == str(k) or rest.startswith(f"{k}.")]
+            if not matching:
+                part = rest.split(".", 1)[0]
                 raise KeyError(f"select='{select}': no key '{part}' at '{here}' (keys there:"
                                f" {', '.join(str(k) for k in list(obj)[:10])}{', ...' if len(obj) > 10 else ''})")
-            obj = obj[part if part in keys else keys[0]]  # a str key before an int of the same text, as --select
-        elif isinstance(obj, (list, tuple)) and part.isdigit() and int(part) < len(obj):
-            obj = obj[int(part)]
-        elif isinstance(obj, argparse.Namespace) and hasattr(obj, part):
-            obj = getattr(obj, part)
+            key = min(matching, key=lambda k: (len(str(k)), not isinstance(k, str)))
+            step = str(key)
+            obj = obj[key]
         else:
-            raise KeyError(f"select='{select}': cannot descend into {type(obj).__name__} at '{here}' with '{part}'")
+            step = rest.split(".", 1)[0]
+            if isinstance(obj, (list, tuple)) and step.isdigit() and int(step) < len(obj):
+                obj = obj[int(step)]
+            elif isinstance(obj, argparse.Namespace) and hasattr(obj, step):
+                obj = getattr(obj, step)
+            else:
+                raise KeyError(f"select='{select}': cannot descend into {type(obj).__name__} at '{here}' with"
+                               f" '{step}'")
+        done = f"{done}.{step}" if done else step
+        rest = rest[len(step) + 1:]
     return obj
 
 

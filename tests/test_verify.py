@@ -50,6 +50,24 @@ def test_a_select_path_whose_text_names_an_int_and_a_str_key_picks_the_same_one_
     assert report.ok and report.compared == 1, report.problems
 
 
+@pytest.mark.parametrize("case", ["flat", "both"])
+def test_a_select_path_names_a_key_that_holds_dots(tmp_path, case):
+    """A flat state dict's key ``m.e`` could not be selected ("no key 'm'"); where ``a.b`` and ``a`` -> ``b`` are
+    both keys, convert and verify take the same one (the shorter key first, as a nested path reads)."""
+    src = tmp_path / "src.pt"
+    if case == "flat":
+        state, path, expected = {"m.e": {"w": torch.full((2,), 3.0)}, "o": 1}, "m.e", torch.full((2,), 3.0)
+    else:
+        state = {"a.b": {"w": torch.full((2,), 1.0)}, "a": {"b": {"w": torch.full((2,), 2.0)}}}
+        path, expected = "a.b", torch.full((2,), 2.0)
+    torch.save(state, src)
+    out = tmp_path / "out.safetensors"
+    fsdp_restore.convert(src, out, select=path)
+    assert torch.equal(fsdp_restore.load(out)["w"], expected)
+    report = verify(out, against=src, select=path)
+    assert report.ok and report.compared == 1, report.problems
+
+
 def test_flipped_byte_names_the_key(good):
     src, dst = good
     _flip(dst, "model.b")
