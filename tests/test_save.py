@@ -62,7 +62,7 @@ def _trained(name: str, how: str, world_size: int, seed: int = 0, steps: int = 2
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     gen = torch.Generator().manual_seed(seed + 1)
     for _ in range(steps):
-        if how in ("tp", "fsdp2+tp", "fsdp2cp+tp"):  # the test's TP plan shards for restores, not for a forward: made-up grads
+        if how in ("tp", "fsdp2+tp", "fsdp2cp+tp"):  # a TP plan for restores, not a forward: made-up grads
             for p in model.parameters():
                 if p.requires_grad:
                     p.grad = p.detach() * 0.5 + 0.01
