@@ -33,7 +33,6 @@ import array
 import contextlib
 import ctypes
 import errno
-import functools
 import hashlib
 import io
 import os
@@ -52,7 +51,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import save_plan
-from .checksum import _shift, strided_placed_crc
+from .checksum import strided_placed_crc, zeros_crc
 from .errors import (FsdpRestoreError, RestoreError, SaveError, flag_argument, objects_argument,
                      on_unsupported_argument, process_group_argument, thread_count_argument)
 from .execute import parts
@@ -86,13 +85,6 @@ class SaveReport:
 
 
 # ---- crc32 of a tensor written in pieces by many ranks ---------------------------------------------------
-
-@functools.lru_cache(maxsize=1 << 14)
-def crc32_zeros(n: int) -> int:
-    """crc32 of ``n`` zero bytes without touching them: crc32 starts from all ones and ends with a final
-    inversion, and zero bytes only shift the register, so it is ``~(0xFFFFFFFF x^(8n))``."""
-    return _shift(0xFFFFFFFF, n) ^ 0xFFFFFFFF
-
 
 class _Crc:
     """Per tensor, the XOR of its pieces' *linear parts*: crc32 is affine, ``crc(M) = L(M) ^ crc(0^|M|)``
@@ -129,7 +121,7 @@ def _join_crcs(plan: WritePlan, crc: _Crc, group: dist.ProcessGroup | None, worl
         folds = (parity << shifts).sum(dim=1).tolist()
     else:
         folds = [crc.folds.get(k, 0) for k in keys]
-    return {k: f"{fold ^ crc32_zeros(plan.jobs[k].nbytes):08x}" for k, fold in zip(keys, folds)}
+    return {k: f"{fold ^ zeros_crc(plan.jobs[k].nbytes):08x}" for k, fold in zip(keys, folds)}
 
 
 # ---- writing -----------------------------------------------------------------------------------------------

@@ -829,7 +829,7 @@ def narrowing(source: torch.dtype, target: torch.dtype) -> bool:
     target's range, int32 -> fp16)."""
     import torch
 
-    if not target.is_floating_point or source == torch.bool or not (source.is_floating_point or _integer(source)):
+    if not target.is_floating_point or not (source.is_floating_point or _integer(source)):  # (bool: no iinfo)
         return False
     largest = torch.finfo(source).max if source.is_floating_point else torch.iinfo(source).max
     return torch.finfo(target).max < largest
@@ -1152,7 +1152,7 @@ def check_destination(dst: str | os.PathLike[str], *, force: bool, sources: Sequ
     target = dst.resolve()
     for src in sources:
         where = Path(src).resolve()
-        if not one_file and target in where.parents and where != target:  # shards go in beside other files
+        if not one_file and target in where.parents:  # shards go in beside other files
             raise FileExistsError(f"{dst} holds the source {src}: a set of shards written beside it would leave two"
                                   " checkpoints' weights in one directory (a loader reads one of them), and"
                                   " replacing the directory would delete the source; write the shards to another"

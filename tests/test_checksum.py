@@ -104,3 +104,13 @@ def test_verify_of_a_split_tensor_finds_a_flipped_byte_in_a_late_segment(tmp_pat
     assert [k for k, _ in against] == ["embed", "embed"]
     assert any("first at index [475000]" in m for _, m in against)  # the oracle names the element
     assert any("checksum mismatch" in m for _, m in against)
+
+
+def test_crc_of_zeros_is_zlibs():
+    """crc32 of n zero bytes from the register's shift alone (its powers cached by n), as zlib computes it by
+    reading them (the save joins its ranks' folds with it, the restore's proof its placed pieces)."""
+    from fsdp_restore.checksum import zeros_crc
+
+    for n in (0, 1, 2, 3, 8, 255, 4096, 65_537, 1 << 20, 3_000_001):
+        assert zeros_crc(n) == zlib.crc32(bytes(n)), n
+        assert zeros_crc(n) == zlib.crc32(bytes(n)), n  # the cached answer too

@@ -908,7 +908,8 @@ def test_crc_of_pieces_folded_in_any_order_is_zlibs():
     """A tensor's crc32 from the ranks' pieces (ranges and rows at a stride, folded in any order), as zlib's."""
     import zlib
 
-    from fsdp_restore.sharded_save import _Crc, crc32_zeros
+    from fsdp_restore.checksum import zeros_crc
+    from fsdp_restore.sharded_save import _Crc
 
     rng = random.Random(0)
     for n in (1, 7, 1000, 70_000):
@@ -932,18 +933,7 @@ def test_crc_of_pieces_folded_in_any_order_is_zlibs():
         joined = 0
         for f in folds:
             joined ^= f.folds.get("t", 0)
-        assert joined ^ crc32_zeros(n) == zlib.crc32(buf), n
-
-
-def test_crc_of_zeros_is_zlibs():
-    """crc32 of n zero bytes from the register's shift alone (cached by n), as zlib computes it by reading them."""
-    import zlib
-
-    from fsdp_restore.sharded_save import crc32_zeros
-
-    for n in (0, 1, 2, 3, 8, 255, 4096, 65_537, 1 << 20, 3_000_001):
-        assert crc32_zeros(n) == zlib.crc32(bytes(n)), n
-        assert crc32_zeros(n) == zlib.crc32(bytes(n)), n  # the cached answer too
+        assert joined ^ zeros_crc(n) == zlib.crc32(buf), n
 
 
 def test_the_package_exports():
