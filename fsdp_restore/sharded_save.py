@@ -64,7 +64,7 @@ from .shards import extra_state_modules
 from .verdict import _HINTS, _LABELS, _collective, _device, _rank, agree, new_problems, problem_line
 from .write import (CHUNK_BYTES, ReplacedError, _fsync_dir, _remove, _replace, _write_small_file, carry_kept_files,
                     check_destination, index_bytes, make_parent, refuse_foreign_directory, remove_stale_temporaries,
-                    said_of_space, said_of_the_directory, tensor_bytes, through_link, with_checksums)
+                    said_of_space, said_of_the_directory, temporary_name, tensor_bytes, through_link, with_checksums)
 
 __all__ = ["SaveReport", "save_sharded"]
 
@@ -636,7 +636,7 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
                     # the modules' extra states are rank 0's, as the state dict a gather to rank 0 makes holds them
                     states = {name: module.get_extra_state()
                               for name, module in extra_state_modules(model, "get_extra_state").items()}
-                    payload = _to_bytes((extra, f".{dst0.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+                    payload = _to_bytes((extra, temporary_name(dst0),
                                          uuid.uuid4().hex, states))  # the temporary's name, a sharded set's id
                 if optimizer is not None and world > 1 and save_plan.needs_state_schema(model):
                     schema = save_plan.state_schema(model, optimizer)

@@ -32,6 +32,7 @@ import shutil
 import stat
 import threading
 import uuid
+import warnings
 import zlib
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -1006,7 +1007,7 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
     if one.world > 1 and len(names_given := set(one.gather(dst.name, "destination"))) > 1:
         raise ConvertError(f"the ranks were given different destinations ({', '.join(sorted(names_given))}): give every"
                            " rank the same one (a path every rank sees)")  # rank 0's name would be written alone
-    tmp_name, set_id = one.first((f".{dst.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex),
+    tmp_name, set_id = one.first((temporary_name(dst), uuid.uuid4().hex),
                                  "the temporary's name")
     tmp = dst.parent / tmp_name
     sharded = max_shard_size is not None
@@ -1168,8 +1169,32 @@ def check_destination(dst: str | os.PathLike[str], *, force: bool, sources: Sequ
         raise FileExistsError(f"{dst} already exists; pass force=True (CLI: --force) to replace it")
 
 
-# what the temporaries' names add to the destination's: "." + name + ".tmp-<pid>-old-<8 hex digits>"
-_TEMPORARY_NAME_EXTRA = len(".") + len(".tmp-") + 7 + len("-old-") + 8
+# what the temporaries' names add to the destination's: "." + name + ".tmp-<pid>-<node>-old-<8 hex digits>"
+_TEMPORARY_NAME_EXTRA = len(".") + len(".tmp-") + 7 + len("-") + 8 + len("-old-") + 8
+
+
+@functools.cache
+def _node() -> str:
+    """Eight hex digits naming this machine in a temporary's name: a pid says whether its writer is alive only on
+    the machine that wrote it (a shared file system shows the temporaries of every node's writers)."""
+    import socket
+    return f"{zlib.crc32(socket.gethostname().encode()):08x}"
+
+
+def temporary_name(dst: Path, *, old: bool = False) -> str:
+    """The name a write of ``dst`` works under (``old``: where a replacement moves the old version aside): the
+    writer's pid and machine, then a random part, so that a later run can tell a dead writer's leftovers."""
+    return f".{dst.name}.tmp-{os.getpid()}-{_node()}-{'old-' if old else ''}{uuid.uuid4().hex[:8]}"
+
+
+def _writer_of(tmp: Path, dst: Path) -> tuple[str, str | None, bool]:
+    """From a temporary's name: its writer's pid, its machine (None in names made before machines were named) and
+    whether it holds a moved-aside old version; read after the destination's own name, which may hold anything
+    ("-old-" included)."""
+    parts = tmp.name[len(f".{dst.name}.tmp-"):].split("-")
+    old = "old" in parts[1:-1]
+    node = parts[1] if len(parts) >= 3 and parts[1] != "old" else None
+    return parts[0], node, old
 
 
 def _refuse_long_name(dst: Path) -> None:
@@ -1251,20 +1276,28 @@ def remove_stale_temporaries(dst: Path) -> list[Path]:
     They are a half-written new version, or an old version that a replacement moved aside and had not
     removed yet. Should ``dst`` itself be missing (a writer died between the two renames of the fallback
     in `_replace`), the old version it moved aside is put back instead of removed. Names of writers that
-    predate this scheme (``.NAME.old-*``) are handled the same way.
+    predate this scheme (``.NAME.old-*``) are handled the same way. A temporary written on another machine
+    (a shared file system) is kept, with a warning: whether its writer lives cannot be told from here.
     """
-    removed = []
-    candidates = [(tmp, tmp.name.rsplit(".tmp-", 1)[1].split("-", 1)[0])
-                  for tmp in dst.parent.glob(f".{glob.escape(dst.name)}.tmp-*")]
-    candidates += [(old, "") for old in dst.parent.glob(f".{glob.escape(dst.name)}.old-*")]  # no pid: always stale
-    for tmp, pid in sorted(candidates, key=lambda c: "-old-" not in c[0].name):  # moved-aside old versions first
+    removed, elsewhere = [], []
+    candidates = [(tmp, *_writer_of(tmp, dst)) for tmp in dst.parent.glob(f".{glob.escape(dst.name)}.tmp-*")]
+    candidates += [(old, "", None, True) for old in dst.parent.glob(f".{glob.escape(dst.name)}.old-*")]  # no pid
+    for tmp, pid, node, old in sorted(candidates, key=lambda c: not c[3]):  # moved-aside old versions first
+        if node is not None and node != _node():
+            elsewhere.append(tmp.name)
+            continue
         if pid.isdigit() and (int(pid) == os.getpid() or _pid_alive(int(pid))):
             continue
-        if pid and "-old-" not in tmp.name or dst.exists() or dst.is_symlink():
+        if pid and not old or dst.exists() or dst.is_symlink():
             _remove(tmp)
             removed.append(tmp)
         else:  # the only copy of the old version: back under its name
             os.rename(tmp, dst)
+    if elsewhere:
+        them = "them" if len(elsewhere) > 1 else "it"
+        warnings.warn(f"{dst.parent}: kept {', '.join(sorted(elsewhere))}: written for {dst.name} on another machine,"
+                      f" whose write may still be running; delete {them} if no write to this path runs anywhere",
+                      stacklevel=2)
     return removed
 
 
@@ -1361,7 +1394,7 @@ def _replace(tmp: Path, dst: Path) -> None:
     except OSError as e:
         if e.errno not in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
             raise
-        old = dst.parent / f".{dst.name}.tmp-{os.getpid()}-old-{uuid.uuid4().hex[:8]}"
+        old = dst.parent / temporary_name(dst, old=True)
         os.rename(dst, old)
         os.rename(tmp, dst)
     try:

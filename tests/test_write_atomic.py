@@ -270,18 +270,71 @@ def test_force_never_replaces_a_device_or_a_pipe(tmp_path):
 
 
 def test_a_name_too_long_for_the_temporary_is_refused_at_the_door(tmp_path):
-    """A name the file system takes (242 bytes where names hold 255), not with the temporary's 26 bytes: it failed
+    """A name the file system takes (233 bytes where names hold 255), not with the temporary's 35 bytes: it failed
     with a raw ENAMETOOLONG naming the temporary (save_sharded: masked by its own cleanup's error)."""
     limit = os.pathconf(tmp_path, "PC_NAME_MAX")
-    dst = tmp_path / ("x" * (limit - 25 - len(".safetensors")) + ".safetensors")
+    dst = tmp_path / ("x" * (limit - 34 - len(".safetensors")) + ".safetensors")
     model = nn.Linear(3, 2)
     for call in (lambda: save({"w": torch.ones(2)}, dst),
                  lambda: fsdp_restore.save_sharded(model, dst)):
         with pytest.raises((ValueError, fsdp_restore.SaveError),
-                           match=rf"its name is {limit - 25} bytes long; .* give a name of at most {limit - 26} bytes"):
+                           match=rf"its name is {limit - 34} bytes long; .* give a name of at most {limit - 35} bytes"):
             call()
     assert os.listdir(tmp_path) == []
-    save({"w": torch.ones(2)}, tmp_path / ("x" * (limit - 26 - len(".safetensors")) + ".safetensors"))  # the longest
+    save({"w": torch.ones(2)}, tmp_path / ("x" * (limit - 35 - len(".safetensors")) + ".safetensors"))  # the longest
+
+
+def _dead_pid() -> int:
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+
+
+@pytest.mark.parametrize("name", ["ck-old-2.safetensors", "ck.safetensors"])
+def test_a_dead_writers_half_written_file_is_removed_whatever_the_destinations_name(tmp_path, name):
+    """A destination named "...-old-..." made a dead writer's half-written temporary look like a moved-aside old
+    version: with the destination missing, the next run renamed it into place under the final name."""
+    from fsdp_restore import write
+
+    dst = tmp_path / name
+    dead = _dead_pid()
+    for half in (f".{name}.tmp-{dead}-{write._node()}-0123abcd", f".{name}.tmp-{dead}-89abcdef"):  # (older names)
+        (tmp_path / half).write_bytes(b"half a checkpoint")
+        assert write.remove_stale_temporaries(dst) == [tmp_path / half]
+        assert os.listdir(tmp_path) == []
+
+
+def test_a_temporary_of_another_machine_is_kept_with_a_warning(tmp_path):
+    """On a shared file system a pid says nothing of another machine's writer: its temporary is kept, said once;
+    this machine's dead writers' temporaries are removed as before."""
+    from fsdp_restore import write
+
+    dst = tmp_path / "ck.safetensors"
+    dead = _dead_pid()
+    other = "0" * 8 if write._node() != "0" * 8 else "1" * 8
+    theirs = [tmp_path / f".ck.safetensors.tmp-{dead}-{other}-0123abcd",
+              tmp_path / f".ck.safetensors.tmp-{dead}-{other}-old-0123abcd"]
+    ours = tmp_path / f".ck.safetensors.tmp-{dead}-{write._node()}-0123abcd"
+    for p in [*theirs, ours]:
+        p.write_bytes(b"x")
+    with pytest.warns(UserWarning, match=r"kept \.ck\.safetensors\.tmp-\d+-0{8}-0123abcd, \S+-old-0123abcd: written for"
+                                         r" ck.safetensors on another machine, .* delete them if"):
+        assert write.remove_stale_temporaries(dst) == [ours]
+    assert sorted(tmp_path.iterdir()) == sorted(theirs)
+    with pytest.warns(UserWarning, match="on another machine"):
+        save({"w": torch.ones(2)}, dst)  # a conversion beside them: written, and they are still there
+    assert sorted(p for p in tmp_path.iterdir() if p != dst) == sorted(theirs)
+
+
+def test_the_temporaries_names_fit_what_the_door_allows():
+    from pathlib import Path
+
+    from fsdp_restore import write
+
+    dst = Path("ck.safetensors")
+    for old in (False, True):
+        name = write.temporary_name(dst, old=old)
+        assert len(name) - len(dst.name) + (7 - len(str(os.getpid()))) <= write._TEMPORARY_NAME_EXTRA
+        assert write._writer_of(Path(name), dst) == (str(os.getpid()), write._node(), old)
 
 
 @pytest.mark.parametrize("sharded", [False, True])
