@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -226,7 +227,7 @@ def test_a_fault_of_the_sibling_read_in_place_of_a_pt_says_so(tmp_path):
     assert "truncated?): copy the file again, or convert or save it again" in str(direct.value)  # (no fix was said)
 
 
-def test_an_index_of_torch_shards_reads_their_conversions(tmp_path):
+def test_an_index_of_torch_shards_reads_their_conversions(tmp_path, monkeypatch):
     """transformers' older layout (pytorch_model-0000N-of-0000M.bin + pytorch_model.bin.index.json): each shard
     converted as the converter says, the index or its directory was refused ("no index json", or the .bin read as
     a safetensors header: "header length ... exceeds the limit"); now the index reads each shard's conversion,
@@ -253,7 +254,11 @@ def test_an_index_of_torch_shards_reads_their_conversions(tmp_path):
     oracle = {}
     for shard in shards:  # torch's own loader, shard by shard
         oracle.update(torch.load(shard, weights_only=True))
-    for path in (tmp_path, tmp_path / "pytorch_model.bin.index.json"):
+    # the directory by a relative path too ("hf/", "."): its conversions were not recognised as the index's
+    for cwd, path in ((None, tmp_path), (None, tmp_path / "pytorch_model.bin.index.json"),
+                      (tmp_path.parent, Path(tmp_path.name)), (tmp_path, Path("."))):
+        if cwd is not None:
+            monkeypatch.chdir(cwd)
         fresh = LlamaForCausalLM(model.config)
         report = fsdp_restore.restore_model(fresh, path)
         assert not report.missing and not report.unexpected
