@@ -231,8 +231,17 @@ def read_header(path: str | os.PathLike[str], fd: int | None = None) -> FileHead
         raise FormatError(path, "header is not a JSON object")
     result = _validate_header(path, header, 8 + n, file_size)
     check_seal(head, raw, HEADER_SEAL_PREFIX, result.metadata.get(META_HEADER_CRC), path, "header",
-               version=result.metadata.get(META_VERSION))
+               version=result.metadata.get(META_VERSION), source=result.metadata.get(META_SOURCE))
     return result
+
+
+def _recorded_name(source: str | None) -> str | None:
+    """The file name a recorded source identity (`provenance.source_identity`'s JSON) gives, if it parses."""
+    try:
+        name = json.loads(source).get("name") if source else None
+    except (ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) and name else None
 
 
 def _sealed_crc(head: bytes, body: bytes | memoryview, at: int) -> int:
@@ -255,13 +264,16 @@ def seal(head: bytes, body: bytes, prefix: bytes) -> bytes:
 
 
 def check_seal(head: bytes, body: bytes, prefix: bytes, recorded: str | None, path: object, what: str, *,
-               version: str | None = None) -> None:
+               version: str | None = None, source: str | None = None, destination: object = None) -> None:
     """Refuse a header (or index) whose crc32 field does not match its bytes: it was edited (or damaged)
     after it was written. A header without the field passes only if it does not say it is of a format version
     that has one (a version-1 file, another tool's file): a sealed file whose field is gone was edited too.
-    ``version``: the format version its metadata records."""
+    ``version``: the format version its metadata records; ``source``: the source identity it records (JSON),
+    whose name the fix then gives; ``destination``: what to convert into (default ``path``)."""
+    named = _recorded_name(source)
     fix = (f"it can change values (a learning rate, a step, a shape) without touching any tensor, so it is not"
-           f" used; convert the source again (fsdp-restore convert SRC {path} --force)")
+           f" used; convert {f'its source ({named}, as it records)' if named else 'the source'} again"
+           f" (fsdp-restore convert {named or 'SRC'} {destination or path} --force)")
     if recorded is None and not body.startswith(prefix):
         if version is None or not (version.isascii() and version.isdigit()) or int(version) < SEALED_SINCE_VERSION:
             return
@@ -431,7 +443,8 @@ def read_index(path: Path, raw: bytes | None = None) -> tuple[dict[str, Any], di
             raise FormatError(path, f"key '{key}': shard {name!r} points outside the index's directory")
         weight_map[key] = shard
     check_seal(b"", raw, INDEX_SEAL_PREFIX, metadata.get(META_HEADER_CRC), path, "index (the header of a sharded"
-               " checkpoint)", version=metadata.get(META_VERSION))
+               " checkpoint)", version=metadata.get(META_VERSION), source=metadata.get(META_SOURCE),
+               destination=Path(path).parent)
     return metadata, weight_map
 
 

@@ -199,8 +199,9 @@ class Checkpoint:
         named another file than the one at fault)."""
         if Path(given) == resolved:
             return e
-        return FormatError(e.path, f"{e.problem} (read in place of {Path(given).name}, as its converted sibling:"
-                                   f" convert it again with fsdp-restore convert {given} {resolved} --force)")
+        fix = "" if "fsdp-restore convert" in e.problem else (f": convert it again with fsdp-restore convert {given}"
+                                                              f" {resolved} --force")  # (not twice: a stale one's)
+        return FormatError(e.path, f"{e.problem} (read in place of {Path(given).name}, as its converted sibling{fix})")
 
     def _open_files(self, resolved: Path) -> tuple[str | None, dict[str, Any], dict[str, Path]]:
         """Open every file of the checkpoint once and read its header through that descriptor: a single
