@@ -334,7 +334,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     for name, value in [("tensors", str(report.tensors)), ("tensor bytes", human_bytes(report.nbytes)),
                         ("tensors cast", str(report.cast_tensors)), ("files", str(len(report.files))),
                         ("seconds", f"{seconds:.2f}"), ("throughput", human_bytes(report.nbytes / seconds) + "/s"),
-                        ("imports (torch...), apart from the seconds", f"{imports:.2f} s"),
+                        ("importing libraries (torch...), not in seconds", f"{imports:.2f} s"),
                         ("peak anonymous memory", human_bytes(report.peak_anon_bytes)),
                         ("threads", str(report.threads))]:
         table.add_row(name, value)

@@ -79,6 +79,7 @@ class VerifyReport:
     dropped: list[tuple[str, str]] = field(default_factory=list)  # (path, type) the file declares it dropped
     # tensors that share storage in the source, none covering the others, stored apart as the file declares
     apart: list[str] = field(default_factory=list)
+    hint: str | None = None  # of a failure: its likely cause (a source other than the one the file records)
 
     @property
     def verdict(self) -> str:
@@ -227,8 +228,22 @@ def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | No
             return report
         with ckpt:
             _verify_open(ckpt, report, against, select, thread_count, (trust_pickle, allowed), progress, tag)
+    if report.problems and against is not None:
+        report.hint = _another_source(ckpt.source, against, path)
     report.seconds = clock.seconds
     return report
+
+
+def _another_source(recorded: dict[str, Any] | None, against: Any, report_path: Any) -> str | None:
+    """Where a comparison failed: that the file records another source than ``against`` (by name), the likely
+    cause. Said only of a failure (what the file records never makes a comparison pass)."""
+    name = recorded.get("name") if isinstance(recorded, dict) else None
+    if not isinstance(name, str) or name == Path(against).name:
+        return None
+    size = recorded.get("size")
+    sized = f" ({size} bytes)" if isinstance(size, int) and not Path(against).is_dir() else ""
+    return (f"{Path(against).name} is not the source {Path(report_path).name} records: it was converted from"
+            f" {name}{sized}; compare it with that one, or convert {Path(against).name}")
 
 
 class _Piecewise:
@@ -901,6 +916,8 @@ def render_verify(report: VerifyReport, console: Console) -> None:
                       highlight=False)
     for where, what in report.problems:  # unwrapped (a path cut across lines cannot be copied), no markup read
         console.print(Text.assemble(("FAIL", "red"), f" {where}: {what}"), highlight=False, soft_wrap=True)
+    if report.hint:
+        console.print(Text.assemble(("hint", "yellow"), f": {report.hint}"), highlight=False, soft_wrap=True)
 
 
 # ---------------------------------------------------------------------------------------------

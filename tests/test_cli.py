@@ -38,7 +38,7 @@ def test_a_command_that_imports_torch_still_exits_with_its_code_and_all_its_outp
     # they are what converting 256 bytes through torch takes, less than importing it
     torch.save({"model": {"w": torch.randn(8, 4, dtype=torch.float64)}}, tmp_path / "f64.pt")
     cast = run("convert", tmp_path / "f64.pt", tmp_path / "bf16.safetensors", "--dtype", "bf16")
-    imported = re.search(r"imports \(torch\.\.\.\), apart from the seconds\s*│\s*([0-9.]+) s", cast.stdout)
+    imported = re.search(r"importing libraries \(torch\.\.\.\), not in seconds\s*│\s*([0-9.]+) s", cast.stdout)
     seconds = re.search(r"│ seconds\s*│\s*([0-9.]+) ", cast.stdout)
     assert cast.returncode == 0 and imported and seconds, cast.stdout
     assert float(imported.group(1)) >= 0.3 and float(seconds.group(1)) < float(imported.group(1)), cast.stdout
@@ -59,6 +59,11 @@ def test_convert_verify_inspect(src, tmp_path):
     back = fsdp_restore.load(dst)
     assert back["model"]["w"].dtype == torch.bfloat16 and back["optim"]["m"].dtype == torch.float32
     assert run("verify", dst, "--against", src).returncode == 0
+    other = tmp_path / "other.pt"
+    torch.save({"model": {"w": torch.zeros(8, 4)}, "optim": {"m": torch.zeros(8, 4)}, "step": 1}, other)
+    wrong = run("verify", dst, "--against", other)  # the failure's likely cause, from what the file records
+    assert wrong.returncode == 1 and "\nhint: other.pt is not the source ck.safetensors records: it was converted from"\
+        f" {src.name}" in wrong.stdout, wrong.stdout
     res = run("inspect", dst, "--json")
     assert res.returncode == 0 and '"tensors": 2' in res.stdout
 

@@ -128,6 +128,23 @@ def test_swapped_tensor_against_source(tmp_path):
     assert sorted(k for k, _ in report.problems) == ["x", "y"]
 
 
+def test_a_comparison_with_another_source_says_which_source_the_file_records(good, tmp_path):
+    """Verified against the wrong .pt, the report listed every difference and never the likely cause, which the
+    file records (inspect showed it); said first, and only of a failure."""
+    src, dst = good
+    other = tmp_path / "other.pt"
+    torch.save({"model": {"a": torch.zeros(100), "b": torch.ones(50, dtype=torch.int32)}, "step": 4}, other)
+    report = verify(dst, against=other)
+    assert not report.ok and len(report.problems) > 1
+    assert report.hint == (f"other.pt is not the source out.safetensors records: it was converted from src.pt"
+                           f" ({src.stat().st_size} bytes); compare it with that one, or convert other.pt")
+    renamed = tmp_path / "renamed.pt"  # the source under another name: the comparison passes, nothing said
+    renamed.write_bytes(src.read_bytes())
+    assert verify(dst, against=renamed).ok and verify(dst, against=renamed).hint is None
+    _flip(dst, "model.a")  # a failure against the recorded source: no note
+    assert verify(dst, against=src).hint is None
+
+
 def test_missing_key(tmp_path):
     src = tmp_path / "src.pt"
     torch.save({"x": torch.zeros(4), "y": torch.ones(4)}, src)
