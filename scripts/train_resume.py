@@ -72,8 +72,8 @@ def main() -> None:
         report = fsdp_restore.save_sharded(model, args.save, optimizer=optimizer, extra={**extra, "step": step},
                                            verify_checksums=args.verify_save)
         if rank == 0:
-            print(f"saved step {step} to {report.path}: {report.nbytes / 1e6:.1f} MB, each rank wrote its own"
-                  f" {report.bytes_written / 1e6:.1f} MB (rank 0), no gather"
+            print(f"saved step {step} to {report.path}: {report.nbytes / 1e6:.1f} MB, each rank writing its own"
+                  f" share (rank 0: {report.bytes_written / 1e6:.1f} MB), no gather"
                   + (", and read it back from the storage" if args.verify_save else ""))
     dist.barrier()  # no rank tears its process group down while a peer is still using it
     dist.destroy_process_group()
