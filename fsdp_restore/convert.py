@@ -263,34 +263,40 @@ def select_subtree(obj: Any, select: str | None, *, source: object = None) -> An
 
 def _descend(obj: Any, select: str) -> Any:
     """The subtree at ``select``: a dict's key by its text (a str key before an int of the same text; a key that
-    holds dots, such as a flat state dict's ``model.embed.weight``, where no shorter key matches), a list's index, a
-    Namespace's attribute."""
-    node = obj
+    holds dots, such as a flat state dict's ``model.embed.weight``: the shortest key with which the rest of the
+    path is found), a list's index, a Namespace's attribute."""
     parts = select.split(".")
-    i = 0
-    while i < len(parts):
+    failures: list[tuple[int, str]] = []  # (how far the path got, why it stopped there): the farthest is said
+
+    def walk(node: Any, i: int) -> tuple[bool, Any]:
+        if i == len(parts):
+            return True, node
         part = parts[i]
         if isinstance(node, dict):
-            key, taken = None, 1
-            for taken in range(1, len(parts) - i + 1):  # the shortest key that matches, dots and all
+            matched = False
+            for taken in range(1, len(parts) - i + 1):  # the shortest key first, dots and all
                 text = ".".join(parts[i:i + taken])
                 key = text if text in node else int(text) if text.lstrip("-").isdigit() and int(text) in node else None
                 if key is not None:
-                    break
-            if key is None:
-                raise KeyError(f"select='{select}': no key '{part}' at '{'.'.join(parts[:i]) or '<root>'}'"
-                               f" (keys there: {', '.join(map(str, list(node)[:10]))})")
-            node = node[key]
-            i += taken
-            continue
+                    matched = True
+                    found, value = walk(node[key], i + taken)
+                    if found:
+                        return True, value
+            if not matched:
+                failures.append((i, f"no key '{part}' at '{'.'.join(parts[:i]) or '<root>'}' (keys there:"
+                                    f" {', '.join(map(str, list(node)[:10]))})"))
+            return False, None
         if isinstance(node, (list, tuple)) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        elif isinstance(node, argparse.Namespace) and hasattr(node, part):
-            node = getattr(node, part)
-        else:
-            raise KeyError(f"select='{select}': cannot descend into {type(node).__name__} with '{part}'")
-        i += 1
-    return node
+            return walk(node[int(part)], i + 1)
+        if isinstance(node, argparse.Namespace) and hasattr(node, part):
+            return walk(getattr(node, part), i + 1)
+        failures.append((i, f"cannot descend into {type(node).__name__} with '{part}'"))
+        return False, None
+
+    found, value = walk(obj, 0)
+    if not found:
+        raise KeyError(f"select='{select}': {max(failures, key=lambda f: f[0])[1]}")
+    return value
 
 
 def _directory_identity(path: Path) -> list[tuple[str, int, int]]:

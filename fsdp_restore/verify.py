@@ -408,34 +408,42 @@ def _load_failure(e: Exception, path: Any, trust_pickle: bool) -> str:
 
 
 def _select(obj: Any, select: str | None) -> Any:
-    """The subtree at dotted path ``select``: dict keys (matched by their text: the shortest key that the rest of
-    the path starts with, up to a dot, so that a key holding dots is found where no shorter key is; a str key
-    before an int of the same text), list indices, attributes.
+    """The subtree at dotted path ``select``: dict keys (matched by their text: of the keys that the rest of the
+    path starts with, up to a dot, the shortest with which the rest is found, so that a key holding dots is
+    found where no shorter key leads on; a str key before an int of the same text), list indices, attributes.
     A walker of its own, not `convert.select_subtree`: the oracle shares no code with what it checks."""
-    rest, done = select or "", ""
-    while rest:
+    stops: list[tuple[int, str]] = []  # (length of the path walked, why it stopped): the longest is said
+
+    def follow(node: Any, rest: str, done: str) -> tuple[bool, Any]:
+        if not rest:
+            return True, node
         here = done or "<root>"
-        if isinstance(obj, dict):
-            matching = [k for k in obj if rest == str(k) or rest.startswith(f"{k}.")]
+        if isinstance(node, dict):
+            matching = sorted((k for k in node if rest == str(k) or rest.startswith(f"{k}.")),
+                              key=lambda k: (len(str(k)), not isinstance(k, str)))
             if not matching:
-                part = rest.split(".", 1)[0]
-                raise KeyError(f"select='{select}': no key '{part}' at '{here}' (keys there:"
-                               f" {', '.join(str(k) for k in list(obj)[:10])}{', ...' if len(obj) > 10 else ''})")
-            key = min(matching, key=lambda k: (len(str(k)), not isinstance(k, str)))
-            step = str(key)
-            obj = obj[key]
+                stops.append((len(done), f"no key '{rest.split('.', 1)[0]}' at '{here}' (keys there:"
+                              f" {', '.join(str(k) for k in list(node)[:10])}{', ...' if len(node) > 10 else ''})"))
+            for key in matching:
+                step = str(key)
+                reached, value = follow(node[key], rest[len(step) + 1:], f"{done}.{step}" if done else step)
+                if reached:
+                    return True, value
+            return False, None
+        step = rest.split(".", 1)[0]
+        if isinstance(node, (list, tuple)) and step.isdigit() and int(step) < len(node):
+            child = node[int(step)]
+        elif isinstance(node, argparse.Namespace) and hasattr(node, step):
+            child = getattr(node, step)
         else:
-            step = rest.split(".", 1)[0]
-            if isinstance(obj, (list, tuple)) and step.isdigit() and int(step) < len(obj):
-                obj = obj[int(step)]
-            elif isinstance(obj, argparse.Namespace) and hasattr(obj, step):
-                obj = getattr(obj, step)
-            else:
-                raise KeyError(f"select='{select}': cannot descend into {type(obj).__name__} at '{here}' with"
-                               f" '{step}'")
-        done = f"{done}.{step}" if done else step
-        rest = rest[len(step) + 1:]
-    return obj
+            stops.append((len(done), f"cannot descend into {type(node).__name__} at '{here}' with '{step}'"))
+            return False, None
+        return follow(child, rest[len(step) + 1:], f"{done}.{step}" if done else step)
+
+    reached, value = follow(obj, select or "", "")
+    if not reached:
+        raise KeyError(f"select='{select}': {max(stops, key=lambda s: s[0])[1]}")
+    return value
 
 
 def _join(path: str, key: Any) -> str:

@@ -50,13 +50,17 @@ def test_a_select_path_whose_text_names_an_int_and_a_str_key_picks_the_same_one_
     assert report.ok and report.compared == 1, report.problems
 
 
-@pytest.mark.parametrize("case", ["flat", "both"])
+@pytest.mark.parametrize("case", ["flat", "both", "shorter-lacks-it"])
 def test_a_select_path_names_a_key_that_holds_dots(tmp_path, case):
     """A flat state dict's key ``m.e`` could not be selected ("no key 'm'"); where ``a.b`` and ``a`` -> ``b`` are
-    both keys, convert and verify take the same one (the shorter key first, as a nested path reads)."""
+    both keys, convert and verify take the same one (the shorter key first, as a nested path reads); where the
+    shorter key ``m`` lacks the rest (``e``), the longer ``m.e`` is taken (it was "no key 'e' at 'm'")."""
     src = tmp_path / "src.pt"
     if case == "flat":
         state, path, expected = {"m.e": {"w": torch.full((2,), 3.0)}, "o": 1}, "m.e", torch.full((2,), 3.0)
+    elif case == "shorter-lacks-it":  # a model's own entry beside flat names under it
+        state = {"m": {"x": {"w": torch.full((2,), 1.0)}}, "m.e": {"w": torch.full((2,), 4.0)}}
+        path, expected = "m.e", torch.full((2,), 4.0)
     else:
         state = {"a.b": {"w": torch.full((2,), 1.0)}, "a": {"b": {"w": torch.full((2,), 2.0)}}}
         path, expected = "a.b", torch.full((2,), 2.0)
