@@ -10,6 +10,7 @@ equal on every rank; uninitialised memory rarely is).
 
 from __future__ import annotations
 
+import warnings
 import zlib
 
 import torch
@@ -79,8 +80,11 @@ def init_non_persistent_buffers(model: nn.Module) -> list[str]:
     """Recompute the non-persistent buffers that the module knows how to initialise (call after
     ``to_empty``, before or after restoring): Hugging Face rotary embeddings (``inv_freq``,
     ``original_inv_freq``) and any module with a ``reset_buffers()`` method. Returns the names of the
-    buffers it set; any other non-persistent buffer keeps its values (see `buffer_problems`)."""
+    buffers it set; any other non-persistent buffer keeps its values, with a warning naming it: after
+    ``to_empty`` it holds leftover memory, which the restore's check tells from a real value only where it is
+    NaN or inf or differs between ranks (`buffer_problems`)."""
     done: list[str] = []
+    unknown: list[str] = []
     reset: set[int] = set()
     with torch.no_grad():
         for name, module, attr, buf in nonpersistent_buffers(model):
@@ -96,10 +100,18 @@ def init_non_persistent_buffers(model: nn.Module) -> list[str]:
             if value is not None and value.shape == buf.shape:
                 buf.copy_(value)
                 done.append(name)
+            elif not buf.is_meta and buf.numel():
+                unknown.append(name)
         for module in model.modules():  # transformers keeps a plain-attribute copy too
             if _is_rotary(module) and isinstance(getattr(module, "original_inv_freq", None), torch.Tensor):
                 if module.original_inv_freq.is_meta:
                     module.original_inv_freq = module.inv_freq.clone()
+    if unknown:
+        shown = ", ".join(unknown[:8]) + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else "")
+        warnings.warn(f"init_non_persistent_buffers: no initialisation known for the non-persistent buffer(s) {shown},"
+                      " which no checkpoint holds: after to_empty they hold leftover memory, which the restore's check"
+                      " cannot tell from a real value unless it is NaN or inf or differs between ranks; give their"
+                      " module a reset_buffers() method (then this sets them), or set them yourself", stacklevel=2)
     return done
 
 
