@@ -181,11 +181,12 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
     optim_memory: list[checks.Storage] = []
     coverage: dict[str, tuple[int, int]] = {}
     prints: list[tuple[str, int]] = []
-    same: list[tuple[str, str]] = []
+    same: list[tuple[str | None, str]] = []
     extra: dict[str, Any] = {}
     extra_states: list[tuple[nn.Module, Any]] = []
     label = "restore" if weights else "optimizer restore"
     what, check_what = _headline(label, checkpoint), _headline(f"{label} check", checkpoint)
+    planned: dict[str, str] | None = None  # the plan's names, once planned (compared between the ranks)
     try:
         # -- phase 1: open, plan, validate the plan against the model's memory (nothing is modified) --------
         problems = new_problems()
@@ -202,6 +203,7 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
             _refuse_unsharded_fsdp1(model, modules)
             plan = build_plan(model, ckpt, prefix=prefix, strict=strict, dtype_policy=dtype_policy, weights=weights,
                               optimizer=optimizer, optim_prefix=optim_prefix, key_map=key_map, modules=modules)
+            planned = plan.stored_as
             problems.update(plan.problems)
             if "missing" in plan.problems or "unexpected" in plan.problems:
                 problems.add("looked_in", _subtrees_read(plan))
@@ -225,11 +227,13 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
                 weights_at = plan.model_report.prefix
                 extra = extras(ckpt, (weights_at, *extra_keys)) if weights_at else extras(
                     ckpt, extra_keys, tensors=False)  # weights at the top level (torchtitan): its other values
-            if dist.is_initialized() and dist.get_world_size(group) > 1:
-                same = _same_on_every_rank(ckpt, prefix=prefix, optim_prefix=optim_prefix, weights=weights,
-                                           optimizer=optimizer, strict=strict, check=check,
-                                           check_buffers=check_buffers, method=method, dtype_policy=dtype_policy,
-                                           stored_as=plan.stored_as, verify_checksums=verify_checksums)
+        with problems.guard():  # whatever failed above: what this rank learnt (a rank given another file fails on
+            if dist.is_initialized() and dist.get_world_size(group) > 1:  # what differs in it; the verdict says why)
+                called = {"prefix": prefix, "optim_prefix": optim_prefix, "weights": weights, "optimizer": optimizer,
+                          "strict": strict, "check": check, "check_buffers": check_buffers, "method": method,
+                          "dtype_policy": dtype_policy, "verify_checksums": verify_checksums}
+                same = _same_on_every_rank(None, stored_as=None, **called)  # (its texts, should the next one fail)
+                same = _same_on_every_rank(ckpt, stored_as=planned, **called)
         agree(problems, what, group, coverage=coverage, buffer_prints=prints, same=same, generic=label)
         assert ckpt is not None
         timings = {"plan": time.perf_counter() - t0}
@@ -318,18 +322,21 @@ _PARTLY_WRITTEN = {  # by whether the model's weights were restored too
 }
 
 
-def _same_on_every_rank(ckpt: Checkpoint, *, prefix: str | None, optim_prefix: str, weights: bool,
+def _same_on_every_rank(ckpt: Checkpoint | None, *, prefix: str | None, optim_prefix: str, weights: bool,
                         optimizer: torch.optim.Optimizer | None, strict: bool, check: bool, check_buffers: bool,
-                        method: str, dtype_policy: str, stored_as: dict[str, str], verify_checksums: bool
-                        ) -> list[tuple[str, str]]:
+                        method: str, dtype_policy: str, stored_as: dict[str, str] | None, verify_checksums: bool
+                        ) -> list[tuple[str | None, str]]:
     """What every rank of a restore must hold alike, for `agree`: the checkpoint's content (ranks that open it
     while it is replaced may each see a whole version but not the same one; copies on two nodes may differ)
     and each option that decides what is read where, as the call uses it (a rank with another one would read
     other bytes, or check other memory, with no error of its own; an option the call ignores is not compared):
     the model's names with the checkpoint's name for each (``stored_as``: what a key map gave; without one, the
     names themselves), so that maps passed in different forms with the same effect agree, and ranks that hold
-    different models are told so."""
-    pairs = [(ckpt.content_sample(), "the ranks opened different versions of the checkpoint (they were given different"
+    different models are told so. What a rank could not learn (``ckpt`` None: it failed to open the checkpoint;
+    ``stored_as`` None: to plan) is None, and left out of the comparison (`agree`); the texts are every rank's."""
+    pairs: list[tuple[str | None, str]] = [(
+        ckpt.content_sample() if ckpt is not None else None,
+        "the ranks opened different versions of the checkpoint (they were given different"
               " files, such as a path computed on each rank, or it was replaced while they opened it, or the copies"
               " they read differ): give every rank the same file and restore again")]
     ignored = "(not used)"  # every rank has every slot, in the same order: the messages are the same everywhere
@@ -337,7 +344,8 @@ def _same_on_every_rank(ckpt: Checkpoint, *, prefix: str | None, optim_prefix: s
         # check_buffers= decides only with the check: one slot, so that a rank differing in check= alone is told so
         "check": (bool(check), bool(check_buffers) if check else None), "optimizer": optimizer is not None,
         "dtype_policy": dtype_policy,
-        "model_prefix": (default_prefix(ckpt) if prefix is None else prefix) if weights else ignored,
+        "model_prefix": (prefix if prefix is not None else default_prefix(ckpt) if ckpt is not None else None)
+                        if weights else ignored,
         "strict": bool(strict) if weights or optimizer is not None else ignored,
         "method": method if weights else ignored,
         # compared with or without an optimizer: restore() also leaves that subtree out of what it returns, and a rank
@@ -349,9 +357,10 @@ def _same_on_every_rank(ckpt: Checkpoint, *, prefix: str | None, optim_prefix: s
             "model_prefix": " (or, where none was given, each rank found another in the file it opened: 'model' for a"
                             " file with a model subtree, else ''; were they given different files?)"}
     for name in sorted(options):
-        pairs.append((repr(options[name]), f"the ranks called the restore with different values of"
-                                           f" {name}={also.get(name, '')} (one value on every rank)"))
-    pairs.append((repr(zlib.crc32(json.dumps(sorted(stored_as.items())).encode())),
+        known = not (name == "model_prefix" and options[name] is None)
+        pairs.append((repr(options[name]) if known else None, f"the ranks called the restore with different values of"
+                                                              f" {name}={also.get(name, '')} (one value on every rank)"))
+    pairs.append((repr(zlib.crc32(json.dumps(sorted(stored_as.items())).encode())) if stored_as is not None else None,
                   "the ranks hold different models (other parameter or buffer names), or called the restore with"
                   " key_map= values that name them differently: every rank of the process group restores the same"
                   " model with the same key map; ranks that hold different parts of it (pipeline stages) each restore"

@@ -168,12 +168,14 @@ def agree(problems: Problems, what: str, group: dist.ProcessGroup | None = None,
     between ranks (``buffer_prints``: (name, fingerprint) pairs; ``prints_kind``: what they are, "buffers", or
     "replicas" for a save's replicated parameters), or a value of ``same`` (pairs ``(value, what it means if it
     differs)``, at most `MAX_SAME`: the checkpoint version each rank opened, the options it was called with) is not the
-    same text on every rank. Every rank calls it at the same point of the protocol, with its ``same`` in the
-    same order. ``what`` heads the error ("restore of run/x.safetensors"); where it is not the same text on every
-    rank (each rank was given its own file), ``generic`` ("restore") does instead, so that every rank raises the
-    same text.
+    same text on every rank that has one (a value None: this rank failed before it could say, and is left out of
+    that comparison). Every rank calls it at the same point of the protocol, with its ``same`` in the same order
+    and the same texts. Where ranks failed and also differ in a value of ``same`` (ranks given different files
+    fail on what differs between them), the difference is said first: it is the cause. ``what`` heads the error
+    ("restore of run/x.safetensors"); where it is not the same text on every rank (each rank was given its own
+    file), ``generic`` ("restore") does instead, so that every rank raises the same text.
 
-    Success costs one all-reduce of 33 integers. Failure costs a bounded number of small collectives,
+    Success costs one all-reduce of 45 integers. Failure costs a bounded number of small collectives,
     whatever the world size: no rank gathers anything per rank (see `_reports`). A rank whose ``problems`` met a
     KeyboardInterrupt raises that, from the verdict, once every rank has it."""
     try:
@@ -187,30 +189,38 @@ def agree(problems: Problems, what: str, group: dist.ProcessGroup | None = None,
 
 def _agree(problems: Problems, what: str, group: dist.ProcessGroup | None, *,
            coverage: dict[str, tuple[int, int]] | None, buffer_prints: list[tuple[str, int]] | None,
-           same: Sequence[tuple[str, str]], prints_kind: str = "buffers", generic: str | None = None) -> None:
+           same: Sequence[tuple[str | None, str]], prints_kind: str = "buffers", generic: str | None = None) -> None:
     if len(same) > MAX_SAME:
         raise ValueError(f"agree compares at most {MAX_SAME} values, not {len(same)}")
     rank, world = _rank(group)
     d1, d2 = coverage_digest(coverage or {})
     fp = sum(_print_weight(i) * v for i, (_, v) in enumerate(sorted(buffer_prints or []))) % FINGERPRINT_MODULUS
     n = len(buffer_prints or [])
-    slots = [zlib.crc32(value.encode()) % FINGERPRINT_MODULUS for value, _ in same]
-    slots += [0] * (MAX_SAME - len(slots))
-    slots.append(zlib.crc32(what.encode()) % FINGERPRINT_MODULUS)  # the headline: the last slot
-    values = [int(bool(problems)), d1, d2, fp, fp * fp, n, n * n] + [x for v in slots for x in (v, v * v)]
+    # each value as (v, v*v, 1), or (0, 0, 0) where this rank has none: compared among the ranks that have one
+    slots = [(zlib.crc32(value.encode()) % FINGERPRINT_MODULUS, 1) if value is not None else (0, 0)
+             for value, _ in same]
+    slots += [(0, 0)] * (MAX_SAME - len(slots))
+    head = zlib.crc32(what.encode()) % FINGERPRINT_MODULUS  # the headline: the last two integers
+    values = ([int(bool(problems)), d1, d2, fp, fp * fp, n, n * n] + [x for v, has in slots for x in (v, v * v, has)]
+              + [head, head * head])
     with _collective(what, "agreeing on the verdict"):
         summed = _all_reduce(values, group) if world > 1 else values
     failing, s1, s2, f1, f2, n1, n2 = summed[:7]
     if generic is not None and not _same_everywhere(summed[-2], summed[-1], world):
         what = generic
+    differing = [same[i][1] if i < len(same) else "(the ranks compared different values: a bug)"
+                 for i in range(MAX_SAME) if not _same_everywhere(*summed[7 + 3 * i:7 + 3 * i + 2], summed[9 + 3 * i])]
     if failing:
         with _collective(what, "collecting the failing ranks' problems"):
             reports, counts = _reports(problems.items, bool(problems), failing, group, rank, world)
+        if differing:  # the cause of the failures, first (each rank's own problem follows it)
+            reports = {"error": differing + reports.get("error", []),
+                       **{kind: texts for kind, texts in reports.items() if kind != "error"}}
+            if "error" in counts:
+                counts["error"] = (counts["error"][0] + len(differing), counts["error"][1])
         _raise(reports, what, counts=counts)
-    differing = [i for i in range(MAX_SAME) if not _same_everywhere(summed[7 + 2 * i], summed[8 + 2 * i], world)]
     if differing:
-        _raise({"error": [same[i][1] if i < len(same) else "(the ranks compared different values: a bug)"
-                          for i in differing]}, what)
+        _raise({"error": differing}, what)
     if s1 % DIGEST_PRIME or s2 % DIGEST_PRIME:
         with _collective(what, "finding the tensors the plans do not cover"):
             uncovered = _uncovered_names(coverage or {}, group, rank, world)
@@ -224,7 +234,7 @@ def _agree(problems: Problems, what: str, group: dist.ProcessGroup | None, *,
 
 def _same_everywhere(total: int, total_of_squares: int, world: int) -> bool:
     """Whether every rank contributed the same value, from the sums of the values and of their squares
-    over ``world`` ranks: equal exactly then (Cauchy-Schwarz)."""
+    over ``world`` ranks (or over the ranks that contributed one): equal exactly then (Cauchy-Schwarz)."""
     return world * total_of_squares == total * total
 
 

@@ -387,6 +387,48 @@ def test_ranks_given_a_training_checkpoint_and_a_weights_file_are_told_both(tmp_
     assert "different values of model_prefix=" in messages[0] and "were they given different files?" in messages[0]
 
 
+def _restore_own_file_with_optimizer(rank: int, world_size: int, paths: list) -> str:
+    from models import build, wrap
+
+    model = wrap(build("mlp", seed=1), "fsdp2", world_size)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}])
+    with pytest.raises(RestoreError) as info:
+        fsdp_restore.restore(model, paths[rank], optimizer=optimizer)
+    return str(info.value)
+
+
+def test_ranks_given_files_of_different_structure_are_told_so_first(tmp_path):
+    """Rank 1 given another run's checkpoint (one param group where rank 0's has two) failed on what differs in it
+    alone ("the checkpoint's optimizer has 1 param groups ... [rank 1]"), never saying the ranks had different
+    files: a rank that fails to plan now still says what it opened. A rank that cannot open its path at all says
+    only that (nothing it opened differs)."""
+    from models import build
+
+    model = build("mlp", seed=0)
+    paths = []
+    for groups in (2, 1):
+        params = list(model.parameters())
+        optimizer = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}] if groups == 2 else params)
+        model(torch.randn(3, 7)).sum().backward()
+        optimizer.step()
+        path = tmp_path / f"groups{groups}.safetensors"
+        fsdp_restore.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, path)
+        paths.append(path)
+    messages = run_ranks(_restore_own_file_with_optimizer, 2, paths)
+    assert len(set(messages)) == 1, messages
+    lines = messages[0].splitlines()
+    assert "opened different versions of the checkpoint" in lines[1], messages[0]  # first, then rank 1's own
+    assert "the checkpoint's optimizer has 1 param groups, the optimizer 2" in messages[0] and "[rank 1]" in lines[2]
+    missing = run_ranks(_restore_own_file_with_optimizer, 2, [paths[0], tmp_path / "nowhere.safetensors"])
+    assert len(set(missing)) == 1 and "nowhere.safetensors" in missing[0], missing
+    assert "different versions" not in missing[0] and "different values" not in missing[0], missing[0]
+    # both at once: the rank that opened nothing still says, word for word, what the other two differ in
+    both = run_ranks(_restore_own_file_with_optimizer, 3, [paths[0], tmp_path / "nowhere.safetensors", paths[1]])
+    assert len(set(both)) == 1 and "opened different versions of the checkpoint" in both[0], both
+    assert "nowhere.safetensors" in both[0] and "[rank 1]" in both[0] and "a bug" not in both[0], both[0]
+
+
 def _restore_with(rank: int, world_size: int, path, options: list) -> str:
     from models import build, wrap
 
