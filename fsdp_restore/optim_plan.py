@@ -204,7 +204,7 @@ def plan_optimizer(plan: ReadPlan, model: nn.Module, targets: Sequence[Target], 
                 optim.order[slot.param] = min(position.get(k, len(position)) for k in keys.values())
     for text in misfits:
         plan.add_problem("optimizer", text)
-    if misfits:
+    if len(misfits) > 1:  # (one alone is no other order: an order moves two at least; the line says what differs)
         plan.add_problem("optimizer", "the saved state above belongs to other parameters: torch.save(opt.state_dict())"
                          " numbers parameters in the optimizer's order, group by group; list each group's parameters"
                          " in the order the saved run did (or save with param_names: build the optimizer from"

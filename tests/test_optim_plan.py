@@ -178,6 +178,27 @@ def test_ids_whose_shapes_do_not_fit_are_refused_naming_them(tmp_path):
     assert "belongs to other parameters" in messages[0]
 
 
+def test_one_moment_of_another_shape_is_named_without_blaming_the_order(tmp_path):
+    """One saved moment of another shape (the rest fit) was followed by "the saved state above belongs to other
+    parameters ... list each group's parameters in the order the saved run did", a second problem that no other
+    order could cause."""
+    from models import build
+
+    model = build("mlp", seed=0)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 7)).sum().backward()
+    opt.step()
+    saved = opt.state_dict()
+    saved["state"][0]["exp_avg"] = saved["state"][0]["exp_avg"].t().contiguous()
+    fsdp_restore.save({"model": model.state_dict(), "optim": saved}, tmp_path / "ck.safetensors")
+    fresh = build("mlp", seed=1)
+    with pytest.raises(RestoreError) as info:
+        fsdp_restore.restore(fresh, tmp_path / "ck.safetensors", optimizer=torch.optim.AdamW(fresh.parameters()))
+    text = str(info.value)
+    assert "optimizer (1): param group 0, id 0 -> inp.weight [5, 7]: saved 'exp_avg' has shape [7, 5]" in text, text
+    assert "belongs to other parameters" not in text, text
+
+
 # ---- a Hugging Face Trainer output directory ----------------------------------------------------------
 
 
