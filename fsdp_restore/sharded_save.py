@@ -479,9 +479,9 @@ def _agree(problems: Any, what: str, group: dist.ProcessGroup | None,
            coverage: dict[str, tuple[int, int]] | None = None, header: str | None = None,
            died_hint: str | None = None, destination: str | None = None,
            replica_prints: list[tuple[str, int]] | None = None) -> None:
-    same = [(header, _DIFFERENT_HEADERS)] if header is not None else []
-    if destination is not None:  # the file name: a directory may be mounted under other paths on other nodes
-        same.append((destination, _DIFFERENT_DESTINATIONS))
+    # fixed slots, None where this rank has no value (it failed before it had one); the destination is the file's
+    # name alone: a directory may be mounted under other paths on other nodes
+    same = [(header, _DIFFERENT_HEADERS), (destination, _DIFFERENT_DESTINATIONS)]
     try:
         agree(problems, what, group, coverage=coverage, same=same, buffer_prints=replica_prints,
               prints_kind="replicas")

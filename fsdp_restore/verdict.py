@@ -161,7 +161,7 @@ MAX_SAME = 12  # values `agree` compares between ranks (``same``): a fixed numbe
 
 def agree(problems: Problems, what: str, group: dist.ProcessGroup | None = None, *,
           coverage: dict[str, tuple[int, int]] | None = None,
-          buffer_prints: list[tuple[str, int]] | None = None, same: Sequence[tuple[str, str]] = (),
+          buffer_prints: list[tuple[str, int]] | None = None, same: Sequence[tuple[str | None, str]] = (),
           prints_kind: str = "buffers", generic: str | None = None) -> None:
     """Raise the same `RestoreError` on every rank if any rank has a problem, the ranks' plans do not
     cover every tensor exactly (``coverage``: `check.coverage_terms`), a non-persistent buffer differs
@@ -171,11 +171,13 @@ def agree(problems: Problems, what: str, group: dist.ProcessGroup | None = None,
     same text on every rank that has one (a value None: this rank failed before it could say, and is left out of
     that comparison). Every rank calls it at the same point of the protocol, with its ``same`` in the same order
     and the same texts. Where ranks failed and also differ in a value of ``same`` (ranks given different files
-    fail on what differs between them), the difference is said first: it is the cause. ``what`` heads the error
+    fail on what differs between them), the difference is said first, it being the cause, where every rank holds
+    the same texts (a rank that failed at another point of the protocol, such as a bad argument refused at the
+    door, holds other ones or none: then the failures alone are said). ``what`` heads the error
     ("restore of run/x.safetensors"); where it is not the same text on every rank (each rank was given its own
     file), ``generic`` ("restore") does instead, so that every rank raises the same text.
 
-    Success costs one all-reduce of 45 integers. Failure costs a bounded number of small collectives,
+    Success costs one all-reduce of 47 integers. Failure costs a bounded number of small collectives,
     whatever the world size: no rank gathers anything per rank (see `_reports`). A rank whose ``problems`` met a
     KeyboardInterrupt raises that, from the verdict, once every rank has it."""
     try:
@@ -200,9 +202,10 @@ def _agree(problems: Problems, what: str, group: dist.ProcessGroup | None, *,
     slots = [(zlib.crc32(value.encode()) % FINGERPRINT_MODULUS, 1) if value is not None else (0, 0)
              for value, _ in same]
     slots += [(0, 0)] * (MAX_SAME - len(slots))
+    texts = zlib.crc32("\0".join(text for _, text in same).encode()) % FINGERPRINT_MODULUS  # what a difference says
     head = zlib.crc32(what.encode()) % FINGERPRINT_MODULUS  # the headline: the last two integers
     values = ([int(bool(problems)), d1, d2, fp, fp * fp, n, n * n] + [x for v, has in slots for x in (v, v * v, has)]
-              + [head, head * head])
+              + [texts, texts * texts, head, head * head])
     with _collective(what, "agreeing on the verdict"):
         summed = _all_reduce(values, group) if world > 1 else values
     failing, s1, s2, f1, f2, n1, n2 = summed[:7]
@@ -213,7 +216,7 @@ def _agree(problems: Problems, what: str, group: dist.ProcessGroup | None, *,
     if failing:
         with _collective(what, "collecting the failing ranks' problems"):
             reports, counts = _reports(problems.items, bool(problems), failing, group, rank, world)
-        if differing:  # the cause of the failures, first (each rank's own problem follows it)
+        if differing and _same_everywhere(summed[-4], summed[-3], world):  # the cause, first; each rank's own after
             reports = {"error": differing + reports.get("error", []),
                        **{kind: texts for kind, texts in reports.items() if kind != "error"}}
             if "error" in counts:

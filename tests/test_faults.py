@@ -429,6 +429,29 @@ def test_ranks_given_files_of_different_structure_are_told_so_first(tmp_path):
     assert "nowhere.safetensors" in both[0] and "[rank 1]" in both[0] and "a bug" not in both[0], both[0]
 
 
+def _refused_at_the_door_or_given_another_file(rank: int, world_size: int, paths: list) -> str:
+    from models import build, wrap
+
+    model = wrap(build("mlp", seed=1), "fsdp2", world_size)
+    with pytest.raises(RestoreError) as info:
+        fsdp_restore.restore_model(model, paths[rank], thread_count=0 if rank == 0 else None)
+    return str(info.value)
+
+
+def test_a_rank_refused_at_the_door_raises_the_same_text_as_ranks_given_different_files(tmp_path):
+    """Rank 0 refuses its own argument at the door (it compares nothing), ranks 1 and 2 were given different files:
+    the difference the two found is said only where every rank holds the same texts for it; rank 0 said "(the
+    ranks compared different values: a bug)" where the others named the files."""
+    from models import build
+
+    paths = []
+    for i, seed in enumerate((0, 0, 5)):
+        paths.append(tmp_path / f"m{i}.safetensors")
+        fsdp_restore.save(build("mlp", seed=seed).state_dict(), paths[-1])
+    messages = run_ranks(_refused_at_the_door_or_given_another_file, 3, paths)
+    assert len(set(messages)) == 1 and "thread_count" in messages[0] and "a bug" not in messages[0], messages
+
+
 def _restore_with(rank: int, world_size: int, path, options: list) -> str:
     from models import build, wrap
 

@@ -340,6 +340,11 @@ def _fault(rank, world_size, path, how, fault):
         sharded_save.preallocate = no_space  # the preallocation finds the disk full: before any rank writes
     if fault == "different header" and rank == 1:
         opt.param_groups[0]["lr"] = 0.5  # this rank's checkpoint would say another learning rate
+    if fault == "plan fails" and rank == 1:  # this rank has no header to compare: nothing said of headers
+        def failing_plan(*args, **kwargs):
+            raise RuntimeError("this rank's plan failed")
+
+        save_plan.build_write_plan = failing_plan
     t0 = time.perf_counter()
     with pytest.raises(SaveError) as info:
         save_sharded(model, path, optimizer=opt, extra=extra)
@@ -356,7 +361,8 @@ FAULTS = [("raise mid-write", "fsdp2", 3, "OSError: [Errno 28] no space left for
            " model.inp.weight"),
           ("not shared", "ddp", 2, "do not share one filesystem"),
           ("different header", "fsdp2", 3, "the ranks computed different checkpoint headers"),
-          ("disk full", "fsdp2", 2, "no space left for ckpt.safetensors in ")]
+          ("disk full", "fsdp2", 2, "no space left for ckpt.safetensors in "),
+          ("plan fails", "fsdp2", 2, "RuntimeError: this rank's plan failed [rank 1]")]
 
 
 @pytest.mark.parametrize("fault,how,world_size,expected", FAULTS, ids=[f[0].replace(" ", "-") for f in FAULTS])
@@ -370,8 +376,10 @@ def test_fault_every_rank_raises_the_same_error_and_the_old_file_stays(tmp_path,
     if "no space" in expected:  # said of the destination, with what it needs (it was the bare errno text)
         assert re.search(r"\(No space left on device\): the checkpoint needs \d+\.\d MB there; free some, or give"
                          r" a destination on another disk \[rank \d\]", text), text
-    if fault in ("wrong offset", "different header", "disk full"):
+    if fault in ("wrong offset", "different header", "disk full", "plan fails"):
         assert "(plan)" in text, text  # found before anything was written
+    if fault == "plan fails":  # (the other rank's header beside none, or the header slot's text for a destination)
+        assert "different checkpoint headers" not in text and "different destinations" not in text, text
     assert max(s for _, s in results) < 30, results
 
 
