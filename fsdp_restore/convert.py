@@ -276,8 +276,10 @@ def _descend(obj: Any, select: str) -> Any:
             matched = False
             for taken in range(1, len(parts) - i + 1):  # the shortest key first, dots and all
                 text = ".".join(parts[i:i + taken])
-                key = text if text in node else int(text) if text.lstrip("-").isdigit() and int(text) in node else None
-                if key is not None:
+                number = int(text) if text.lstrip("-").isdigit() and str(int(text)) == text else None
+                for key in (text, number):  # a str key, then an int one written the same way (never a bool: 1 == True)
+                    if key is None or key not in node or not any(type(k) is type(key) and k == key for k in node):
+                        continue
                     matched = True
                     found, value = walk(node[key], i + taken)
                     if found:

@@ -111,8 +111,10 @@ def _torch_index(directory: Path) -> Path | None:
     except FormatError:
         return index  # opened as the index it is, and said what is wrong with it
     siblings = {shard.with_suffix(".safetensors") for shard in weight_map.values()}
-    # (resolved, as read_index gives the shards: a relative directory, "hf/" or ".", finds them too)
-    return index if all(f.resolve() in siblings for f in directory.glob("*.safetensors")) else None
+    # (the directory resolved, as read_index resolves the shards: "hf/" or "." finds them too; the file itself not,
+    # so that a conversion linked in from elsewhere is still this directory's)
+    here = directory.resolve()
+    return index if all(here / f.name in siblings for f in directory.glob("*.safetensors")) else None
 
 
 def _resolve_files(path: Path) -> tuple[Path | None, list[Path]]:

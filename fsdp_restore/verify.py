@@ -235,15 +235,17 @@ def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | No
 
 
 def _another_source(recorded: dict[str, Any] | None, against: Any, report_path: Any) -> str | None:
-    """Where a comparison failed: that the file records another source than ``against`` (by name), the likely
-    cause. Said only of a failure (what the file records never makes a comparison pass)."""
-    name = recorded.get("name") if isinstance(recorded, dict) else None
-    if not isinstance(name, str) or name == Path(against).name:
+    """Where a comparison failed: that the file records another source than ``against``, the likely cause. Said
+    only of a failure (what the file records never makes a comparison pass), and only where the record shows it:
+    another name and another size (a source renamed since its conversion keeps its size)."""
+    name, size = (recorded.get("name"), recorded.get("size")) if isinstance(recorded, dict) else (None, None)
+    given = Path(against)
+    if not isinstance(name, str) or name == given.name or not isinstance(size, int) or not given.is_file():
         return None
-    size = recorded.get("size")
-    sized = f" ({size} bytes)" if isinstance(size, int) and not Path(against).is_dir() else ""
-    return (f"{Path(against).name} is not the source {Path(report_path).name} records: it was converted from"
-            f" {name}{sized}; compare it with that one, or convert {Path(against).name}")
+    if size == given.stat().st_size:
+        return None
+    return (f"{given.name} is not the source {Path(report_path).name} records: that was {name}, of {size} bytes"
+            f" ({given.name} has {given.stat().st_size}); compare it with that one, or convert {given.name}")
 
 
 class _Piecewise:
@@ -408,8 +410,8 @@ def _load_failure(e: Exception, path: Any, trust_pickle: bool) -> str:
 
 
 def _select(obj: Any, select: str | None) -> Any:
-    """The subtree at dotted path ``select``: dict keys (matched by their text: of the keys that the rest of the
-    path starts with, up to a dot, the shortest with which the rest is found, so that a key holding dots is
+    """The subtree at dotted path ``select``: dict keys, str or int (matched by their text: of the keys that the rest
+    of the path starts with, up to a dot, the shortest with which the rest is found, so that a key holding dots is
     found where no shorter key leads on; a str key before an int of the same text), list indices, attributes.
     A walker of its own, not `convert.select_subtree`: the oracle shares no code with what it checks."""
     stops: list[tuple[int, str]] = []  # (length of the path walked, why it stopped): the longest is said
@@ -419,7 +421,8 @@ def _select(obj: Any, select: str | None) -> Any:
             return True, node
         here = done or "<root>"
         if isinstance(node, dict):
-            matching = sorted((k for k in node if rest == str(k) or rest.startswith(f"{k}.")),
+            matching = sorted((k for k in node if type(k) in (str, int)  # (a bool or a float key: no path names it)
+                               and (rest == str(k) or rest.startswith(f"{k}."))),
                               key=lambda k: (len(str(k)), not isinstance(k, str)))
             if not matching:
                 stops.append((len(done), f"no key '{rest.split('.', 1)[0]}' at '{here}' (keys there:"

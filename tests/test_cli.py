@@ -62,7 +62,7 @@ def test_convert_verify_inspect(src, tmp_path):
     other = tmp_path / "other.pt"
     torch.save({"model": {"w": torch.zeros(8, 4)}, "optim": {"m": torch.zeros(8, 4)}, "step": 1}, other)
     wrong = run("verify", dst, "--against", other)  # the failure's likely cause, from what the file records
-    assert wrong.returncode == 1 and "\nhint: other.pt is not the source ck.safetensors records: it was converted from"\
+    assert wrong.returncode == 1 and "\nhint: other.pt is not the source ck.safetensors records: that was"\
         f" {src.name}" in wrong.stdout, wrong.stdout
     res = run("inspect", dst, "--json")
     assert res.returncode == 0 and '"tensors": 2' in res.stdout

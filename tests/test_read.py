@@ -269,6 +269,13 @@ def test_an_index_of_torch_shards_reads_their_conversions(tmp_path, monkeypatch)
         assert not report.missing and not report.unexpected
         state = fresh.state_dict()
         assert all(torch.equal(state[k], v) for k, v in oracle.items())
+    elsewhere = tmp_path.parent / f"{tmp_path.name}-kept"  # a conversion linked in from another directory
+    elsewhere.mkdir()
+    moved = shards[0].with_suffix(".safetensors")
+    moved.rename(elsewhere / moved.name)
+    moved.symlink_to(elsewhere / moved.name)
+    fresh = LlamaForCausalLM(model.config)
+    assert not fsdp_restore.restore_model(fresh, tmp_path).missing
     changed = torch.load(shards[0], weights_only=True)
     next(iter(changed.values())).add_(1)
     torch.save(changed, shards[0])  # the shard rewritten after its conversion, with other values

@@ -9,6 +9,8 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 import fsdp_restore
@@ -48,6 +50,32 @@ def test_a_select_path_whose_text_names_an_int_and_a_str_key_picks_the_same_one_
     assert torch.equal(fsdp_restore.load(out)["m"], torch.full((2,), 5.0))  # the str key's
     report = verify(out, against=src, select="optim.state.0")
     assert report.ok and report.compared == 1, report.problems
+
+
+_KEYS = st.one_of(st.sampled_from(["a", "b", "a.b", "b.a", "0", "1", "01", "-1", "a.0", "True"]),
+                  st.sampled_from([0, 1, -1, True, 1.5]))
+_TREES = st.recursive(st.integers(0, 9), lambda inner: st.one_of(
+    st.dictionaries(_KEYS, inner, max_size=4), st.lists(inner, max_size=3)), max_leaves=12)
+
+
+@settings(max_examples=400, deadline=None)
+@given(tree=_TREES, path=st.lists(st.sampled_from(["a", "b", "0", "1", "01", "-1", "True", "1.5"]), min_size=1,
+                                  max_size=4).map(".".join))
+def test_convert_and_verify_select_the_same_subtree(tree, path):
+    """convert's walker and verify's own (the oracle's) take the same subtree for any path over keys of every kind
+    (str keys holding dots or digits, int keys, bools and floats, which no path names), or both refuse it: they
+    disagreed where a str and an int key read the same and one of them lacked the rest of the path."""
+    from fsdp_restore.convert import _descend
+    from fsdp_restore.verify import _select
+
+    picked = []
+    for walker in (_descend, _select):
+        try:
+            picked.append(id(walker(tree, path)) if isinstance(walker(tree, path), (dict, list)) else
+                          ("leaf", walker(tree, path)))
+        except KeyError:
+            picked.append(KeyError)
+    assert picked[0] == picked[1], (tree, path, picked)
 
 
 @pytest.mark.parametrize("case", ["flat", "both", "shorter-lacks-it"])
@@ -140,13 +168,14 @@ def test_a_comparison_with_another_source_says_which_source_the_file_records(goo
     torch.save({"model": {"a": torch.zeros(100), "b": torch.ones(50, dtype=torch.int32)}, "step": 4}, other)
     report = verify(dst, against=other)
     assert not report.ok and len(report.problems) > 1
-    assert report.hint == (f"other.pt is not the source out.safetensors records: it was converted from src.pt"
-                           f" ({src.stat().st_size} bytes); compare it with that one, or convert other.pt")
+    assert report.hint == (f"other.pt is not the source out.safetensors records: that was src.pt, of"
+                           f" {src.stat().st_size} bytes (other.pt has {other.stat().st_size}); compare it with that"
+                           " one, or convert other.pt")
     renamed = tmp_path / "renamed.pt"  # the source under another name: the comparison passes, nothing said
     renamed.write_bytes(src.read_bytes())
     assert verify(dst, against=renamed).ok and verify(dst, against=renamed).hint is None
-    _flip(dst, "model.a")  # a failure against the recorded source: no note
-    assert verify(dst, against=src).hint is None
+    _flip(dst, "model.a")  # a failure against the recorded source, under its name or another: no note
+    assert verify(dst, against=src).hint is None and verify(dst, against=renamed).hint is None
 
 
 def test_missing_key(tmp_path):
