@@ -271,9 +271,12 @@ def check_seal(head: bytes, body: bytes, prefix: bytes, recorded: str | None, pa
     ``version``: the format version its metadata records; ``source``: the source identity it records (JSON),
     whose name the fix then gives; ``destination``: what to convert into (default ``path``)."""
     named = _recorded_name(source)
+    sharded = destination is not None  # an index: a set of shards, which only --max-shard-size makes again
     fix = (f"it can change values (a learning rate, a step, a shape) without touching any tensor, so it is not"
-           f" used; convert {f'its source ({named}, as it records)' if named else 'the source'} again"
-           f" (fsdp-restore convert {named or 'SRC'} {destination or path} --force)")
+           f" used; convert {f'its source ({named}, as it records)' if named else 'the source'} again with the"
+           f" options of its first conversion (fsdp-restore convert {named or 'SRC'} {destination or path}"
+           f"{' --max-shard-size SIZE' if sharded else ''} --force, plus --select or --dtype if it was converted"
+           f" with them)")
     if recorded is None and not body.startswith(prefix):
         if version is None or not (version.isascii() and version.isdigit()) or int(version) < SEALED_SINCE_VERSION:
             return

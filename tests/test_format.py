@@ -117,8 +117,8 @@ def test_a_modified_header_is_refused_by_verify_and_readers(tmp_path, old, new):
     assert any("header" in what and "modified" in what for _, what in report.problems), report.problems
     for reader in (fsdp_restore.load, fsdp_restore.inspect_checkpoint, fsdp_restore.open_checkpoint):
         with pytest.raises(FormatError, match=r"run\.safetensors.*header.*modified.*convert its source \(run\.pt, as"
-                                               r" it records\) again \(fsdp-restore convert run\.pt \S+run\.safetensors"
-                                               r" --force\)"):
+                                               r" it records\) again with the options of its first conversion"
+                                               r" \(fsdp-restore convert run\.pt \S+run\.safetensors --force, plus"):
             reader(dst)
 
 
@@ -128,7 +128,8 @@ def test_a_modified_index_is_refused(tmp_path):
     _, dst = _convert(tmp_path, sharded=True)
     _edit(dst / "model.safetensors.index.json", b"0.001", b"0.000")
     with pytest.raises(FormatError, match=r"index\.json.*header.*modified.*convert its source \(run\.pt, as it"
-                                           r" records\) again \(fsdp-restore convert run\.pt \S+run_dir --force\)"):
+                                           r" records\) again .*\(fsdp-restore convert run\.pt \S+run_dir"
+                                           r" --max-shard-size SIZE --force, plus --select or --dtype if"):
         fsdp_restore.load(dst)
     assert not fsdp_restore.verify(dst).ok
 
