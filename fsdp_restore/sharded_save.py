@@ -455,7 +455,7 @@ _DIED_HINT = ("every rank of the process group must call save_sharded (not only 
               " in a barrier or another collective, leaves the others waiting here until the timeout); otherwise find"
               " the rank that died in its own log and exit status (killed, out of memory, a crash) or the broken"
               " connection, fix that and save again; the checkpoint under the final name is untouched (a temporary"
-              " left by a rank 0 that died is removed by the next save or convert to that path)")
+              " left by a rank 0 that died is removed by the next save or convert to that path on its machine)")
 _DIED_AT_COMMIT_HINT = ("find the rank that died in its own log and exit status (killed, out of memory, a crash) or the"
                         " broken connection; rank 0 may have put the new checkpoint in place just before (it is"
                         " then whole: rank 0 renames only once every rank has written and fsynced its bytes):"

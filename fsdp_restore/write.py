@@ -1187,14 +1187,12 @@ def temporary_name(dst: Path, *, old: bool = False) -> str:
     return f".{dst.name}.tmp-{os.getpid()}-{_node()}-{'old-' if old else ''}{uuid.uuid4().hex[:8]}"
 
 
-def _writer_of(tmp: Path, dst: Path) -> tuple[str, str | None, bool]:
+def _writer_of(tmp: Path, dst: Path) -> tuple[str, str | None, bool] | None:
     """From a temporary's name: its writer's pid, its machine (None in names made before machines were named) and
-    whether it holds a moved-aside old version; read after the destination's own name, which may hold anything
-    ("-old-" included)."""
-    parts = tmp.name[len(f".{dst.name}.tmp-"):].split("-")
-    old = "old" in parts[1:-1]
-    node = parts[1] if len(parts) >= 3 and parts[1] != "old" else None
-    return parts[0], node, old
+    whether it holds a moved-aside old version; None where the name is no temporary of ``dst`` (the glob also finds
+    those of another destination whose name starts with this one's, such as ``ck.tmp-5`` beside ``ck``)."""
+    found = re.fullmatch(rf"\.{re.escape(dst.name)}\.tmp-(\d+)(?:-([0-9a-f]{{8}}))?-(old-)?[0-9a-f]{{8}}", tmp.name)
+    return (found[1], found[2], found[3] is not None) if found else None
 
 
 def _refuse_long_name(dst: Path) -> None:
@@ -1280,8 +1278,10 @@ def remove_stale_temporaries(dst: Path) -> list[Path]:
     (a shared file system) is kept, with a warning: whether its writer lives cannot be told from here.
     """
     removed, elsewhere = [], []
-    candidates = [(tmp, *_writer_of(tmp, dst)) for tmp in dst.parent.glob(f".{glob.escape(dst.name)}.tmp-*")]
-    candidates += [(old, "", None, True) for old in dst.parent.glob(f".{glob.escape(dst.name)}.old-*")]  # no pid
+    candidates = [(tmp, *writer) for tmp in dst.parent.glob(f".{glob.escape(dst.name)}.tmp-*")
+                  if (writer := _writer_of(tmp, dst)) is not None]
+    candidates += [(old, "", None, True) for old in dst.parent.glob(f".{glob.escape(dst.name)}.old-*")  # no pid
+                   if re.fullmatch(rf"\.{re.escape(dst.name)}\.old-[0-9a-f]{{8}}", old.name)]
     for tmp, pid, node, old in sorted(candidates, key=lambda c: not c[3]):  # moved-aside old versions first
         if node is not None and node != _node():
             elsewhere.append(tmp.name)

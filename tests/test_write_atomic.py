@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -323,6 +324,23 @@ def test_a_temporary_of_another_machine_is_kept_with_a_warning(tmp_path):
     with pytest.warns(UserWarning, match="on another machine"):
         save({"w": torch.ones(2)}, dst)  # a conversion beside them: written, and they are still there
     assert sorted(p for p in tmp_path.iterdir() if p != dst) == sorted(theirs)
+
+
+def test_temporaries_of_other_destinations_whose_names_start_alike_are_left_alone(tmp_path):
+    """The glob for ck.safetensors's temporaries also finds those of ck.safetensors.tmp-5 and ck.safetensors.old-1:
+    the first was warned of as another machine's, the second taken for a moved-aside old version of ck.safetensors
+    (renamed into its place when it was missing)."""
+    from fsdp_restore import write
+
+    dst = tmp_path / "ck.safetensors"
+    others = [tmp_path / f".ck.safetensors.tmp-5.tmp-{os.getpid()}-{write._node()}-0123abcd",
+              tmp_path / f".ck.safetensors.old-1.tmp-{_dead_pid()}-{write._node()}-0123abcd"]
+    for p in others:
+        p.write_bytes(b"another destination's")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert write.remove_stale_temporaries(dst) == []
+    assert sorted(tmp_path.iterdir()) == sorted(others) and not dst.exists()
 
 
 def test_the_temporaries_names_fit_what_the_door_allows():
