@@ -202,10 +202,10 @@ def _agree(problems: Problems, what: str, group: dist.ProcessGroup | None, *,
     slots = [(zlib.crc32(value.encode()) % FINGERPRINT_MODULUS, 1) if value is not None else (0, 0)
              for value, _ in same]
     slots += [(0, 0)] * (MAX_SAME - len(slots))
-    texts = zlib.crc32("\0".join(text for _, text in same).encode()) % FINGERPRINT_MODULUS  # what a difference says
+    wording = zlib.crc32("\0".join(text for _, text in same).encode()) % FINGERPRINT_MODULUS  # what a difference says
     head = zlib.crc32(what.encode()) % FINGERPRINT_MODULUS  # the headline: the last two integers
     values = ([int(bool(problems)), d1, d2, fp, fp * fp, n, n * n] + [x for v, has in slots for x in (v, v * v, has)]
-              + [texts, texts * texts, head, head * head])
+              + [wording, wording * wording, head, head * head])
     with _collective(what, "agreeing on the verdict"):
         summed = _all_reduce(values, group) if world > 1 else values
     failing, s1, s2, f1, f2, n1, n2 = summed[:7]

@@ -242,10 +242,11 @@ def _another_source(recorded: dict[str, Any] | None, against: Any, report_path: 
     given = Path(against)
     if not isinstance(name, str) or name == given.name or not isinstance(size, int) or not given.is_file():
         return None
-    if size == given.stat().st_size:
+    given_size = given.stat().st_size
+    if size == given_size:
         return None
     return (f"{given.name} is not the source {Path(report_path).name} records: that was {name}, of {size} bytes"
-            f" ({given.name} has {given.stat().st_size}); compare it with that one, or convert {given.name}")
+            f" ({given.name} has {given_size}); compare it with that one, or convert {given.name}")
 
 
 class _Piecewise:
