@@ -13,8 +13,9 @@ name and left untouched.
    uniformly (checked in one all-reduce, see verdict.py): a piece shifted by a row on one rank fails it.
 2. NaN fill and screen, in one of two ways. Memory the host writes itself (CPU): a `Ledger` on the
    read threads fills each chunk just before its read and screens it right after (overlapping the
-   other threads' I/O), and `settle` holds the chunks it filled and screened against the model's
-   memory: an element no such chunk covered was never read, whatever the executor says. GPU memory
+   other threads' I/O; a read straight into the model's memory does both in `screened_read`, window by
+   window), and `settle` holds the chunks it filled and screened against the model's memory: an
+   element no such chunk covered was never read, whatever the executor says. GPU memory
    and the ``FSDP.apply`` route: `poison` every element in one pass before the reads, `screen` every
    element in one pass after (one reduction per chunk, one device sync per restore).
 3. Only suspicious chunks are examined element by element, and NaN that the file itself holds
@@ -38,6 +39,7 @@ from torch import nn
 
 from .plan import OptimizerPlan, ReadItem, ReadPlan
 from .read import Checkpoint
+from .screened_read import floating, nan_sum, scalar
 from .shards import (_fsdp1_units, _join, clean_name, ddp_prefix, local_tensor, module_walk,
                      named_parameters_of)
 
@@ -93,26 +95,6 @@ class CheckResult:
     unrestored: list[str] = field(default_factory=list)  # "name (k elements)" never written
     nan_in_checkpoint: list[str] = field(default_factory=list)  # restored NaN that the file holds
     checked_elements: int = 0
-
-
-# floating formats with no NaN (a NaN fill cannot mark them): covered by the validated plan, as integers are
-_NO_NAN = frozenset(getattr(torch, name) for name in ("float4_e2m1fn_x2",) if hasattr(torch, name))
-# formats torch holds NaN in but cannot sum (float8): screened with isnan instead
-_NO_SUM = frozenset(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
-                                                      "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, name))
-
-
-def floating(dtype: torch.dtype) -> bool:
-    """Whether memory of ``dtype`` can hold the check's NaN."""
-    return (dtype.is_floating_point or dtype.is_complex) and dtype not in _NO_NAN
-
-
-def _nan_sum(t: torch.Tensor) -> torch.Tensor:
-    """A 0-dim tensor that is NaN when ``t`` holds a NaN: its sum (one vectorized pass, no temporary; a false
-    alarm from inf - inf is cleared by the exact look), or NaN / 0 from isnan where torch cannot sum the dtype."""
-    if t.dtype in _NO_SUM:
-        return torch.where(torch.isnan(t).any(), float("nan"), 0.0)
-    return t.sum()
 
 
 # ---- what to cover, from the model itself ----------------------------------------------------------
@@ -429,7 +411,7 @@ def screen(storages: Sequence[Storage], plan: ReadPlan, ckpt: Checkpoint, thread
     for batch in batches:
         norms = torch._foreach_norm([chunks[i] for i in batch], 1)
         found.append((batch, torch.isnan(torch.stack(norms))))
-    sums = _run(_nan_sum, [chunks[i] for i in rest], threads)
+    sums = _run(nan_sum, [chunks[i] for i in rest], threads)
     if sums:
         found.append((rest, torch.isnan(torch.stack([(s.real + s.imag if s.is_complex() else s).float()
                                                      for s in sums]))))
@@ -460,6 +442,16 @@ class Ledger:
                 dest.fill_(float("nan"))  # an element the read fails to write stays NaN
         self._open.dests = [(d.data_ptr(), d.numel()) for d in dests]
 
+    def read(self, ckpt: Checkpoint, parts: list[tuple[str, int, torch.Tensor]]) -> None:
+        """Read ``parts`` (``(key, first element, dest)``, back to back in one file, straight into CPU memory of
+        the stored dtype: `Checkpoint.read_contiguous`) with every floating dest filled with NaN just before and
+        screened right after, and record them as `after` does: a floating dest only where the read says it
+        filled and screened all its bytes (`settle` reports the others)."""
+        dests = [d for _, _, d in parts]
+        found, filled = ckpt.read_contiguous(parts, screen=True)
+        self._record([d for d, n in zip(dests, filled) if not floating(d.dtype) or n == d.numel() * d.element_size()],
+                     [dests[i] for i in found])
+
     def after(self, dests: list[torch.Tensor]) -> None:
         opened = getattr(self._open, "dests", None)
         self._open.dests = None
@@ -467,21 +459,17 @@ class Ledger:
             return  # not poisoned just before: not covered (settle reports it unless another read was)
         # one sum and one scalar per destination (a ledger is kept for host memory only, where a scalar costs
         # no device sync): a stack + isnan + any per read cost more Python than the sums
-        suspicious = any(math.isnan(_scalar(_nan_sum(d))) for d in dests if floating(d.dtype) and d.numel())
+        suspicious = any(math.isnan(scalar(nan_sum(d))) for d in dests if floating(d.dtype) and d.numel())
+        self._record(dests, [d for d in dests if floating(d.dtype) and d.numel()] if suspicious else [])
+
+    def _record(self, dests: list[torch.Tensor], flagged: list[torch.Tensor]) -> None:
+        """``dests`` poisoned and screened (covered), ``flagged`` of them holding NaN after (examined in `settle`)."""
         found = [(self.index.find(d.data_ptr()), d) for d in dests if d.numel()]
         with self._lock:
             for where, d in found:
                 if where is not None:
                     self.covered.setdefault(id(where[0]), []).append((where[1], d.numel()))
-            if suspicious:
-                self.flagged.extend(d for d in dests if floating(d.dtype) and d.numel())
-
-
-def _scalar(total: torch.Tensor) -> float:
-    """A sum as a float that is NaN when the sum is (a complex sum: when either part is)."""
-    if total.is_complex():
-        return float(total.real) + float(total.imag)
-    return float(total)
+            self.flagged.extend(flagged)
 
 
 def settle(storages: Sequence[Storage], plan: ReadPlan, ckpt: Checkpoint, ledger: Ledger) -> CheckResult:

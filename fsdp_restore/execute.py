@@ -259,6 +259,18 @@ class _Worker:
         if run:
             self.ckpt.read_contiguous(run)
 
+    def direct(self, group: Sequence[Chunk],
+               dests: Sequence[torch.Tensor]) -> list[tuple[str, int, torch.Tensor]] | None:
+        """``group``'s reads as `read_group` would make them in one `Checkpoint.read_contiguous` (``(key, first
+        element, dest)``, straight into CPU memory of the stored dtype, none aliased), or None where it would not."""
+        parts = []
+        for c, dest in zip(group, dests):
+            if (c.rows > 1 or not dest.is_cpu or dest.dtype != c.entry.dtype
+                    or self._detour(c.count * c.entry.itemsize, dest.data_ptr(), c.offset)):
+                return None
+            parts.append((c.item.key, c.src_start, dest))
+        return parts
+
     def _detour(self, nbytes: int, dest_ptr: int, file_offset: int) -> bool:
         """Whether a direct read of ``nbytes`` into memory at ``dest_ptr`` would be an aliased copy worth the detour
         through staging (which also needs room: a chunk of at most the staging size)."""
@@ -434,16 +446,19 @@ def overflow_message(overflowed: dict[str, int]) -> str:
 
 def execute_reads(ckpt: Checkpoint, items: Sequence[ReadItem], threads: int = DEFAULT_READ_THREADS, *,
                   before: Callable[[list[torch.Tensor]], None] | None = None,
-                  after: Callable[[list[torch.Tensor]], None] | None = None, poison_staging: bool = False,
-                  chunk_bytes: int | None = None) -> None:
+                  after: Callable[[list[torch.Tensor]], None] | None = None,
+                  screened: Callable[[list[tuple[str, int, torch.Tensor]]], None] | None = None,
+                  poison_staging: bool = False, chunk_bytes: int | None = None) -> None:
     """Run every read of ``items`` on ``threads`` threads; positional reads release the GIL, so reads
     overlap each other and the copies into device memory. Marks each item done once all its
     chunks were read; the first failed read raises. ``before`` / ``after`` are called with the
     destinations of each read (a group of chunks, `grouped`) on the thread that reads it, just before and
     right after the read (the check's ledger: host memory only, where the read is complete when it
-    returns). ``poison_staging``: keep staging buffers NaN between uses (the check is on), so that no
-    stale bytes can pass for a read. ``chunk_bytes``: the most one read (a chunk, a group) takes, default
-    `READ_CHUNK_BYTES` (the ledger's caller passes `cache_chunk_bytes`)."""
+    returns); ``screened``, where given, takes instead the groups read straight into host memory of the stored
+    dtype (`_Worker.direct`: ``(key, first element, dest)`` each), to read them itself (`check.Ledger.read`,
+    which fills and screens as it reads). ``poison_staging``: keep staging buffers NaN between uses (the check
+    is on), so that no stale bytes can pass for a read. ``chunk_bytes``: the most one read (a chunk, a group)
+    takes, default `READ_CHUNK_BYTES` (the ledger's caller passes `cache_chunk_bytes`)."""
     devices = {item.dest.device for item in items if item.dest.numel()}
     device = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
     cuda = device.type == "cuda"
@@ -468,6 +483,9 @@ def execute_reads(ckpt: Checkpoint, items: Sequence[ReadItem], threads: int = DE
 
     def read(group: list[Chunk]) -> None:
         dests = [c.dest() for c in group]
+        if screened is not None and (parts := worker().direct(group, dests)) is not None:
+            screened(parts)
+            return
         if before is not None:
             before(dests)
         if dests[0].device != device:  # items on several devices (rare): one-off staging on this thread

@@ -37,8 +37,8 @@ from .flatten import (STRUCTURE_VERSION, flat_structure, iter_nodes_with_keys, s
 from .format import (DEFAULT_INDEX_NAME, INDEX_SUFFIX, META_CAST, META_CHECKSUMS, META_HEADER_CRC, META_SET_ID,
                      META_SOURCE, META_STRUCTURE, MISSING, PT_SUFFIXES, SAFETENSORS, TORCH_LEGACY, TORCH_ZIP,
                      TRUNCATED_FIX, FileHeader, TensorEntry, detect, parse_json, read_header, read_index)
-from .mapped import IOV_MAX
 from .provenance import mismatch
+from .screened_read import pread_all, pread_screened
 
 # Rows at least this long are read with one positional read each; shorter rows (a column block of a
 # wide matrix: thousands of rows of a few KiB) are copied out of a mapping of their span in one strided
@@ -455,10 +455,13 @@ class Checkpoint:
         into ``dest`` (a contiguous CPU tensor of the entry's dtype), with positional reads."""
         self.read_contiguous([(key, elem_start, dest)])
 
-    def read_contiguous(self, parts: Sequence[tuple[str, int, torch.Tensor]]) -> None:
+    def read_contiguous(self, parts: Sequence[tuple[str, int, torch.Tensor]], *,
+                        screen: bool = False) -> tuple[list[int], list[int]]:
         """Read several ranges that lie back to back in one file, ``(key, first element, dest)`` each (as
         `read_range`), with one scattering ``preadv``: small tensors stored next to each other cost one
-        system call, not one each."""
+        system call, not one each. ``screen``: fill every dest that can hold NaN with NaN just before the read
+        and screen it right after (`screened_read.pread_screened`, the check's read); returns the indices of
+        the parts so screened that hold NaN and each part's bytes filled and screened (([], []) unscreened)."""
         # once per chunk of every restore: attribute lookups on the tensor kept to the cheap ones (``is_cpu``, not
         # ``device.type``; the entry's own ``numel`` and ``itemsize``), and the byte view made from the pointer
         views: list[Any] = []
@@ -466,7 +469,9 @@ class Checkpoint:
         entries = self.entries
         file: Path | None = None
         start = end = 0
-        for key, elem_start, dest in parts:
+        kept: list[int] = []  # the parts read (empty ones are not): their indices in ``parts``
+        dests: list[torch.Tensor] = []
+        for i, (key, elem_start, dest) in enumerate(parts):
             entry = entries.get(key)
             if entry is None:
                 self._entry(key)  # raises, naming the file
@@ -487,11 +492,25 @@ class Checkpoint:
             views.append((ctypes.c_char * nbytes).from_address(dest.data_ptr()))  # a writable buffer: what preadv needs
             keys.append(key)
             end += nbytes
+            kept.append(i)
+            dests.append(dest)
         if file is None:
-            return
-        _pread_into(self._fd(file), views, start, file, keys)
+            return [], [0] * len(parts) if screen else []
+        flagged: list[int] = []
+        filled: list[int] = []
+        if not screen:
+            _pread_into(self._fd(file), views, start, file, keys)
+        else:
+            got, found, counts = pread_screened(self._fd(file), dests, start, views)
+            if got < end - start:
+                _truncated(file, views, keys, start, got)
+            flagged = [kept[j] for j in found]
+            filled = [0] * len(parts)
+            for j, count in zip(kept, counts):
+                filled[j] = count
         with self._lock:
             self.bytes_read += end - start
+        return flagged, filled
 
     def read_rows(self, key: str, elem_start: int, dest: torch.Tensor, rows: int, stride: int) -> None:
         """Read ``rows`` runs of ``dest.numel() // rows`` elements of tensor ``key``, the first at flat
@@ -630,18 +649,20 @@ def _pread_into(fd: int, views: list[Any], offset: int, file: Path, keys: list[s
     """Fill ``views`` (writable byte buffers: memoryviews, ctypes arrays; the tensors ``keys``, back to back in
     ``file``) from ``offset`` of ``fd``: scattering positional reads, again where the kernel returns less; a file
     that ends early names the tensor."""
-    views, keys = list(views), list(keys)
-    while views:
-        got = os.preadv(fd, views[:IOV_MAX], offset)
-        if got == 0:
-            raise FormatError(file, f"tensor '{keys[0]}': file ends at byte {offset} (truncated?): {TRUNCATED_FIX}")
-        offset += got
-        while views and got >= len(views[0]):
-            got -= len(views[0])
-            views.pop(0)
-            keys.pop(0)
-        if views and got:  # (a ctypes array's slice would be a copy: its bytes view is sliced instead)
-            views[0] = memoryview(views[0]).cast("B")[got:]
+    got = pread_all(fd, list(views), offset)
+    if got < sum(len(v) for v in views):
+        _truncated(file, views, keys, offset, got)
+
+
+def _truncated(file: Path, views: Sequence[Any], keys: Sequence[str], offset: int, got: int) -> NoReturn:
+    """Raise the error of a read of ``views`` (the tensors ``keys``) from ``offset`` that got ``got`` bytes: the
+    file ends in the tensor after them."""
+    for view, key in zip(views, keys):
+        if got < len(view):
+            break
+        got -= len(view)
+        offset += len(view)
+    raise FormatError(file, f"tensor '{key}': file ends at byte {offset + got} (truncated?): {TRUNCATED_FIX}")
 
 
 def _writable_bytes(t: torch.Tensor) -> memoryview:

@@ -15,6 +15,7 @@ Any exception on any rank in either phase becomes the same `RestoreError` on eve
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -262,7 +263,8 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
                                      else "", threads=threads)
                 elif ledger is not None:
                     execute_reads(ckpt, plan.items, threads, before=ledger.before, after=ledger.after,
-                                  poison_staging=True, chunk_bytes=cache_chunk_bytes(threads))
+                                  screened=functools.partial(ledger.read, ckpt), poison_staging=True,
+                                  chunk_bytes=cache_chunk_bytes(threads))
                 else:
                     execute_reads(ckpt, plan.items, threads, poison_staging=check)
                 for module, state in extra_states:  # as load_state_dict gives them, with the tensors

@@ -102,8 +102,16 @@ def worker(rank: int, world_size: int, path: str, mb: float, repeat: int, thread
             seconds[method].append(time.perf_counter() - t0)
     os.close(fd)
     pool.shutdown()
+    package = Path(fsdp_restore.__file__).parent
+    if (package / "screened_read.py").exists():
+        from fsdp_restore.screened_read import native
+    else:  # a tree from before the check's native read (not imported: an editable install would find the other's)
+        def native() -> bool:
+            return False
+    # which tree the ranks ran: the ranks' forkserver puts its working directory first on the path, so an A/B of
+    # two trees runs each from its own directory
     return {"rank": rank, "bytes": local, "tensors": len(list(model.parameters())), "seconds": seconds,
-            "timings": timings}
+            "timings": timings, "package": str(package), "native": native()}
 
 
 def _model_reads(model: torch.nn.Module, path: str) -> list[tuple[int, list[memoryview]]]:
@@ -167,6 +175,9 @@ def main() -> None:
                             [f"{phase['plan']:.3f}", f"{phase['plan'] / rank0['tensors'] * 1e6:.0f}",
                              f"{phase['read']:.3f}", f"{phase['check']:.3f}", f"{phase['checksums']:.3f}"]))
     console.print(table)
+    ran = {(r["package"], r["native"]) for per_rank in results["world_sizes"].values() for r in per_rank}
+    console.print("the ranks ran " + "; ".join(f"{package} (the check's native read: {'on' if on else 'off'})"
+                                               for package, on in sorted(ran)))
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
 

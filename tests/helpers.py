@@ -149,3 +149,23 @@ class SecondThreadGate:
         with self._lock:
             self._threads.clear()
             self._arrived.clear()
+
+
+def reading_all_but(real_read: Any, skipped: Any) -> Any:
+    """A stand-in for `Checkpoint.read_contiguous` (``real_read``) whose read returns without writing a byte of
+    the parts ``skipped(part)`` picks, and says so as the real one would (nothing flagged, no byte filled and
+    screened: the check's read): the other parts are read one by one."""
+
+    def read(self: Any, parts: Any, **options: Any) -> Any:
+        flagged: list[int] = []
+        filled: list[int] = []
+        for i, part in enumerate(parts):
+            if skipped(part):
+                filled.append(0)
+                continue
+            found, counts = real_read(self, [part], **options)
+            flagged += [i] if found else []
+            filled += counts or [0]
+        return flagged, filled if options.get("screen") else []
+
+    return read

@@ -13,6 +13,7 @@ import pytest
 import torch
 from dist import GPU, backends, cases, run_ranks
 from models import build, converted, wrap
+from helpers import reading_all_but
 
 import fsdp_restore
 import fsdp_restore.execute  # the package imports its modules on first use: this one is used by name below
@@ -59,14 +60,8 @@ def _inject(fault: str, rank: int) -> None:
     if fault == "silent-read" and rank == 1:  # the lowest-level read returns without writing a byte
         from fsdp_restore.read import Checkpoint
 
-        real_read = Checkpoint.read_contiguous
-
-        def read_nothing_for_victim(self, parts):
-            for part in parts:
-                if part[0] != f"model.{VICTIM}":
-                    real_read(self, [part])
-
-        Checkpoint.read_contiguous = read_nothing_for_victim
+        Checkpoint.read_contiguous = reading_all_but(Checkpoint.read_contiguous,
+                                                     lambda part: part[0] == f"model.{VICTIM}")
     if fault == "skipped-chunk" and rank == 1:  # the executor drops the victim's chunks, yet marks it done
         real_chunked = execute.chunked
         execute.chunked = lambda items, ckpt, *rest: [c for c in real_chunked(items, ckpt, *rest)
@@ -336,9 +331,8 @@ def test_a_float8_model_restores_checked_and_a_silent_read_is_named(tmp_path, mo
     fsdp_restore.restore_model(restored, tmp_path / "f8.safetensors", method=method)
     for name, tensor in restored.state_dict().items():
         assert tensor.dtype == oracle[name].dtype and torch.equal(tensor.view(torch.uint8), oracle[name].view(torch.uint8))
-    real_read = Checkpoint.read_contiguous
     monkeypatch.setattr(Checkpoint, "read_contiguous",
-                        lambda self, parts: real_read(self, [p for p in parts if p[0] != "1.weight"]))
+                        reading_all_but(Checkpoint.read_contiguous, lambda part: part[0] == "1.weight"))
     with pytest.raises(RestoreError, match=re.escape("1.weight (512 elements)")):
         fsdp_restore.restore_model(model(1), tmp_path / "f8.safetensors", method=method)
 

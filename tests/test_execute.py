@@ -13,7 +13,7 @@ from fsdp_restore import execute
 from fsdp_restore.execute import chunked, grouped
 from fsdp_restore.plan import build_plan
 from fsdp_restore.read import Checkpoint
-from helpers import SecondThreadGate
+from helpers import SecondThreadGate, reading_all_but
 
 
 class Mixed(torch.nn.Module):
@@ -96,16 +96,13 @@ def test_grouped_reads_restore_exactly(stored, dtype, threads):
     assert report.bytes_read == sum(t.numel() * t.element_size() for t in expected.values())
 
 
-def test_a_read_that_skips_one_tensor_of_a_group_is_caught(stored, monkeypatch):
-    """The lowest-level read drops one small tensor of a group: the check names it."""
-    real = Checkpoint.read_contiguous
-
-    def skip_one(self, parts):
-        for part in parts:
-            if part[0] != "small.150":
-                real(self, [part])
-
-    monkeypatch.setattr(Checkpoint, "read_contiguous", skip_one)
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "python"])
+def test_a_read_that_skips_one_tensor_of_a_group_is_caught(stored, monkeypatch, native):
+    """The lowest-level read drops one small tensor of a group (neither filled nor read nor screened, and says
+    so): the check names it, with the check's read native or in Python."""
+    monkeypatch.setenv("FSDP_RESTORE_NATIVE", native)
+    monkeypatch.setattr(Checkpoint, "read_contiguous",
+                        reading_all_but(Checkpoint.read_contiguous, lambda part: part[0] == "small.150"))
     with pytest.raises(fsdp_restore.RestoreError, match=r"not restored.*small\.150"):
         fsdp_restore.restore_model(Mixed(), stored)
 
@@ -311,15 +308,15 @@ def test_a_worker_that_fails_to_finish_neither_hides_the_failed_read_nor_leaves_
     real = Checkpoint.read_contiguous
     wait_for_a_second_reader = SecondThreadGate()
 
-    def gated(self, parts):
+    def gated(self, parts, **options):
         wait_for_a_second_reader()
-        real(self, parts)
+        return real(self, parts, **options)
 
-    def fail_one(self, parts):
+    def fail_one(self, parts, **options):
         wait_for_a_second_reader()
         if any(part[0] == "small.150" for part in parts):
             raise OSError(5, "Input/output error")
-        real(self, parts)
+        return real(self, parts, **options)
 
     monkeypatch.setattr(Checkpoint, "read_contiguous", fail_one)
     with pytest.raises(fsdp_restore.RestoreError, match="Input/output error") as info:

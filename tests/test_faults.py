@@ -537,21 +537,21 @@ def test_ranks_holding_different_models_are_told_so(tmp_path, key_map):
 
 
 def _read_fails_half_way(rank: int, world_size: int, path) -> str:
-    import os as os_module
-
     from models import build, wrap
 
-    model = wrap(build("mlp", seed=1), "fsdp2", world_size)
-    if rank == 1:
-        real, calls = os_module.preadv, [0]
+    from fsdp_restore.read import Checkpoint
 
-        def fails_later(fd, buffers, offset):
+    model = wrap(build("mlp", seed=1), "fsdp2", world_size)
+    if rank == 1:  # the third read fails (the lowest read the check's C read and the plain one share)
+        real, calls = Checkpoint.read_contiguous, [0]
+
+        def fails_later(self, parts, **options):
             calls[0] += 1
             if calls[0] > 2:
                 raise OSError(5, "Input/output error (injected)")
-            return real(fd, buffers, offset)
+            return real(self, parts, **options)
 
-        os_module.preadv = fails_later
+        Checkpoint.read_contiguous = fails_later
     with pytest.raises(RestoreError) as info:
         fsdp_restore.restore_model(model, path, thread_count=1)
     return str(info.value)

@@ -206,11 +206,12 @@ def _restore_with_swapping_reader(rank, world_size, path, verify):
     if rank == 1:
         real = Checkpoint.read_contiguous
 
-        def swapping(self, parts):
-            real(self, parts)
+        def swapping(self, parts, **options):
+            result = real(self, parts, **options)
             for key, _, dest in parts:
                 if key == VICTIM and dest.numel() >= 2:
                     dest[:2] = dest[:2].flip(0).clone()
+            return result
 
         Checkpoint.read_contiguous = swapping
     return _restore(rank, world_size, path, "fsdp2", {"verify_checksums": verify})

@@ -42,10 +42,10 @@ def _inject(fault: str) -> None:
     if fault == "read-runtime-error":
         real = Checkpoint.read_contiguous
 
-        def failing_read(self, parts):
+        def failing_read(self, parts, **options):
             if any(key.startswith(("model.", "optim.state")) for key, _, _ in parts):  # what the plan reads
                 raise RuntimeError("injected read failure")
-            real(self, parts)
+            return real(self, parts, **options)
         Checkpoint.read_contiguous = failing_read
     elif fault == "plan-type-error":
         def failing_plan(*args, **kwargs):

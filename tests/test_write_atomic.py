@@ -93,11 +93,12 @@ def test_sharded_set_replaced_mid_restore_is_one_version_or_an_error(tmp_path):
     replaced = []
     read_contiguous = ckpt.read_contiguous
 
-    def read_then_replace(parts):
-        read_contiguous(parts)
+    def read_then_replace(parts, **options):
+        result = read_contiguous(parts, **options)
         if not replaced:  # the first read done: a writer replaces the whole directory now
             save({"model": _model(2.0).state_dict()}, dst, max_shard_size=4500)
             replaced.append(True)
+        return result
 
     ckpt.read_contiguous = read_then_replace
     model = _model(0.0)
