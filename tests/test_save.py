@@ -401,8 +401,8 @@ def _unfaithful_storage(rank, world_size, path, fault):
             calls[0] += 1
             if calls[0] != 1:
                 return real(fd, data, offset)
-            if fault == "misplaced":
-                return real(fd, data, offset + 4)
+            if fault == "misplaced":  # 4 bytes on, inside its own range: a spill into the next tensor would race
+                return real(fd, memoryview(data).cast("B")[:-4], offset + 4)  # with that tensor's own write
             return None  # lost: the preallocated zeros stay
 
         sharded_save._pwrite_all = unfaithful
