@@ -126,15 +126,17 @@ static PyObject *pread_screened(PyObject *self, PyObject *args) {
         return PyErr_NoMemory();
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        unsigned long long address, nbytes, itemsize;
+        unsigned long long address;
+        Py_ssize_t nbytes, itemsize;
         int kind;
         PyObject *item = PySequence_Fast_GET_ITEM(fast, i);
-        if (!PyArg_ParseTuple(item, "KKiK;pread_screened: each buffer is (address, nbytes, kind, itemsize)",
+        if (!PyArg_ParseTuple(item, "Knin;pread_screened: each buffer is (address, nbytes, kind, itemsize)",
                               &address, &nbytes, &kind, &itemsize)) {
             goto fail;
         }
-        if (kind < KIND_NONE || kind > KIND_LAST || itemsize == 0 || nbytes % itemsize) {
-            PyErr_Format(PyExc_ValueError, "pread_screened: buffer %zd: kind %d, %llu bytes of %llu-byte items",
+        /* (signed sizes, range-checked by the parser: a negative one would wrap to a huge unsigned length) */
+        if (kind < KIND_NONE || kind > KIND_LAST || nbytes < 0 || itemsize <= 0 || nbytes % itemsize) {
+            PyErr_Format(PyExc_ValueError, "pread_screened: buffer %zd: kind %d, %zd bytes of %zd-byte items",
                          i, kind, nbytes, itemsize);
             goto fail;
         }

@@ -424,10 +424,14 @@ class Ledger:
     each read's destinations just before reading into them and `after` right after, so the NaN fill
     and the screen run while other threads wait for the disk, on memory still in cache.
 
-    The ledger does not trust the executor: it records the chunks it poisoned *and* screened, and
+    The ledger does not trust the executor: it records the chunks poisoned *and* screened, and
     `settle` holds them against the model's memory. An element of a storage that no such chunk
     covered was never read (a lost piece, a skipped chunk) and is reported, without needing NaN; an
-    element that a chunk covered was NaN just before the read and is screened just after."""
+    element that a chunk covered was NaN just before the read and is screened just after. One limit: for
+    reads straight into host memory (`read`) the fill, the read and the screen are one call,
+    `Checkpoint.read_contiguous(screen=True)`, and the ledger takes its word for the bytes it filled and
+    screened; a bug there that skipped a part and said it had not is caught, one that claimed it had is not
+    (a read that returns without writing, below it, is)."""
 
     def __init__(self, storages: Sequence[Storage]) -> None:
         self.index = _StorageIndex(storages)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import sysconfig
 
 import pytest
 import torch
@@ -142,6 +143,8 @@ def test_the_extension_refuses_a_buffer_it_cannot_screen():
     dest = torch.zeros(10)
     with pytest.raises(ValueError, match="kind 9"):
         screened_read._screened.pread_screened(0, [(dest.data_ptr(), 40, 9, 4)], 0, 4096)
+    with pytest.raises(ValueError, match="-4 bytes of 4-byte items"):  # (it wrapped to 2**64 - 4 and overran)
+        screened_read._screened.pread_screened(0, [(dest.data_ptr(), -4, 3, 4)], 0, 4096)
     with pytest.raises(ValueError, match="40 bytes of 3-byte items"):
         screened_read._screened.pread_screened(0, [(dest.data_ptr(), 40, 3, 3)], 0, 4096)
     with pytest.raises(TypeError, match="each buffer is"):
@@ -152,7 +155,8 @@ def test_the_extension_refuses_a_buffer_it_cannot_screen():
 
 def test_the_extension_is_built_where_a_c_compiler_is():
     """The install builds it where it can (setup.py, optional): a silent fallback would hide the check's speed."""
-    if not (shutil.which("cc") or shutil.which("gcc")):
-        pytest.skip("no C compiler here: the Python path is used")
+    if not (shutil.which("cc") or shutil.which("gcc")) or not os.path.exists(
+            os.path.join(sysconfig.get_paths()["include"], "Python.h")):
+        pytest.skip("no C compiler or no Python headers here: the Python path is used")
     assert screened_read._screened is not None, (
         "fsdp_restore._screened was not built although a C compiler is here: pip install -e . builds it")
