@@ -28,7 +28,6 @@ from __future__ import annotations
 import bisect
 import functools
 import hashlib
-import math
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -39,7 +38,7 @@ from torch import nn
 
 from .plan import OptimizerPlan, ReadItem, ReadPlan
 from .read import Checkpoint
-from .screened_read import floating, nan_sum, scalar
+from .screened_read import fill_nan, floating, holding_nan, nan_sum
 from .shards import (_fsdp1_units, _join, clean_name, ddp_prefix, local_tensor, module_walk,
                      named_parameters_of)
 
@@ -441,9 +440,7 @@ class Ledger:
         self.flagged: list[torch.Tensor] = []
 
     def before(self, dests: list[torch.Tensor]) -> None:
-        for dest in dests:
-            if floating(dest.dtype):
-                dest.fill_(float("nan"))  # an element the read fails to write stays NaN
+        fill_nan(dests)
         self._open.dests = [(d.data_ptr(), d.numel()) for d in dests]
 
     def read(self, ckpt: Checkpoint, parts: list[tuple[str, int, torch.Tensor]]) -> None:
@@ -463,7 +460,7 @@ class Ledger:
             return  # not poisoned just before: not covered (settle reports it unless another read was)
         # one sum and one scalar per destination (a ledger is kept for host memory only, where a scalar costs
         # no device sync): a stack + isnan + any per read cost more Python than the sums
-        suspicious = any(math.isnan(scalar(nan_sum(d))) for d in dests if floating(d.dtype) and d.numel())
+        suspicious = bool(holding_nan(dests))
         self._record(dests, [d for d in dests if floating(d.dtype) and d.numel()] if suspicious else [])
 
     def _record(self, dests: list[torch.Tensor], flagged: list[torch.Tensor]) -> None:

@@ -469,7 +469,7 @@ class Checkpoint:
         entries = self.entries
         file: Path | None = None
         start = end = 0
-        kept: list[int] = []  # the parts read (empty ones are not): their indices in ``parts``
+        kept: list[int] = []  # screened, the parts read (empty ones are not): their indices in ``parts``
         dests: list[torch.Tensor] = []
         for i, (key, elem_start, dest) in enumerate(parts):
             entry = entries.get(key)
@@ -492,8 +492,9 @@ class Checkpoint:
             views.append((ctypes.c_char * nbytes).from_address(dest.data_ptr()))  # a writable buffer: what preadv needs
             keys.append(key)
             end += nbytes
-            kept.append(i)
-            dests.append(dest)
+            if screen:
+                kept.append(i)
+                dests.append(dest)
         if file is None:
             return [], [0] * len(parts) if screen else []
         flagged: list[int] = []

@@ -62,6 +62,24 @@ def scalar(total: torch.Tensor) -> float:
     return float(total)
 
 
+def fill_nan(dests: Sequence[torch.Tensor]) -> list[int]:
+    """Fill every `floating` one of ``dests`` with NaN (an element a read then fails to write stays NaN); returns
+    the bytes filled of each."""
+    filled = []
+    for d in dests:
+        screened = floating(d.dtype)
+        if screened:
+            d.fill_(float("nan"))
+        filled.append(d.numel() * d.element_size() if screened else 0)
+    return filled
+
+
+def holding_nan(dests: Sequence[torch.Tensor]) -> list[int]:
+    """The indices of the `floating` ``dests`` that hold a NaN (or whose sum is NaN: inf - inf, a false alarm the
+    exact look clears)."""
+    return [i for i, d in enumerate(dests) if floating(d.dtype) and d.numel() and math.isnan(scalar(nan_sum(d)))]
+
+
 def pread_screened(fd: int, dests: Sequence[torch.Tensor], offset: int,
                    views: Sequence[Any]) -> tuple[int, list[int], list[int]]:
     """Read the bytes from ``offset`` of ``fd`` into ``dests`` (contiguous CPU tensors, back to back in the file;
@@ -74,14 +92,9 @@ def pread_screened(fd: int, dests: Sequence[torch.Tensor], offset: int,
         buffers = [(d.data_ptr(), len(v), _KINDS[d.dtype] if s else 0, d.element_size())
                    for d, s, v in zip(dests, screened, views)]
         return _screened.pread_screened(fd, buffers, offset, WINDOW_BYTES)
-    filled = []
-    for d, s in zip(dests, screened):
-        if s:
-            d.fill_(float("nan"))  # an element the read fails to write stays NaN
-        filled.append(d.numel() * d.element_size() if s else 0)
+    filled = fill_nan(dests)
     got = pread_all(fd, list(views), offset)
-    return got, [i for i, (d, s) in enumerate(zip(dests, screened)) if s and d.numel()
-                 and math.isnan(scalar(nan_sum(d)))], filled
+    return got, holding_nan(dests), filled
 
 
 def pread_all(fd: int, views: list[Any], offset: int) -> int:
