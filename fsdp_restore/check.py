@@ -26,19 +26,21 @@ name and left untouched.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import functools
 import hashlib
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
 from .plan import OptimizerPlan, ReadItem, ReadPlan
 from .read import Checkpoint
-from .screened_read import fill_nan, floating, holding_nan, nan_sum
+from .screened_read import fill_nan, floating, holding_nan, nan_sum, pread_screened
 from .shards import (_fsdp1_units, _join, clean_name, ddp_prefix, local_tensor, module_walk,
                      named_parameters_of)
 
@@ -426,11 +428,9 @@ class Ledger:
     The ledger does not trust the executor: it records the chunks poisoned *and* screened, and
     `settle` holds them against the model's memory. An element of a storage that no such chunk
     covered was never read (a lost piece, a skipped chunk) and is reported, without needing NaN; an
-    element that a chunk covered was NaN just before the read and is screened just after. One limit: for
-    reads straight into host memory (`read`) the fill, the read and the screen are one call,
-    `Checkpoint.read_contiguous(screen=True)`, and the ledger takes its word for the bytes it filled and
-    screened; a bug there that skipped a part and said it had not is caught, one that claimed it had is not
-    (a read that returns without writing, below it, is)."""
+    element that a chunk covered was NaN just before the read and is screened just after. Reads straight
+    into host memory (`read`) take the ledger's own read, `pread`, which fills, reads and screens the memory it
+    is handed and records what that memory is from the model's storages, not from what the read layer says."""
 
     def __init__(self, storages: Sequence[Storage]) -> None:
         self.index = _StorageIndex(storages)
@@ -445,13 +445,37 @@ class Ledger:
 
     def read(self, ckpt: Checkpoint, parts: list[tuple[str, int, torch.Tensor]]) -> None:
         """Read ``parts`` (``(key, first element, dest)``, back to back in one file, straight into CPU memory of
-        the stored dtype: `Checkpoint.read_contiguous`) with every floating dest filled with NaN just before and
-        screened right after, and record them as `after` does: a floating dest only where the read says it
-        filled and screened all its bytes (`settle` reports the others)."""
-        dests = [d for _, _, d in parts]
-        found, filled = ckpt.read_contiguous(parts, screen=True)
-        self._record([d for d, n in zip(dests, filled) if not floating(d.dtype) or n == d.numel() * d.element_size()],
-                     [dests[i] for i in found])
+        the stored dtype) through `Checkpoint.read_contiguous` with the ledger's `pread`."""
+        ckpt.read_contiguous(parts, pread=self.pread)
+
+    def pread(self, fd: int, views: Sequence[Any], offset: int) -> int:
+        """The check's read (`screened_read.pread_screened`) into ``views`` (ctypes arrays over host memory, back
+        to back in the file from ``offset``): each view that lies inside one storage of the model is filled with
+        NaN just before its bytes are read and screened right after, and recorded as covered only where all its
+        bytes were (memory outside the model's storages is read into, and not recorded). Returns the bytes read."""
+        find = self.index.find
+        placed: list[tuple[Storage, int] | None] = []
+        buffers = []
+        for view in views:
+            address, nbytes = ctypes.addressof(view), len(view)
+            where = find(address)
+            if where is not None and (address + nbytes > where[0].ptr_range[1] or nbytes % where[0].itemsize
+                                      or (address - where[0].ptr_range[0]) % where[0].itemsize):
+                where = None  # (a plan the check validated hands out no such view)
+            placed.append(where)
+            buffers.append((address, nbytes, where[0].memory.dtype if where is not None else torch.uint8))
+        got, found, screened = pread_screened(fd, buffers, offset)
+        covered = []
+        for where, (_, nbytes, dtype), count in zip(placed, buffers, screened):
+            if where is not None and nbytes and (count == nbytes or not floating(dtype)):
+                covered.append((where[0], where[1], nbytes // where[0].itemsize))
+        flagged = [placed[i][0].flat[placed[i][1]:placed[i][1] + buffers[i][1] // placed[i][0].itemsize]
+                   for i in found if placed[i] is not None]
+        with self._lock:
+            for storage, start, count in covered:
+                self.covered.setdefault(id(storage), []).append((start, count))
+            self.flagged.extend(flagged)
+        return got
 
     def after(self, dests: list[torch.Tensor]) -> None:
         opened = getattr(self._open, "dests", None)

@@ -26,7 +26,7 @@ import mmap
 import os
 import threading
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -38,7 +38,7 @@ from .format import (DEFAULT_INDEX_NAME, INDEX_SUFFIX, META_CAST, META_CHECKSUMS
                      META_SOURCE, META_STRUCTURE, MISSING, PT_SUFFIXES, SAFETENSORS, TORCH_LEGACY, TORCH_ZIP,
                      TRUNCATED_FIX, FileHeader, TensorEntry, detect, parse_json, read_header, read_index)
 from .provenance import mismatch
-from .screened_read import pread_all, pread_screened
+from .screened_read import pread_all
 
 # Rows at least this long are read with one positional read each; shorter rows (a column block of a
 # wide matrix: thousands of rows of a few KiB) are copied out of a mapping of their span in one strided
@@ -456,12 +456,12 @@ class Checkpoint:
         self.read_contiguous([(key, elem_start, dest)])
 
     def read_contiguous(self, parts: Sequence[tuple[str, int, torch.Tensor]], *,
-                        screen: bool = False) -> tuple[list[int], list[int]]:
+                        pread: Callable[[int, list[Any], int], int] = pread_all) -> None:
         """Read several ranges that lie back to back in one file, ``(key, first element, dest)`` each (as
         `read_range`), with one scattering ``preadv``: small tensors stored next to each other cost one
-        system call, not one each. ``screen``: fill every dest that can hold NaN with NaN just before the read
-        and screen it right after (`screened_read.pread_screened`, the check's read); returns the indices of
-        the parts so screened that hold NaN and each part's bytes filled and screened (([], []) unscreened)."""
+        system call, not one each. ``pread(fd, views, offset) -> bytes read`` moves the bytes into the dests'
+        byte views (ctypes arrays over their memory; `screened_read.pread_all`): the check passes its own,
+        `check.Ledger.pread`, which fills and screens the memory it is given as it reads."""
         # once per chunk of every restore: attribute lookups on the tensor kept to the cheap ones (``is_cpu``, not
         # ``device.type``; the entry's own ``numel`` and ``itemsize``), and the byte view made from the pointer
         views: list[Any] = []
@@ -469,9 +469,7 @@ class Checkpoint:
         entries = self.entries
         file: Path | None = None
         start = end = 0
-        kept: list[int] = []  # screened, the parts read (empty ones are not): their indices in ``parts``
-        dests: list[torch.Tensor] = []
-        for i, (key, elem_start, dest) in enumerate(parts):
+        for key, elem_start, dest in parts:
             entry = entries.get(key)
             if entry is None:
                 self._entry(key)  # raises, naming the file
@@ -492,26 +490,13 @@ class Checkpoint:
             views.append((ctypes.c_char * nbytes).from_address(dest.data_ptr()))  # a writable buffer: what preadv needs
             keys.append(key)
             end += nbytes
-            if screen:
-                kept.append(i)
-                dests.append(dest)
         if file is None:
-            return [], [0] * len(parts) if screen else []
-        flagged: list[int] = []
-        filled: list[int] = []
-        if not screen:
-            _pread_into(self._fd(file), views, start, file, keys)
-        else:
-            got, found, counts = pread_screened(self._fd(file), dests, start, views)
-            if got < end - start:
-                _truncated(file, views, keys, start, got)
-            flagged = [kept[j] for j in found]
-            filled = [0] * len(parts)
-            for j, count in zip(kept, counts):
-                filled[j] = count
+            return
+        got = pread(self._fd(file), views, start)
+        if got < end - start:
+            _truncated(file, views, keys, start, got)
         with self._lock:
             self.bytes_read += end - start
-        return flagged, filled
 
     def read_rows(self, key: str, elem_start: int, dest: torch.Tensor, rows: int, stride: int) -> None:
         """Read ``rows`` runs of ``dest.numel() // rows`` elements of tensor ``key``, the first at flat
@@ -650,7 +635,7 @@ def _pread_into(fd: int, views: list[Any], offset: int, file: Path, keys: list[s
     """Fill ``views`` (writable byte buffers: memoryviews, ctypes arrays; the tensors ``keys``, back to back in
     ``file``) from ``offset`` of ``fd``: scattering positional reads, again where the kernel returns less; a file
     that ends early names the tensor."""
-    got = pread_all(fd, list(views), offset)
+    got = pread_all(fd, views, offset)
     if got < sum(len(v) for v in views):
         _truncated(file, views, keys, offset, got)
 

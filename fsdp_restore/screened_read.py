@@ -8,6 +8,7 @@ environment) the same contract in Python: one fill of every destination, the rea
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 from collections.abc import Sequence
@@ -80,26 +81,34 @@ def holding_nan(dests: Sequence[torch.Tensor]) -> list[int]:
     return [i for i, d in enumerate(dests) if floating(d.dtype) and d.numel() and math.isnan(scalar(nan_sum(d)))]
 
 
-def pread_screened(fd: int, dests: Sequence[torch.Tensor], offset: int,
-                   views: Sequence[Any]) -> tuple[int, list[int], list[int]]:
-    """Read the bytes from ``offset`` of ``fd`` into ``dests`` (contiguous CPU tensors, back to back in the file;
-    ``views``: their writable byte buffers), filling each `floating` one with NaN just before its bytes are
-    read and screening it for NaN right after. Returns (bytes read: fewer only where the file ends,
-    indices of the screened ``dests`` left holding NaN, bytes filled and screened of each of ``dests``: all of
-    a `floating` one's unless a bug skipped it, which `check.Ledger.read` holds against its own count)."""
-    screened = [floating(d.dtype) for d in dests]
-    if native() and all(d.dtype in _KINDS for d, s in zip(dests, screened) if s):
-        buffers = [(d.data_ptr(), len(v), _KINDS[d.dtype] if s else 0, d.element_size())
-                   for d, s, v in zip(dests, screened, views)]
-        return _screened.pread_screened(fd, buffers, offset, WINDOW_BYTES)
-    filled = fill_nan(dests)
-    got = pread_all(fd, list(views), offset)
-    return got, holding_nan(dests), filled
+def pread_screened(fd: int, buffers: Sequence[tuple[int, int, torch.dtype]],
+                   offset: int) -> tuple[int, list[int], list[int]]:
+    """Read the bytes from ``offset`` of ``fd`` into ``buffers`` (``(address, nbytes, dtype)`` each: host memory
+    holding ``dtype``, back to back in the file), filling each `floating` one with NaN just before its bytes are
+    read and screening it for NaN right after. Returns (bytes read: fewer only where the file ends, indices of
+    the `floating` buffers left holding NaN, bytes filled and screened of each buffer: all of a `floating`
+    one's, none of another's)."""
+    if native():
+        kinds = [_KINDS.get(dtype, -1) if floating(dtype) else 0 for _, _, dtype in buffers]
+        if -1 not in kinds:  # (the extension refuses sizes that are negative or not whole items)
+            return _screened.pread_screened(fd, [(address, nbytes, kind, dtype.itemsize) for (address, nbytes, dtype),
+                                                 kind in zip(buffers, kinds)], offset, WINDOW_BYTES)
+    for address, nbytes, dtype in buffers:
+        if nbytes < 0 or nbytes % dtype.itemsize:
+            raise ValueError(f"pread_screened: {nbytes} bytes of {dtype} at {address:#x}")
+    views = [(ctypes.c_char * nbytes).from_address(address) for address, nbytes, _ in buffers]
+    # tensors over the same memory, for the fill and the screen (an empty buffer has nothing of either)
+    held = [torch.frombuffer(v, dtype=dtype) if len(v) else torch.empty(0, dtype=dtype)
+            for v, (_, _, dtype) in zip(views, buffers)]
+    filled = fill_nan(held)
+    got = pread_all(fd, views, offset)
+    return got, holding_nan(held), filled
 
 
-def pread_all(fd: int, views: list[Any], offset: int) -> int:
-    """Scattering positional reads into ``views`` from ``offset``, again where the kernel returns less, until
-    they are full or the file ends; returns the bytes read."""
+def pread_all(fd: int, views: Sequence[Any], offset: int) -> int:
+    """Scattering positional reads into ``views`` (writable byte buffers, left as they are) from ``offset``, again
+    where the kernel returns less, until they are full or the file ends; returns the bytes read."""
+    views = list(views)
     total = 0
     while views:
         got = os.preadv(fd, views[:IOV_MAX], offset + total)

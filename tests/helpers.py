@@ -152,20 +152,13 @@ class SecondThreadGate:
 
 
 def reading_all_but(real_read: Any, skipped: Any) -> Any:
-    """A stand-in for `Checkpoint.read_contiguous` (``real_read``) whose read returns without writing a byte of
-    the parts ``skipped(part)`` picks, and says so as the real one would (nothing flagged, no byte filled and
-    screened: the check's read): the other parts are read one by one."""
+    """A stand-in for `Checkpoint.read_contiguous` (``real_read``) that returns without writing a byte of the
+    parts ``skipped(part)`` picks, and without a word of it: the other parts are read one by one, each with the
+    ``pread`` it was given (the check's own, where the check is on)."""
 
-    def read(self: Any, parts: Any, **options: Any) -> Any:
-        flagged: list[int] = []
-        filled: list[int] = []
-        for i, part in enumerate(parts):
-            if skipped(part):
-                filled.append(0)
-                continue
-            found, counts = real_read(self, [part], **options)
-            flagged += [i] if found else []
-            filled += counts or [0]
-        return flagged, filled if options.get("screen") else []
+    def read(self: Any, parts: Any, **options: Any) -> None:
+        for part in parts:
+            if not skipped(part):
+                real_read(self, [part], **options)
 
     return read

@@ -206,6 +206,48 @@ def test_a_chunk_of_an_integer_buffer_the_executor_skips_is_caught(mlp_ckpt, mon
         fsdp_restore.restore_model(model, mlp_ckpt)
 
 
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "python"])
+def test_a_read_that_lands_a_part_elsewhere_is_caught(mlp_ckpt, monkeypatch, native):
+    """The read layer hands the check's read a stray buffer in place of one part's memory (a wrong pointer): the
+    bytes land, all filled and screened, but not in the model. The ledger takes what it covered from where the
+    memory lies in the model's storages, not from the read layer's word, so the part is named; in the first
+    design of the C read (the read layer reported the bytes it filled per part) this passed silently."""
+    monkeypatch.setenv("FSDP_RESTORE_NATIVE", native)
+    real = Checkpoint.read_contiguous
+    stray = []
+
+    def misplacing(self, parts, **options):
+        parts = [(key, start, stray.append(torch.empty_like(dest)) or stray[-1]) if key == "model.blocks.0.weight"
+                 else (key, start, dest) for key, start, dest in parts]
+        return real(self, parts, **options)
+
+    monkeypatch.setattr(Checkpoint, "read_contiguous", misplacing)
+    model = build("mlp", seed=5)
+    model.blocks[0].weight.data.fill_(7.0)  # finite: nothing but the ledger's accounting can tell
+    with pytest.raises(RestoreError, match=r"not restored.*blocks\.0\.weight \(25 elements\)"):
+        fsdp_restore.restore_model(model, mlp_ckpt)
+    source = torch.load(mlp_ckpt.with_suffix(".pt"), weights_only=True)["model"]
+    assert stray and torch.equal(stray[0].flatten(), source["blocks.0.weight"].flatten())  # the bytes were read: elsewhere
+
+
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "python"])
+def test_a_read_of_part_of_a_tensor_leaves_the_rest_named(mlp_ckpt, monkeypatch, native):
+    """The read layer reads only the first 10 of a weight's 25 elements, and says nothing: the 15 left are named,
+    counted by the ledger from the memory its read was handed."""
+    monkeypatch.setenv("FSDP_RESTORE_NATIVE", native)
+    real = Checkpoint.read_contiguous
+
+    def shortening(self, parts, **options):
+        for key, start, dest in parts:  # one by one: a shortened part breaks the run of those after it
+            real(self, [(key, start, dest[:10] if key == "model.blocks.1.weight" else dest)], **options)
+
+    monkeypatch.setattr(Checkpoint, "read_contiguous", shortening)
+    model = build("mlp", seed=5)
+    model.blocks[1].weight.data.fill_(7.0)
+    with pytest.raises(RestoreError, match=r"not restored.*blocks\.1\.weight \(15 elements\)"):
+        fsdp_restore.restore_model(model, mlp_ckpt)
+
+
 def test_item_outside_the_model_or_its_tensor(mlp_ckpt):
     model = build("mlp", seed=5)
     ckpt, plan = _plan(mlp_ckpt, model)

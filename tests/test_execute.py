@@ -98,8 +98,8 @@ def test_grouped_reads_restore_exactly(stored, dtype, threads):
 
 @pytest.mark.parametrize("native", ["1", "0"], ids=["native", "python"])
 def test_a_read_that_skips_one_tensor_of_a_group_is_caught(stored, monkeypatch, native):
-    """The lowest-level read drops one small tensor of a group (neither filled nor read nor screened, and says
-    so): the check names it, with the check's read native or in Python."""
+    """The read layer drops one small tensor of a group without a word (never handed to the check's read): the
+    check names it, with the check's read native or in Python."""
     monkeypatch.setenv("FSDP_RESTORE_NATIVE", native)
     monkeypatch.setattr(Checkpoint, "read_contiguous",
                         reading_all_but(Checkpoint.read_contiguous, lambda part: part[0] == "small.150"))

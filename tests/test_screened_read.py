@@ -22,10 +22,9 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.com
 NATIVE = [pytest.param(True, id="native"), pytest.param(False, id="python")]
 
 
-def _byte_views(dests: list[torch.Tensor]) -> list:
-    import ctypes
-
-    return [(ctypes.c_char * (d.numel() * d.element_size())).from_address(d.data_ptr()) for d in dests]
+def _buffers(dests: list[torch.Tensor]) -> list:
+    """``(address, nbytes, dtype)`` of each: what `pread_screened` reads into."""
+    return [(d.data_ptr(), d.numel() * d.element_size(), d.dtype) for d in dests]
 
 
 def _values(dtype: torch.dtype, n: int, seed: int, nan_at: int | None) -> torch.Tensor:
@@ -75,7 +74,7 @@ def test_the_files_bytes_land_and_only_nan_is_flagged(tmp_path_factory, native, 
         if native:  # the extension itself, at any window (the module's own window is one constant)
             kinds = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4, torch.complex64: 3}
             if any(floating(d.dtype) and d.dtype not in kinds for d in dests):
-                got, flagged, filled = pread_screened(fd, dests, lead, _byte_views(dests))
+                got, flagged, filled = pread_screened(fd, _buffers(dests), lead)
             else:
                 buffers = [(d.data_ptr(), d.numel() * d.element_size(), kinds.get(d.dtype, 0), d.element_size())
                            for d in dests]
@@ -83,7 +82,7 @@ def test_the_files_bytes_land_and_only_nan_is_flagged(tmp_path_factory, native, 
         else:
             with pytest.MonkeyPatch.context() as mp:
                 mp.setenv("FSDP_RESTORE_NATIVE", "0")
-                got, flagged, filled = pread_screened(fd, dests, lead, _byte_views(dests))
+                got, flagged, filled = pread_screened(fd, _buffers(dests), lead)
     finally:
         os.close(fd)
     assert got == len(data) - lead
@@ -113,7 +112,7 @@ def test_where_the_file_ends_the_fill_is_left_and_flagged(tmp_path, monkeypatch,
     dests = [torch.zeros_like(first), torch.zeros_like(second)]
     fd = os.open(tmp_path / "short.bin", os.O_RDONLY)
     try:
-        got, flagged, _ = pread_screened(fd, dests, 0, _byte_views(dests))
+        got, flagged, _ = pread_screened(fd, _buffers(dests), 0)
     finally:
         os.close(fd)
     assert got == len(data)
@@ -131,7 +130,7 @@ def test_a_failed_read_raises_the_systems_error(tmp_path, monkeypatch, native):
     fd = os.open(tmp_path, os.O_RDONLY)  # a directory: read() fails with EISDIR
     try:
         with pytest.raises(OSError) as info:
-            pread_screened(fd, [dest], 0, _byte_views([dest]))
+            pread_screened(fd, _buffers([dest]), 0)
     finally:
         os.close(fd)
     assert info.value.errno == errno.EISDIR
