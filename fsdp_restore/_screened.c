@@ -37,36 +37,42 @@ typedef struct {
     Py_ssize_t buffer;
 } Segment;
 
-/* Whether any element holds NaN: exponent all ones and a fraction that is not zero. Branch-free loops that
-   the compiler vectorizes. */
+/* Whether any element holds NaN: a magnitude (the bits below the sign) above the all-ones exponent's. Adding
+   (largest magnitude - infinity's) to the magnitude carries into the sign bit exactly for those, so one AND, one
+   ADD and one OR per element, OR-ed into an accumulator whose sign bit is tested once: plain SSE2 once unrolled
+   (setup.py: -funroll-loops), where a comparison per element ran at under half the speed (BENCHMARKS.md, session
+   26). No sum can overflow: the largest magnitude plus the addend stays below the type's top. */
 static int has_nan(const char *p, size_t nbytes, int kind) {
-    unsigned found = 0;
     size_t i;
     switch (kind) {
     case KIND_F16: {
         const uint16_t *x = (const uint16_t *)p;
-        for (i = 0; i < nbytes / 2; i++) found |= (x[i] & 0x7fffu) > 0x7c00u;
-        break;
+        uint16_t acc = 0;
+        for (i = 0; i < nbytes / 2; i++) acc |= (uint16_t)((x[i] & 0x7fffu) + 0x03ffu); /* NaN: above 0x7c00 */
+        return (acc >> 15) != 0;
     }
     case KIND_BF16: {
         const uint16_t *x = (const uint16_t *)p;
-        for (i = 0; i < nbytes / 2; i++) found |= (x[i] & 0x7fffu) > 0x7f80u;
-        break;
+        uint16_t acc = 0;
+        for (i = 0; i < nbytes / 2; i++) acc |= (uint16_t)((x[i] & 0x7fffu) + 0x007fu); /* NaN: above 0x7f80 */
+        return (acc >> 15) != 0;
     }
     case KIND_F32: {
         const uint32_t *x = (const uint32_t *)p;
-        for (i = 0; i < nbytes / 4; i++) found |= (x[i] & 0x7fffffffu) > 0x7f800000u;
-        break;
+        uint32_t acc = 0;
+        for (i = 0; i < nbytes / 4; i++) acc |= (x[i] & 0x7fffffffu) + 0x007fffffu; /* NaN: above 0x7f800000 */
+        return (acc >> 31) != 0;
     }
     case KIND_F64: {
         const uint64_t *x = (const uint64_t *)p;
-        for (i = 0; i < nbytes / 8; i++) found |= (x[i] & 0x7fffffffffffffffull) > 0x7ff0000000000000ull;
-        break;
+        uint64_t acc = 0;
+        for (i = 0; i < nbytes / 8; i++)
+            acc |= (x[i] & 0x7fffffffffffffffull) + 0x000fffffffffffffull; /* NaN: above 0x7ff0000000000000 */
+        return (acc >> 63) != 0;
     }
     default:
-        break;
+        return 0;
     }
-    return found != 0;
 }
 
 /* Read the segments from ``offset``, again where the kernel returns less; returns the bytes read (fewer only at

@@ -159,3 +159,43 @@ def test_the_extension_is_built_where_a_c_compiler_is():
         pytest.skip("no C compiler or no Python headers here: the Python path is used")
     assert screened_read._screened is not None, (
         "fsdp_restore._screened was not built although a C compiler is here: pip install -e . builds it")
+
+
+def _patterns(dtype: torch.dtype) -> torch.Tensor:
+    """Bit patterns of ``dtype`` to screen one by one: every one for 16-bit floats; for wider ones the edges of the
+    NaN range (infinities, the smallest and largest NaN of each sign, their neighbours) and random patterns."""
+    bits = {torch.float32: 32, torch.float64: 64}.get(dtype, 16)
+    if bits == 16:
+        return torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    inf = {32: 0x7F800000, 64: 0x7FF0000000000000}[bits]
+    top = (1 << (bits - 1)) - 1
+    edges = [0, 1, inf - 1, inf, inf + 1, inf + 2, top - 1, top]
+    signed = edges + [e | (1 << (bits - 1)) for e in edges]
+    g = torch.Generator().manual_seed(0)
+    idtype = torch.int32 if bits == 32 else torch.int64
+    randoms = torch.randint(-2**31 if bits == 32 else -2**62, 2**31 - 1 if bits == 32 else 2**62, (20000,),
+                            generator=g, dtype=idtype)
+    values = torch.tensor([v - (1 << bits) if v >= 1 << (bits - 1) else v for v in signed], dtype=idtype)
+    return torch.cat([values, randoms, randoms | inf]).view(dtype)  # (| inf: NaN or infinity, mostly NaN)
+
+
+@pytest.mark.parametrize("native", NATIVE)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_the_screen_flags_exactly_the_nan_patterns(tmp_path, monkeypatch, native, dtype):
+    """One buffer per element, every 16-bit pattern and the edges of the NaN range of the wider formats: a buffer is
+    flagged exactly where torch's ``isnan`` says its value is NaN (infinities, zeros and the largest finite values
+    are not)."""
+    if native and screened_read._screened is None:
+        pytest.skip("the C extension is not built")
+    monkeypatch.setenv("FSDP_RESTORE_NATIVE", "1" if native else "0")
+    values = _patterns(dtype)
+    _write(tmp_path / "patterns.bin", 0, [values])
+    dest = torch.zeros_like(values)
+    size = dest.element_size()
+    fd = os.open(tmp_path / "patterns.bin", os.O_RDONLY)
+    try:
+        got, flagged, _ = pread_screened(fd, [(dest.data_ptr() + i * size, size, dtype) for i in range(len(dest))], 0)
+    finally:
+        os.close(fd)
+    assert got == len(values) * size and torch.equal(dest.view(torch.uint8), values.view(torch.uint8))
+    assert flagged == torch.isnan(values.float() if dtype != torch.float64 else values).nonzero().flatten().tolist()
