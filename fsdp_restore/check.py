@@ -469,8 +469,11 @@ class Ledger:
         for where, (_, nbytes, dtype), count in zip(placed, buffers, screened):
             if where is not None and nbytes and (count == nbytes or not floating(dtype)):
                 covered.append((where[0], where[1], nbytes // where[0].itemsize))
-        flagged = [placed[i][0].flat[placed[i][1]:placed[i][1] + buffers[i][1] // placed[i][0].itemsize]
-                   for i in found if placed[i] is not None]
+        flagged = []  # (examined element by element in `settle`)
+        for i in found:
+            if (where := placed[i]) is not None:
+                storage, start = where
+                flagged.append(storage.flat[start:start + buffers[i][1] // storage.itemsize])
         with self._lock:
             for storage, start, count in covered:
                 self.covered.setdefault(id(storage), []).append((start, count))
