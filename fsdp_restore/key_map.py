@@ -35,7 +35,9 @@ def as_function(key_map: KeyMap | None) -> Callable[[str], object] | None:
                          f" {type(key_map).__name__} {key_map!r}"[:300])
     pairs = []
     for pair in key_map:
-        if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(p, str) for p in pair)):
+        # (any sequence of two strings: a tuple, a list, an omegaconf ListConfig from the shipped YAML maps)
+        if not (isinstance(pair, Sequence) and not isinstance(pair, (str, bytes)) and len(pair) == 2
+                and all(isinstance(p, str) for p in pair)):
             raise ValueError(f"key_map: {pair!r} is not a (regex, replacement) pair of strings")
         try:
             pairs.append((re.compile(pair[0]), pair[1]))

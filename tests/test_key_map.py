@@ -312,3 +312,14 @@ def test_a_map_into_names_that_start_with_module(tmp_path, stored, key_map):
     stored_key = {k: k if k in values else "module." + k for k in key_map.values()}
     assert torch.equal(model.inner.weight.detach(), values[stored_key[key_map["inner.weight"]]])
     assert torch.equal(model.inner.bias.detach(), values[stored_key[key_map["inner.bias"]]])
+
+
+def test_a_map_loaded_with_omegaconf_is_taken_as_it_is_loaded_by_the_cli():
+    """The shipped maps say to load them with omegaconf: its ListConfig pairs are sequences, not lists."""
+    from omegaconf import OmegaConf
+
+    loaded, parsed = as_function(OmegaConf.load(TITAN_MAP)), as_function(parse_spec(str(TITAN_MAP)))
+    names = ["tok_embeddings.weight", "layers.3.attention.wq.weight", "layers.0.feed_forward.w2.weight", "norm.weight",
+             "output.weight", "something.else"]
+    assert [loaded(n) for n in names] == [parsed(n) for n in names]
+    assert loaded("tok_embeddings.weight") != "tok_embeddings.weight"
