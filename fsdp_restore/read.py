@@ -137,12 +137,24 @@ def _resolve_files(path: Path) -> tuple[Path | None, list[Path]]:
                               f" ({', '.join(p.name for p in files[:8])}{', ...' if len(files) > 8 else ''}): pass"
                               " the one to read (e.g. model.safetensors to restore_model, the optimizer's to"
                               " restore_optimizer)")
-        raise FormatError(path, "directory holds no index json and no .safetensors files")
+        raise FormatError(path, "directory holds no index json and no .safetensors files" + _source_hint(path))
     if path.name.endswith(".json"):
         return path, []
     if not path.exists():
         raise FormatError(path, "no such file or directory")
     return None, [path]
+
+
+def _source_hint(path: Path) -> str:
+    """For a directory we cannot read that `convert` can (a DeepSpeed or a DCP checkpoint): the command."""
+    from .dcp_in import is_dcp_checkpoint
+    from .zero_files import is_zero_checkpoint
+
+    what = "a DeepSpeed checkpoint" if is_zero_checkpoint(path) else "a DCP checkpoint" if is_dcp_checkpoint(
+        path) else None
+    if what is None:
+        return ""
+    return f"; it is {what}: convert it first: fsdp-restore convert {path} {path.parent / (path.name + '.safetensors')}"
 
 
 class Checkpoint:

@@ -311,3 +311,27 @@ def test_an_index_of_torch_shards_with_a_tie_within_one_then_deleted(tmp_path):
         (tmp_path / name).with_suffix(".safetensors").unlink()
     with Checkpoint(tmp_path) as ckpt:  # beside an index of shards never converted: model.safetensors is read
         assert list(ckpt.load()) == ["only"]
+
+
+def test_a_dcp_directory_is_named_with_the_command_that_converts_it(tmp_path):
+    """A directory `convert` reads but a restore cannot (a DCP checkpoint) gets the conversion's command, and that
+    command works; a directory of nothing of the kind gets no such hint."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (no process group: dcp says it assumes a single process)
+        dcp.save(state, checkpoint_id=str(tmp_path / "run"))
+    with pytest.raises(FormatError) as info:
+        Checkpoint(tmp_path / "run")
+    command = f"fsdp-restore convert {tmp_path / 'run'} {tmp_path / 'run.safetensors'}"
+    assert f"a DCP checkpoint: convert it first: {command}" in str(info.value)
+    fsdp_restore.convert(tmp_path / "run", tmp_path / "run.safetensors")  # what the command does
+    with Checkpoint(tmp_path / "run.safetensors") as ckpt:
+        assert torch.equal(ckpt.read_tensor("w"), state["w"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FormatError) as info:
+        Checkpoint(tmp_path / "empty")
+    assert "convert it first" not in str(info.value)
