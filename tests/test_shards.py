@@ -237,3 +237,32 @@ def test_an_empty_parameter_sharded_by_columns_is_restored_and_saved(tmp_path, w
     assert tensors == [2] * world_size
     saved, loaded = safetensors.torch.load_file(tmp_path / "out.safetensors"), torch.load(tmp_path / "m.pt")
     assert set(saved) == {"w", "empty"} and torch.equal(saved["w"], loaded["w"]) and saved["empty"].shape == (0, 12)
+
+
+class _Conv(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3)
+        self.norm = torch.nn.BatchNorm2d(8)
+
+
+def test_a_channels_last_model_is_refused_with_the_way_round_it(tmp_path):
+    """A convolution's weight in channels_last memory order is not row-major: the restore and the save refuse it by
+    name and layout and say what to do; doing that restores it exactly (oracle: torch.load of the source)."""
+    torch.manual_seed(0)
+    torch.save({"model": _Conv().state_dict()}, tmp_path / "cnn.pt")
+    fsdp_restore.convert(tmp_path / "cnn.pt", tmp_path / "cnn.safetensors")
+    model = _Conv().to(memory_format=torch.channels_last)
+    with pytest.raises(fsdp_restore.RestoreError, match=r"conv\.weight: a param laid out with strides .*"
+                       r"\(channels_last\) is not supported.*model\.to\(memory_format=torch\.channels_last\) after"):
+        fsdp_restore.restore_model(model, tmp_path / "cnn.safetensors")
+    with pytest.raises(fsdp_restore.FsdpRestoreError, match=r"conv\.weight: .*\(channels_last\).*contiguous_format"
+                       r"\) before a save"):
+        fsdp_restore.save_sharded(model, tmp_path / "out.safetensors")
+    assert not (tmp_path / "out.safetensors").exists()
+    model = _Conv()  # the way round: restore while contiguous, then change the layout
+    fsdp_restore.restore_model(model, tmp_path / "cnn.safetensors")
+    model = model.to(memory_format=torch.channels_last)
+    source = torch.load(tmp_path / "cnn.pt", weights_only=True)["model"]
+    assert model.conv.weight.is_contiguous(memory_format=torch.channels_last)
+    assert all(torch.equal(t, source[k]) for k, t in model.state_dict().items())
