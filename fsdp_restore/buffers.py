@@ -83,6 +83,8 @@ def init_non_persistent_buffers(model: nn.Module) -> list[str]:
     buffers it set; any other non-persistent buffer keeps its values, with a warning naming it: after
     ``to_empty`` it holds leftover memory, which the restore's check tells from a real value only where it is
     NaN or inf or differs between ranks (`buffer_problems`)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"init_non_persistent_buffers takes the model (a torch.nn.Module), not {type(model).__name__}")
     done: list[str] = []
     unknown: list[str] = []
     reset: set[int] = set()

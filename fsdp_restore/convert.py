@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import (ConvertError, FormatError, UnsafePickleError, allow_global_hint, allowed_global, first_line,
-                     on_unsupported_argument, thread_count_argument)
+                     allow_globals_argument, flag_argument, on_unsupported_argument, thread_count_argument)
 from .flatten import flatten
 from .format import META_SOURCE, PT_SUFFIXES, SNIFF_BYTES, StoredDtype, is_legacy_torch_save
 from .jobs import ConvertReport, cast_groups, cast_target, plan_jobs, shard_size_argument, write_converted
@@ -135,6 +135,9 @@ def load_pt(path: str | os.PathLike[str], *, trust_pickle: bool = False, allow_g
     from . import torch_zip
     import torch
 
+    flag_argument("trust_pickle", trust_pickle)
+    flag_argument("mmap", mmap)
+    allow_globals_argument(allow_globals)
     path = Path(path)
     if not path.is_file():
         raise FormatError(path, "no such file")
@@ -539,8 +542,10 @@ def save(obj: Any, path: str | os.PathLike[str], *, max_shard_size: int | str | 
          on_unsupported: str = "error", progress: ProgressFn | None = None, threads: int | None = None) -> list[Path]:
     """Write any supported nested object (see `flatten`) to ``path``; returns the files written.
     ``thread_count``: write threads (default: every core, at least 4 and at most 16); ``threads=``, its old
-    name, still works with a `DeprecationWarning`; not an int >= 1: `ValueError`."""
+    name, still works with a `DeprecationWarning`; not an int >= 1: `ValueError`. ``force``: replace what is at
+    ``path`` (default True, as ``torch.save`` and safetensors' ``save_file`` do); False refuses an existing file."""
     thread_count = thread_count_argument(thread_count, threads)
+    flag_argument("force", force)
     tensors, structure = flatten(obj, on_unsupported=on_unsupported)  # type: ignore[arg-type]
     size = shard_size_argument(max_shard_size)
     jobs = plan_jobs(tensors, structure, dtype)
@@ -607,6 +612,12 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
                 raise TypeError(f"{name} must be a list of key patterns (strings), not {patterns!r}")
         on_unsupported_argument(on_unsupported)
         shard_size_argument(max_shard_size)  # a bad size: here, not after the source was read
+        flag_argument("force", force)
+        flag_argument("trust_pickle", trust_pickle)
+        allow_globals_argument(allow_globals)
+        if select is not None and not isinstance(select, str):
+            raise TypeError(f"select must be the name of one top-level subtree (a string such as 'model'), not"
+                            f" {select!r}")
         return thread_count_argument(thread_count, threads, stacklevel=5), cast_target(dtype)
 
     # read without torch's unpickler where it can be (one process, nothing but torch's weights-only globals)

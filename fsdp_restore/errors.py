@@ -166,6 +166,15 @@ def on_unsupported_argument(on_unsupported: object) -> None:
         raise ValueError(f"on_unsupported must be 'error' or 'skip', not {on_unsupported!r}")
 
 
+def allow_globals_argument(allow_globals: object) -> None:
+    """The ``allow_globals=`` of a public entry point, checked at the door: a list (tuple, set) of qualified names,
+    else a `TypeError` naming it (a bare string was taken letter by letter)."""
+    if not isinstance(allow_globals, (list, tuple, set, frozenset)) or not all(
+            isinstance(g, str) for g in allow_globals):
+        raise TypeError(f"allow_globals must be a list of qualified names such as ['datetime.timedelta'], not"
+                        f" {allow_globals!r}")
+
+
 def flag_argument(name: str, value: object) -> bool:
     """A boolean option of a public entry point, checked at the door: True or False only (a string such as "no"
     would read as true), else a `TypeError` naming it."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from . import format as formats
-from .errors import FormatError, UnsupportedObjectError
+from .errors import FormatError, UnsupportedObjectError, on_unsupported_argument
 from .format import torch_dtype_name
 from .plain_pt import StoredTensor
 
@@ -54,6 +54,7 @@ def flatten(obj: Any, *, on_unsupported: Literal["error", "skip"] = "error") -> 
     view of it. ``on_unsupported="skip"`` replaces unsupported values with ``None`` and warns with
     their paths instead of raising `UnsupportedObjectError`.
     """
+    on_unsupported_argument(on_unsupported)  # (any other value read as "error")
     flattener = _Flattener(on_unsupported)
     root = flattener.encode(obj, "")
     tensors = flattener.assign_storage()

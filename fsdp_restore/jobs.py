@@ -85,9 +85,11 @@ def optimizer_state_keys(structure: dict[str, Any]) -> set[str]:
 
 def parse_size(text: str | int | None) -> int | None:
     """``"5GB"`` -> 5_000_000_000, ``"512MiB"`` -> 536_870_912; ints pass through."""
+    if isinstance(text, bool) or not (text is None or isinstance(text, (int, str))):  # (True would be 1 byte)
+        raise TypeError(f"a size must be an int of bytes or a string such as '5GB', not {text!r}")
     if text is None or isinstance(text, int):
         return text
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(I?B)?\s*", str(text).upper())
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([KMGT]?)(I?B)?\s*", text.upper())
     if not m:
         raise ValueError(f"cannot parse size '{text}' (examples: 5GB, 512MiB, 1000000)")
     base = 1024 if m.group(3) == "IB" else 1000

@@ -307,6 +307,19 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
             ckpt.close()
 
 
+def _options_argument(**options: object) -> None:
+    """The boolean options (``strict``, ``check``, ``check_buffers``) and the subtree prefixes of a restore entry
+    point, checked at the door: a string such as "no" would read as true, and a prefix that is not a string
+    failed deep in the plan."""
+    for name, value in options.items():
+        if name.endswith("_prefix"):
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"{name} must be a dotted subtree name (a string such as 'model', '' for the top"
+                                f" level) or None, not {value!r}")
+        else:
+            flag_argument(name, value)
+
+
 def _flag(name: str, value: object, label: str, checkpoint: object, group: dist.ProcessGroup | None) -> bool:
     """A boolean option checked at the door: True or False only (a string such as "no" would read as true)."""
     try:
@@ -465,6 +478,7 @@ def restore_model(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpo
         objects_argument("restore_model(model, checkpoint)", model, optional=True)
         thread_count = thread_count_argument(thread_count, threads)
         model_prefix = renamed_argument("prefix", prefix, "model_prefix", model_prefix)
+        _options_argument(strict=strict, check=check, check_buffers=check_buffers, model_prefix=model_prefix)
     except (TypeError, ValueError) as e:
         _refuse_on_every_rank(e, "restore", checkpoint, process_group)
     plan, _ = _run(model, checkpoint, weights=True, optimizer=None, prefix=model_prefix, optim_prefix="optim",
@@ -504,6 +518,7 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
         objects_argument("restore_optimizer(optimizer, model, checkpoint)", model, optimizer)
         thread_count = thread_count_argument(thread_count, threads)
         optim_prefix = renamed_argument("prefix", prefix, "optim_prefix", optim_prefix)
+        _options_argument(strict=strict, check=check, optim_prefix=optim_prefix)
     except (TypeError, ValueError) as e:
         _refuse_on_every_rank(e, "optimizer restore", checkpoint, process_group)
     optim_prefix = "optim" if optim_prefix is None else optim_prefix
@@ -539,6 +554,8 @@ def restore(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint,
         thread_count = thread_count_argument(thread_count, threads)
         model_prefix = renamed_argument("model_key", model_key, "model_prefix", model_prefix)
         optim_prefix = renamed_argument("optim_key", optim_key, "optim_prefix", optim_prefix)
+        _options_argument(strict=strict, check=check, check_buffers=check_buffers, model_prefix=model_prefix,
+                          optim_prefix=optim_prefix)
     except (TypeError, ValueError) as e:
         _refuse_on_every_rank(e, "restore", checkpoint, process_group)
     optim_prefix = "optim" if optim_prefix is None else optim_prefix

@@ -1001,3 +1001,37 @@ def test_missing_directories_are_created_and_a_file_in_the_way_is_named(tmp_path
     if os.path.isdir("/proc/self"):  # (ENOENT there: it was the bare "[Errno 2] No such file or directory: '/proc/x'")
         with pytest.raises(OSError, match=r"cannot create the directory /proc/x \(.*\): give a destination"):
             convert(tmp_path / "a.pt", "/proc/x/y.safetensors", max_shard_size=max_shard_size)
+
+
+@pytest.mark.parametrize("bad,error,expected", [
+    ({"allow_globals": "datetime.timedelta"}, TypeError, r"allow_globals must be a list of qualified names"),
+    ({"select": ["model"]}, TypeError, r"select must be the name of one top-level subtree .* not \['model'\]"),
+    ({"select": 0}, TypeError, r"select must be the name of one top-level subtree"),
+    ({"force": "no"}, TypeError, r"force must be True or False, not 'no'"),
+    ({"trust_pickle": 1}, TypeError, r"trust_pickle must be True or False, not 1"),
+    ({"max_shard_size": "1.2.3GB"}, ValueError, r"cannot parse size '1.2.3GB'"),
+    ({"max_shard_size": True}, TypeError, r"a size must be an int of bytes or a string such as '5GB', not True"),
+])
+def test_convert_options_are_checked_at_the_door(tmp_path, bad, error, expected):
+    """A string of globals was taken letter by letter ("cannot import allowed global 'd'"), select=0 was ignored,
+    force="no" replaced the output, '1.2.3GB' said "could not convert string to float" and True wrote a file per
+    tensor: each is one error naming the option, and nothing is written (an existing output is kept)."""
+    torch.save({"model": {"w": torch.ones(3)}}, tmp_path / "c.pt")
+    (tmp_path / "out.safetensors").write_bytes(b"kept")
+    with pytest.raises(error, match=expected):
+        fsdp_restore.convert(tmp_path / "c.pt", tmp_path / "out.safetensors", **bad)
+    assert (tmp_path / "out.safetensors").read_bytes() == b"kept"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt", "out.safetensors"]
+
+
+def test_load_pt_save_flatten_and_init_buffers_check_their_options(tmp_path):
+    torch.save({"w": torch.ones(2)}, tmp_path / "c.pt")
+    with pytest.raises(TypeError, match="allow_globals must be a list"):
+        fsdp_restore.load_pt(tmp_path / "c.pt", allow_globals="datetime.timedelta")
+    with pytest.raises(TypeError, match="force must be True or False"):
+        fsdp_restore.save({"w": torch.ones(2)}, tmp_path / "s.safetensors", force="no")
+    with pytest.raises(ValueError, match="on_unsupported must be 'error' or 'skip', not 'x'"):
+        fsdp_restore.flatten({"w": torch.ones(2)}, on_unsupported="x")
+    with pytest.raises(TypeError, match="init_non_persistent_buffers takes the model"):
+        fsdp_restore.init_non_persistent_buffers("m")
+    assert not (tmp_path / "s.safetensors").exists()

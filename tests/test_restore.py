@@ -1028,3 +1028,25 @@ def test_a_model_whose_load_state_dict_runs_code_of_its_own_is_warned_of(tmp_pat
         restore_model(plain_target, path)
     for name, value in plain.state_dict().items():
         assert torch.equal(plain_target.state_dict()[name], value), name
+
+
+@pytest.mark.parametrize("call,bad,expected", [
+    ("restore_model", {"check": "no"}, "check must be True or False, not 'no'"),
+    ("restore_model", {"strict": None}, "strict must be True or False, not None"),
+    ("restore_model", {"check_buffers": 1}, "check_buffers must be True or False, not 1"),
+    ("restore_model", {"model_prefix": 3}, "model_prefix must be a dotted subtree name .* not 3"),
+    ("restore", {"optim_prefix": 3}, "optim_prefix must be a dotted subtree name .* not 3"),
+    ("restore_optimizer", {"strict": "yes"}, "strict must be True or False, not 'yes'"),
+    ("restore_optimizer", {"optim_prefix": ["optim"]}, r"optim_prefix must be a dotted subtree name .* not \['optim'\]"),
+])
+def test_options_are_checked_at_the_door(tmp_path, call, bad, expected):
+    """check="no" read as true and a prefix of 3 failed deep in the plan ("unsupported operand type(s) for +"): each
+    is a TypeError naming the option before anything is read, and the model is untouched."""
+    path = _converted(tmp_path, torch.nn.Linear(2, 2))
+    fresh = torch.nn.Linear(2, 2)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    args = {"restore_model": (fresh, path), "restore": (fresh, path, torch.optim.AdamW(fresh.parameters())),
+            "restore_optimizer": (torch.optim.AdamW(fresh.parameters()), fresh, path)}[call]
+    with pytest.raises(TypeError, match=expected):
+        getattr(fsdp_restore, call)(*args, **bad)
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
