@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import (ConvertError, FormatError, UnsafePickleError, allow_global_hint, allowed_global, first_line,
-                     allow_globals_argument, flag_argument, on_unsupported_argument, thread_count_argument)
+                     allow_globals_argument, flag_argument, not_a_file, on_unsupported_argument,
+                     thread_count_argument)
 from .flatten import flatten
 from .format import META_SOURCE, PT_SUFFIXES, SNIFF_BYTES, StoredDtype, is_legacy_torch_save
 from .jobs import ConvertReport, cast_groups, cast_target, plan_jobs, shard_size_argument, write_converted
@@ -140,7 +141,7 @@ def load_pt(path: str | os.PathLike[str], *, trust_pickle: bool = False, allow_g
     allow_globals_argument(allow_globals)
     path = Path(path)
     if not path.is_file():
-        raise FormatError(path, "no such file")
+        raise not_a_file(path)
     with open(path, "rb") as f:
         head = f.read(SNIFF_BYTES)
     magic = head[:4]
@@ -648,7 +649,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
         from . import mapped  # (torch's path only: it finds where torch.load mapped each tensor)
 
         if not Path(src).is_file():
-            raise FormatError(src, "no such file")
+            raise not_a_file(src)
         check_destination(dst, force=force, sources=[src], one_file=max_shard_size is None)
         before = os.stat(src)
         identity = source_identity(src, stat=before, select=select)  # before reading: a source rewritten meanwhile won't match it

@@ -25,6 +25,25 @@ class FormatError(FsdpRestoreError):
         super().__init__(f"{self.path}: {problem}")
 
 
+def not_a_file(path: object, mode: int | None = None) -> FormatError:
+    """The error for a path that cannot be read as a checkpoint file: missing, or something other than a regular
+    file (``mode``: its ``st_mode`` where known), which a checkpoint is not: it is read at offsets, more than once."""
+    import os
+    import stat
+
+    if mode is None:
+        try:
+            mode = os.stat(path).st_mode  # type: ignore[arg-type]
+        except OSError:
+            return FormatError(path, "no such file")
+    if stat.S_ISREG(mode):
+        return FormatError(path, "cannot read it as a file")
+    kind = ("a directory" if stat.S_ISDIR(mode) else "a pipe (FIFO)" if stat.S_ISFIFO(mode) else "a device"
+            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
+    return FormatError(path, f"is {kind}, not a regular file: a checkpoint is read at offsets; copy it into a"
+                             " file first")
+
+
 class UnsupportedObjectError(FsdpRestoreError):
     """The flattener met an object it cannot store without pickle."""
 

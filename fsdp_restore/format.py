@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from math import prod
 from pathlib import Path
 from typing import Any, NamedTuple, NoReturn
 
-from .errors import FormatError
+from .errors import FormatError, not_a_file
 
 # 2: headers and indexes carry their own crc32 (META_HEADER_CRC); shards of a set carry its id (META_SET_ID).
 # Version-1 files (and files of other tools) have neither and still read.
@@ -199,11 +200,14 @@ def read_header(path: str | os.PathLike[str], fd: int | None = None) -> FileHead
     own = fd is None
     try:
         if own:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (a FIFO opens at once, and is refused below)
     except OSError as e:
         raise FormatError(path, f"cannot read: {e.strerror or e}") from None
     assert fd is not None
     try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise not_a_file(path, mode)
         if hasattr(os, "posix_fadvise"):
             # No readahead: a buffered read of the header would also pull in the first tensors' bytes,
             # which on a sharded restore belong to another rank (measured: +16 MB per file).
@@ -503,9 +507,17 @@ def detect(path: str | os.PathLike[str]) -> str:
     if path.is_dir():
         return DIRECTORY
     try:
-        with open(path, "rb") as f:
-            return sniff(f.read(SNIFF_BYTES), os.fstat(f.fileno()).st_size)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (a FIFO opens at once instead of waiting for a writer)
     except FileNotFoundError:
         return MISSING
     except OSError:
         return UNKNOWN  # unreadable: the reader that opens it says why
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return UNKNOWN  # a pipe, a device: the reader that opens it refuses it, naming what it is
+        return sniff(os.pread(fd, SNIFF_BYTES, 0), st.st_size)
+    except OSError:
+        return UNKNOWN
+    finally:
+        os.close(fd)

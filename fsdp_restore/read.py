@@ -24,6 +24,7 @@ import ctypes
 import json
 import mmap
 import os
+import stat
 import threading
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
-from .errors import FormatError
+from .errors import FormatError, not_a_file
 from .flatten import (STRUCTURE_VERSION, flat_structure, iter_nodes_with_keys, skipped_values, unflatten,
                       validate_structure)
 from .format import (DEFAULT_INDEX_NAME, INDEX_SUFFIX, META_CAST, META_CHECKSUMS, META_HEADER_CRC, META_SET_ID,
@@ -242,7 +243,7 @@ class Checkpoint:
             raise FormatError(directory, f"cannot read: {e.strerror or e}") from None
         try:
             try:
-                index_fd = os.open(index_path.name, os.O_RDONLY, dir_fd=dir_fd)
+                index_fd = os.open(index_path.name, os.O_RDONLY | os.O_NONBLOCK, dir_fd=dir_fd)  # (a FIFO: no wait)
             except FileNotFoundError:
                 _gone(directory, dir_fd, index_path, "the index disappeared while it was being opened; open it again")
             try:
@@ -257,7 +258,7 @@ class Checkpoint:
             _raise_fd_limit(len(files))
             for shard in files:
                 try:
-                    fd = os.open(shard.relative_to(root), os.O_RDONLY, dir_fd=dir_fd)
+                    fd = os.open(shard.relative_to(root), os.O_RDONLY | os.O_NONBLOCK, dir_fd=dir_fd)
                 except FileNotFoundError:
                     _gone(directory, dir_fd, index_path, f"shard {shard.name} named in the weight_map is missing")
                 except OSError as e:
@@ -301,12 +302,14 @@ class Checkpoint:
 
     def _keep(self, file: Path, fd: int) -> None:
         """Hold ``fd`` as the one descriptor of ``file`` (header and data reads) for this checkpoint's life."""
+        st = os.fstat(fd)
+        self._fds[file] = fd  # (held first: closed with the checkpoint whatever raises below)
+        self._inodes[file] = (st.st_dev, st.st_ino)
+        if not stat.S_ISREG(st.st_mode):
+            raise not_a_file(file, st.st_mode)
         if hasattr(os, "posix_fadvise"):
             # No readahead past what we ask for: each rank wants only its own slice.
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        st = os.fstat(fd)
-        self._fds[file] = fd
-        self._inodes[file] = (st.st_dev, st.st_ino)
 
     def _index(self, resolved: Path, path: str | os.PathLike[str], structure_json: str | None,
                metadata: dict[str, Any], weight_map: dict[str, Path]) -> None:
@@ -600,7 +603,9 @@ class _Replaced(Exception):
 
 def _open_file(file: Path) -> int:
     try:
-        return os.open(file, os.O_RDONLY)
+        # non-blocking: a FIFO in a file's place opens at once (and `read_header` refuses it) instead of waiting
+        # for a writer; reads of a regular file are the same either way
+        return os.open(file, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         raise FormatError(file, "no such file or directory") from None
     except OSError as e:

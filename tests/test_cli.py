@@ -429,3 +429,34 @@ def test_check_restore_model_prefix_and_its_old_name(monkeypatch, capsys, flag, 
     assert main(["check-restore", "x.safetensors", "--model", "m:build", flag, "weights"]) == 0
     assert calls[0]["model_prefix"] == "weights" and "prefix" not in calls[0]
     assert ("--prefix is renamed --model-prefix" in capsys.readouterr().err) == old
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "convert"])
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_pipe_or_a_device_is_refused_at_once_naming_what_it_is(tmp_path, command, kind):
+    """A FIFO given as the checkpoint made `inspect` wait for a writer forever (its open blocked), and `convert`
+    said "no such file" of /dev/zero: each is now one error naming what the path is, exit 1, no traceback."""
+    import os
+
+    if kind == "fifo":
+        path = tmp_path / "ckpt.safetensors"
+        os.mkfifo(path)
+    else:
+        path = "/dev/zero"
+    args = [command, path] + ([tmp_path / "out.safetensors"] if command == "convert" else [])
+    proc = subprocess.run([sys.executable, "-m", "fsdp_restore", *map(str, args)], capture_output=True, text=True,
+                          timeout=60)
+    what = "a pipe (FIFO)" if kind == "fifo" else "a device"
+    assert proc.returncode == 1, proc
+    assert f"{path}: is {what}, not a regular file" in proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out.safetensors").exists()
+
+
+def test_a_pipe_given_to_a_restore_is_refused_at_once(tmp_path):
+    import os
+
+    import fsdp_restore
+
+    os.mkfifo(tmp_path / "ckpt.safetensors")
+    with pytest.raises(fsdp_restore.RestoreError, match=r"is a pipe \(FIFO\), not a regular file"):
+        fsdp_restore.restore_model(torch.nn.Linear(2, 2), tmp_path / "ckpt.safetensors")
