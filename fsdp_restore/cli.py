@@ -93,6 +93,8 @@ def _load_layer(source: str, load: Callable[[], Any], known: Sequence[str], in_f
         layer = load()
     except FileNotFoundError:
         raise OptionError(f"{source}: no such file") from None
+    except OSError as e:  # a directory, no permission: the file cannot be read
+        raise OptionError(f"{source}: cannot read it ({e.strerror or e}); give a YAML file of option: value") from None
     except yaml.YAMLError as e:
         raise OptionError(f"{source}: not valid YAML ({_yaml_problem(e, in_file)}); fix the syntax, e.g."
                           " cast_exclude=[optim.*] or thread_count: 4") from None

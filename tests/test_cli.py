@@ -216,6 +216,14 @@ def test_missing_config_file_is_one_line(src, tmp_path, capsys):
     assert "nope.yaml" in _one_line_error(code, capsys.readouterr().err)
 
 
+def test_a_config_that_is_a_directory_is_one_line_naming_it(src, tmp_path, capsys):
+    """``--config /tmp`` printed "[Errno 21] Is a directory" with exit 1; a config error is exit 2, naming it."""
+    (tmp_path / "configs").mkdir()
+    code = main(["convert", str(src), str(tmp_path / "out.safetensors"), "--config", str(tmp_path / "configs")])
+    line = _one_line_error(code, capsys.readouterr().err)
+    assert code == 2 and f"--config {tmp_path / 'configs'}: cannot read it" in line
+
+
 def test_a_single_pattern_is_a_list_of_one(src, tmp_path):
     """``cast_exclude=model.w`` (no brackets) is the pattern model.w, not the patterns m, o, d, e, l, ..."""
     dst = tmp_path / "out.safetensors"
