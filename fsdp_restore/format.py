@@ -218,6 +218,9 @@ def read_header(path: str | os.PathLike[str], fd: int | None = None) -> FileHead
             raise FormatError(path, f"file is {file_size} bytes, too short for a safetensors header"
                               " (truncated or not a safetensors file)")
         (n,) = struct.unpack("<Q", head)
+        if head[:1] == b"\x80" and 2 <= head[1] <= 5 and n > file_size:  # pickle's PROTO opcode, then its version
+            raise FormatError(path, "a pickle, not a safetensors file (its first bytes are pickle's): if torch.save"
+                              f" wrote it, convert it first: fsdp-restore convert {path} {path.with_suffix('.safetensors')}")
         if n > MAX_HEADER_BYTES:
             raise FormatError(path, f"header length {n} exceeds the {MAX_HEADER_BYTES} byte limit"
                               " (corrupt or not a safetensors file)")

@@ -4,6 +4,7 @@ lists, objects, bools, huge integers and deep nesting into every slot of a safet
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from helpers import raw_safetensors
@@ -246,3 +247,16 @@ def test_a_legacy_torch_save_file_is_told_from_any_pickle_or_garbage(tmp_path):
     path.write_bytes(b"\x80\x04" + b"\x0f\x00" * 50)
     with pytest.raises(FormatError):
         fsdp_restore.load(path)
+
+
+@pytest.mark.parametrize("protocol", [2, 3, 4, 5])
+def test_a_plain_pickle_is_named_as_one_with_the_command_that_converts_it(tmp_path, protocol):
+    """A pickle opened as a checkpoint said "header length 177538176 exceeds the 104857600 byte limit"."""
+    import pickle
+
+    path = tmp_path / "state.pkl"
+    path.write_bytes(pickle.dumps({"step": 3, "lr": [0.1, 0.01]}, protocol=protocol))
+    with pytest.raises(FormatError, match=re.escape(
+            f"a pickle, not a safetensors file (its first bytes are pickle's): if torch.save wrote it, convert it"
+            f" first: fsdp-restore convert {path} {tmp_path / 'state.safetensors'}")):
+        read_header(path)
