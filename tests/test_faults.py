@@ -576,13 +576,13 @@ def _restore_alike(rank: int, world_size: int, path, options: list) -> int:
     return fsdp_restore.restore_model(model, path, **options[rank]).tensors
 
 
-@pytest.mark.parametrize("options", [[{"check": 1}, {"check": True}],
+@pytest.mark.parametrize("options", [[{"check": True, "strict": True}, {}],
                                      [{"check": False, "check_buffers": False}, {"check": False}],
                                      [{"model_prefix": "model"}, {}],
                                      [{"key_map": {}}, {}],
                                      [{"key_map": {"9.weight": "x"}}, {}],
                                      [{"key_map": [("^nothing$", "x")]}, {}]],
-                         ids=["1-is-True", "ignored", "the-default", "a-map-that-renames-nothing",
+                         ids=["the-defaults-given", "ignored", "the-default", "a-map-that-renames-nothing",
                               "a-map-of-names-the-model-lacks", "pairs-that-match-nothing"])
 def test_ranks_whose_options_mean_the_same_are_not_refused(tmp_path, options):
     from models import build
