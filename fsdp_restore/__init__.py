@@ -82,9 +82,12 @@ def load(path: str | os.PathLike[str], *, mmap: bool = True, trust_pickle: bool 
     otherwise the ``.pt`` is loaded safely (see `load_pt`), with a warning when a sibling exists but is stale.
     """
     from .convert import load_pt
+    from .errors import flag_argument
     from .provenance import mismatch
     from .read import Checkpoint, find_safetensors_for
 
+    flag_argument("mmap", mmap)
+    flag_argument("trust_pickle", trust_pickle)
     found = find_safetensors_for(path)
     if found is None:
         return load_pt(path, trust_pickle=trust_pickle)

@@ -19,7 +19,7 @@ import stat
 import warnings
 import zipfile
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -122,6 +122,12 @@ def _check_zip_members(path: Path) -> bool:
     return all(m == zipfile.ZIP_STORED for m in methods.values())
 
 
+def _listed(names: Any) -> Any:
+    """Names given as any iterable (an omegaconf ListConfig, a generator) as a list, read once; a string or anything
+    else as it is, for `allow_globals_argument` to refuse."""
+    return list(names) if isinstance(names, Iterable) and not isinstance(names, (str, bytes, list, tuple)) else names
+
+
 def load_pt(path: str | os.PathLike[str], *, trust_pickle: bool = False, allow_globals: Sequence[str] = (),
             mmap: bool = True) -> Any:
     """Load a ``torch.save`` file without executing untrusted code.
@@ -138,6 +144,7 @@ def load_pt(path: str | os.PathLike[str], *, trust_pickle: bool = False, allow_g
 
     flag_argument("trust_pickle", trust_pickle)
     flag_argument("mmap", mmap)
+    allow_globals = _listed(allow_globals)
     allow_globals_argument(allow_globals)
     path = Path(path)
     if not path.is_file():
@@ -418,6 +425,7 @@ def _convert_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, 
                 before = os.fstat(fd)
                 if not stat.S_ISREG(before.st_mode):
                     return None
+                os.set_blocking(fd, True)  # (Lustre reads O_NONBLOCK on each read as "do not wait for a lock")
                 loaded, members = load_plain_archive(fd)
                 st = os.fstat(fd)
                 if (st.st_size, st.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
@@ -602,6 +610,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
     # patterns read once (a generator would be used up by the checks below); a bare string is refused there
     cast_include = cast_include if cast_include is None or isinstance(cast_include, str) else list(cast_include)
     cast_exclude = cast_exclude if isinstance(cast_exclude, str) else list(cast_exclude)
+    allow_globals = _listed(allow_globals)
 
     def check_arguments() -> tuple[int | None, StoredDtype | None]:
         if tag is not None and not (Path(src).is_dir() and is_zero_checkpoint(src)):

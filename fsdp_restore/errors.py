@@ -188,10 +188,10 @@ def on_unsupported_argument(on_unsupported: object) -> None:
 def allow_globals_argument(allow_globals: object) -> None:
     """The ``allow_globals=`` of a public entry point, checked at the door: a list (tuple, set) of qualified names,
     else a `TypeError` naming it (a bare string was taken letter by letter)."""
-    if not isinstance(allow_globals, (list, tuple, set, frozenset)) or not all(
+    if isinstance(allow_globals, (str, bytes)) or not isinstance(allow_globals, (list, tuple, set, frozenset)) or not all(
             isinstance(g, str) for g in allow_globals):
         raise TypeError(f"allow_globals must be a list of qualified names such as ['datetime.timedelta'], not"
-                        f" {allow_globals!r}")
+                        f" {type(allow_globals).__name__} {allow_globals!r}")
 
 
 def flag_argument(name: str, value: object) -> bool:

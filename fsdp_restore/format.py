@@ -186,6 +186,27 @@ class FileHeader:
 TRUNCATED_FIX = "copy the file again, or convert or save it again from its source"  # what a file cut short needs
 
 
+def open_file(path: str | os.PathLike[str], *, dir_fd: int | None = None) -> int:
+    """A descriptor of the checkpoint file ``path`` for reading, refused (`not_a_file`) unless it is a regular file.
+    The open is non-blocking, so that a FIFO in the file's place opens at once instead of waiting for a writer;
+    the descriptor is then made blocking again, since some file systems read O_NONBLOCK on each read as "do not
+    wait for a lock" (Lustre). An open that would wait for a lease to be broken (an SMB oplock, an NFS
+    delegation) is made again blocking, as a plain open waits for it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK, dir_fd=dir_fd)
+    except BlockingIOError:
+        fd = os.open(path, os.O_RDONLY, dir_fd=dir_fd)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise not_a_file(path, mode)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def read_header(path: str | os.PathLike[str], fd: int | None = None) -> FileHeader:
     """Parse and validate the header of one safetensors file.
 
@@ -200,14 +221,11 @@ def read_header(path: str | os.PathLike[str], fd: int | None = None) -> FileHead
     own = fd is None
     try:
         if own:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (a FIFO opens at once, and is refused below)
+            fd = open_file(path)
     except OSError as e:
         raise FormatError(path, f"cannot read: {e.strerror or e}") from None
     assert fd is not None
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise not_a_file(path, mode)
         if hasattr(os, "posix_fadvise"):
             # No readahead: a buffered read of the header would also pull in the first tensors' bytes,
             # which on a sharded restore belong to another rank (measured: +16 MB per file).
@@ -219,8 +237,9 @@ def read_header(path: str | os.PathLike[str], fd: int | None = None) -> FileHead
                               " (truncated or not a safetensors file)")
         (n,) = struct.unpack("<Q", head)
         if head[:1] == b"\x80" and 2 <= head[1] <= 5 and n > file_size:  # pickle's PROTO opcode, then its version
-            raise FormatError(path, "a pickle, not a safetensors file (its first bytes are pickle's): if torch.save"
-                              f" wrote it, convert it first: fsdp-restore convert {path} {path.with_suffix('.safetensors')}")
+            raise FormatError(path, "a plain pickle, not a safetensors file (its first bytes are pickle's), and nothing"
+                              " here reads one (unpickling runs code): where you trust it, load it and write what it"
+                              " holds with fsdp_restore.save (or torch.save, then fsdp-restore convert)")
         if n > MAX_HEADER_BYTES:
             raise FormatError(path, f"header length {n} exceeds the {MAX_HEADER_BYTES} byte limit"
                               " (corrupt or not a safetensors file)")
@@ -510,16 +529,13 @@ def detect(path: str | os.PathLike[str]) -> str:
     if path.is_dir():
         return DIRECTORY
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (a FIFO opens at once instead of waiting for a writer)
+        fd = open_file(path)
     except FileNotFoundError:
         return MISSING
-    except OSError:
-        return UNKNOWN  # unreadable: the reader that opens it says why
+    except (OSError, FormatError):
+        return UNKNOWN  # unreadable, or a pipe or a device: the reader that opens it says why
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return UNKNOWN  # a pipe, a device: the reader that opens it refuses it, naming what it is
-        return sniff(os.pread(fd, SNIFF_BYTES, 0), st.st_size)
+        return sniff(os.pread(fd, SNIFF_BYTES, 0), os.fstat(fd).st_size)
     except OSError:
         return UNKNOWN
     finally:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import numbers
+import operator
 import os
 import re
 import warnings
@@ -85,10 +87,16 @@ def optimizer_state_keys(structure: dict[str, Any]) -> set[str]:
 
 def parse_size(text: str | int | None) -> int | None:
     """``"5GB"`` -> 5_000_000_000, ``"512MiB"`` -> 536_870_912; ints pass through."""
-    if isinstance(text, bool) or not (text is None or isinstance(text, (int, str))):  # (True would be 1 byte)
-        raise TypeError(f"a size must be an int of bytes or a string such as '5GB', not {text!r}")
-    if text is None or isinstance(text, int):
-        return text
+    if text is None:
+        return None
+    if isinstance(text, bool):  # (True would be 1 byte)
+        raise TypeError(f"a size must be a number of bytes or a string such as '5GB', not {text!r}")
+    if isinstance(text, numbers.Integral):  # an int, numpy's ints
+        return operator.index(text)
+    if isinstance(text, float) and text.is_integer():  # 5e9
+        return int(text)
+    if not isinstance(text, str):
+        raise TypeError(f"a size must be a number of bytes or a string such as '5GB', not {text!r}")
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([KMGT]?)(I?B)?\s*", text.upper())
     if not m:
         raise ValueError(f"cannot parse size '{text}' (examples: 5GB, 512MiB, 1000000)")
@@ -98,7 +106,8 @@ def parse_size(text: str | int | None) -> int | None:
 
 def shard_size_argument(max_shard_size: str | int | None) -> int | None:
     """The ``max_shard_size=`` of a public entry point, checked at the door: None (one file) or a size
-    `parse_size` reads that is at least one byte, else a `ValueError` naming it."""
+    `parse_size` reads that is at least one byte, else a `ValueError` naming it (a `TypeError` for a value that is
+    no size at all, such as True)."""
     size = parse_size(max_shard_size)
     if size is not None and size <= 0:
         raise ValueError(f"max_shard_size must be positive, not {max_shard_size!r}")

@@ -37,7 +37,7 @@ from .flatten import (STRUCTURE_VERSION, flat_structure, iter_nodes_with_keys, s
                       validate_structure)
 from .format import (DEFAULT_INDEX_NAME, INDEX_SUFFIX, META_CAST, META_CHECKSUMS, META_HEADER_CRC, META_SET_ID,
                      META_SOURCE, META_STRUCTURE, MISSING, PT_SUFFIXES, SAFETENSORS, TORCH_LEGACY, TORCH_ZIP,
-                     TRUNCATED_FIX, FileHeader, TensorEntry, detect, parse_json, read_header, read_index)
+                     TRUNCATED_FIX, FileHeader, TensorEntry, detect, open_file, parse_json, read_header, read_index)
 from .provenance import mismatch
 from .screened_read import pread_all
 
@@ -155,7 +155,8 @@ def _source_hint(path: Path) -> str:
         path) else None
     if what is None:
         return ""
-    return f"; it is {what}: convert it first: fsdp-restore convert {path} {path.parent / (path.name + '.safetensors')}"
+    here = path.resolve()  # ("." and ".." name no file to write beside them)
+    return f"; it is {what}: convert it first: fsdp-restore convert {path} {here.parent / (here.name + '.safetensors')}"
 
 
 class Checkpoint:
@@ -243,7 +244,9 @@ class Checkpoint:
             raise FormatError(directory, f"cannot read: {e.strerror or e}") from None
         try:
             try:
-                index_fd = os.open(index_path.name, os.O_RDONLY | os.O_NONBLOCK, dir_fd=dir_fd)  # (a FIFO: no wait)
+                index_fd = open_file(index_path.name, dir_fd=dir_fd)
+            except FormatError as e:
+                raise FormatError(index_path, e.problem) from None
             except FileNotFoundError:
                 _gone(directory, dir_fd, index_path, "the index disappeared while it was being opened; open it again")
             try:
@@ -258,7 +261,9 @@ class Checkpoint:
             _raise_fd_limit(len(files))
             for shard in files:
                 try:
-                    fd = os.open(shard.relative_to(root), os.O_RDONLY | os.O_NONBLOCK, dir_fd=dir_fd)
+                    fd = open_file(shard.relative_to(root), dir_fd=dir_fd)
+                except FormatError as e:  # (a pipe or a device: named by its full path)
+                    raise FormatError(shard, e.problem) from None
                 except FileNotFoundError:
                     _gone(directory, dir_fd, index_path, f"shard {shard.name} named in the weight_map is missing")
                 except OSError as e:
@@ -603,9 +608,7 @@ class _Replaced(Exception):
 
 def _open_file(file: Path) -> int:
     try:
-        # non-blocking: a FIFO in a file's place opens at once (and `read_header` refuses it) instead of waiting
-        # for a writer; reads of a regular file are the same either way
-        return os.open(file, os.O_RDONLY | os.O_NONBLOCK)
+        return open_file(file)
     except FileNotFoundError:
         raise FormatError(file, "no such file or directory") from None
     except OSError as e:

@@ -312,11 +312,12 @@ def _tensor_target(name: str, tensor: torch.Tensor, kind: str) -> Target:
             layout = " (channels_last)" if data.dim() == 4 and data.is_contiguous(
                 memory_format=torch.channels_last) else " (channels_last_3d)" if data.dim() == 5 and \
                 data.is_contiguous(memory_format=torch.channels_last_3d) else ""
+            fix = (" Restore or save while the model's tensors are contiguous: model.to(memory_format=torch."
+                   "channels_last) after the restore, model.to(memory_format=torch.contiguous_format) before a save"
+                   if layout else f" Make it contiguous first (the {kind}'s .data = .data.contiguous())")
             raise ValueError(
                 f"{name}: a {kind} laid out with strides {tuple(data.stride())}{layout} is not supported: the restore"
-                " and the save move a tensor's row-major bytes straight between the file and its memory. Restore or"
-                " save while the model's tensors are contiguous: model.to(memory_format=torch.channels_last) after"
-                " the restore, model.to(memory_format=torch.contiguous_format) before a save")
+                f" and the save move a tensor's row-major bytes straight between the file and its memory.{fix}")
         target.pieces.append(Piece(data.view(-1), 0))
     return target
 

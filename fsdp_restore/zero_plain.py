@@ -52,6 +52,7 @@ class ZeroModel:
         self.fds.append(fd)
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise NotPlain(f"{path.name}: not a regular file")
+        os.set_blocking(fd, True)  # (Lustre reads O_NONBLOCK on each read as "do not wait for a lock")
         obj, _ = load_plain_archive(fd, deepspeed=True)
         if type(obj) is not dict:
             raise NotPlain(f"{path.name}: no dict at the top")

@@ -1010,7 +1010,7 @@ def test_missing_directories_are_created_and_a_file_in_the_way_is_named(tmp_path
     ({"force": "no"}, TypeError, r"force must be True or False, not 'no'"),
     ({"trust_pickle": 1}, TypeError, r"trust_pickle must be True or False, not 1"),
     ({"max_shard_size": "1.2.3GB"}, ValueError, r"cannot parse size '1.2.3GB'"),
-    ({"max_shard_size": True}, TypeError, r"a size must be an int of bytes or a string such as '5GB', not True"),
+    ({"max_shard_size": True}, TypeError, r"a size must be a number of bytes or a string such as '5GB', not True"),
 ])
 def test_convert_options_are_checked_at_the_door(tmp_path, bad, error, expected):
     """A string of globals was taken letter by letter ("cannot import allowed global 'd'"), select=0 was ignored,
@@ -1035,3 +1035,16 @@ def test_load_pt_save_flatten_and_init_buffers_check_their_options(tmp_path):
     with pytest.raises(TypeError, match="init_non_persistent_buffers takes the model"):
         fsdp_restore.init_non_persistent_buffers("m")
     assert not (tmp_path / "s.safetensors").exists()
+
+
+def test_sizes_and_names_given_as_other_types_are_taken(tmp_path):
+    """5e9 and numpy's ints are sizes (they were, before the door's check refused them); omegaconf's list of globals
+    is a list."""
+    import numpy as np
+    from omegaconf import OmegaConf
+
+    torch.save({"model": {"w": torch.ones(3), "b": torch.zeros(2)}}, tmp_path / "c.pt")
+    assert len(fsdp_restore.convert(tmp_path / "c.pt", tmp_path / "a.safetensors", max_shard_size=5e9).files) == 1
+    assert len(fsdp_restore.convert(tmp_path / "c.pt", tmp_path / "b", max_shard_size=np.int64(8)).files) == 2
+    loaded = fsdp_restore.load_pt(tmp_path / "c.pt", allow_globals=OmegaConf.create(["datetime.timedelta"]))
+    assert torch.equal(loaded["model"]["w"], torch.ones(3))

@@ -251,12 +251,13 @@ def test_a_legacy_torch_save_file_is_told_from_any_pickle_or_garbage(tmp_path):
 
 @pytest.mark.parametrize("protocol", [2, 3, 4, 5])
 def test_a_plain_pickle_is_named_as_one_with_the_command_that_converts_it(tmp_path, protocol):
-    """A pickle opened as a checkpoint said "header length 177538176 exceeds the 104857600 byte limit"."""
+    """A pickle opened as a checkpoint said "header length 177538176 exceeds the 104857600 byte limit"; convert
+    refuses a plain pickle too, so the error says what does read it."""
     import pickle
 
     path = tmp_path / "state.pkl"
     path.write_bytes(pickle.dumps({"step": 3, "lr": [0.1, 0.01]}, protocol=protocol))
     with pytest.raises(FormatError, match=re.escape(
-            f"a pickle, not a safetensors file (its first bytes are pickle's): if torch.save wrote it, convert it"
-            f" first: fsdp-restore convert {path} {tmp_path / 'state.safetensors'}")):
+            f"{path}: a plain pickle, not a safetensors file (its first bytes are pickle's), and nothing here reads"
+            " one (unpickling runs code): where you trust it, load it and write what it holds with fsdp_restore.save")):
         read_header(path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -335,3 +336,23 @@ def test_a_dcp_directory_is_named_with_the_command_that_converts_it(tmp_path):
     with pytest.raises(FormatError) as info:
         Checkpoint(tmp_path / "empty")
     assert "convert it first" not in str(info.value)
+
+
+def test_the_descriptors_a_checkpoint_keeps_are_blocking(tmp_path, monkeypatch):
+    """Opened non-blocking (a FIFO must not wait for a writer), then made blocking again: Lustre reads O_NONBLOCK on
+    each read as "do not wait for a lock" and fails the read with EAGAIN instead."""
+    save_file({"w": torch.ones(4)}, str(tmp_path / "a.safetensors"))
+    with Checkpoint(tmp_path / "a.safetensors") as ckpt:
+        assert ckpt._fds and all(os.get_blocking(fd) for fd in ckpt._fds.values())
+    monkeypatch.chdir(tmp_path)  # a directory named "." is told the file to write beside it, not inside it
+    (tmp_path / "a.safetensors").unlink()
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "run"))
+    monkeypatch.chdir(tmp_path / "run")
+    with pytest.raises(FormatError, match=re.escape(f"fsdp-restore convert . {tmp_path / 'run.safetensors'}")):
+        Checkpoint(".")

@@ -266,3 +266,15 @@ def test_a_channels_last_model_is_refused_with_the_way_round_it(tmp_path):
     source = torch.load(tmp_path / "cnn.pt", weights_only=True)["model"]
     assert model.conv.weight.is_contiguous(memory_format=torch.channels_last)
     assert all(torch.equal(t, source[k]) for k, t in model.state_dict().items())
+
+
+def test_a_transposed_parameter_is_told_to_be_made_contiguous(tmp_path):
+    model = torch.nn.Linear(3, 4)
+    save = {"model": {k: v.clone() for k, v in model.state_dict().items()}}
+    torch.save(save, tmp_path / "l.pt")
+    fsdp_restore.convert(tmp_path / "l.pt", tmp_path / "l.safetensors")
+    model.weight = torch.nn.Parameter(torch.randn(3, 4).t())  # (4, 3), column-major
+    with pytest.raises(RestoreError, match=r"weight: a param laid out with strides \(1, 4\) is not supported.*Make it"
+                       r" contiguous first") as info:
+        restore_model(model, tmp_path / "l.safetensors")
+    assert "channels_last" not in str(info.value)
