@@ -325,10 +325,10 @@ def _fault(rank, world_size, path, how, fault):
     if fault == "not shared" and rank == 1:
         real_open = os.open
 
-        def local_disk(p, flags, *args):  # this rank's "node" does not see rank 0's temporary
+        def local_disk(p, flags, *args, **kwargs):  # this rank's "node" does not see rank 0's temporary
             if ".tmp-" in str(p):
                 raise FileNotFoundError(2, "No such file or directory", str(p))
-            return real_open(p, flags, *args)
+            return real_open(p, flags, *args, **kwargs)
 
         os.open = local_disk
     if fault == "disk full" and rank == 0:

@@ -92,11 +92,11 @@ def test_a_cast_is_written_in_blocks(tmp_path, small_blocks):
 def test_where_the_file_system_refuses_o_direct_the_page_cache_is_used(tmp_path, monkeypatch, small_blocks):
     real_open, direct_opens = os.open, []
 
-    def refusing(path, flags, *args):
+    def refusing(path, flags, *args, **kwargs):  # (os.open's signature: the readers pass dir_fd=)
         if flags & getattr(os, "O_DIRECT", 0):
             direct_opens.append(path)
             raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *args)
+        return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", refusing)
     tensors = {"a": torch.randn(5000), "b": torch.arange(77, dtype=torch.int32)}
