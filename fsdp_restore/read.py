@@ -24,7 +24,6 @@ import ctypes
 import json
 import mmap
 import os
-import stat
 import threading
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -32,7 +31,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
-from .errors import FormatError, not_a_file
+from .errors import FormatError
 from .flatten import (STRUCTURE_VERSION, flat_structure, iter_nodes_with_keys, skipped_values, unflatten,
                       validate_structure)
 from .format import (DEFAULT_INDEX_NAME, INDEX_SUFFIX, META_CAST, META_CHECKSUMS, META_HEADER_CRC, META_SET_ID,
@@ -307,11 +306,9 @@ class Checkpoint:
 
     def _keep(self, file: Path, fd: int) -> None:
         """Hold ``fd`` as the one descriptor of ``file`` (header and data reads) for this checkpoint's life."""
-        st = os.fstat(fd)
+        st = os.fstat(fd)  # (``fd`` from `format.open_file`: a regular file, checked there)
         self._fds[file] = fd  # (held first: closed with the checkpoint whatever raises below)
         self._inodes[file] = (st.st_dev, st.st_ino)
-        if not stat.S_ISREG(st.st_mode):
-            raise not_a_file(file, st.st_mode)
         if hasattr(os, "posix_fadvise"):
             # No readahead past what we ask for: each rank wants only its own slice.
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
