@@ -34,11 +34,23 @@ def _multiply(a: int, b: int) -> int:
     return product
 
 
-def _x_to_the_2_to_the(k: int, _cache: list[int] = [_ONE >> 1]) -> int:  # noqa: B006 (a deliberate cache)
-    """x^(2^k) modulo the polynomial (cached: x^(2^(k+1)) is x^(2^k) squared)."""
-    while len(_cache) <= k:
-        _cache.append(_multiply(_cache[-1], _cache[-1]))
-    return _cache[k]
+def _squarings(count: int) -> tuple[int, ...]:
+    """x^(2^k) modulo the polynomial for k < ``count``: x^(2^(k+1)) is x^(2^k) squared."""
+    powers = [_ONE >> 1]
+    while len(powers) < count:
+        powers.append(_multiply(powers[-1], powers[-1]))
+    return tuple(powers)
+
+
+# Built once at import, never lazily: the writer threads of a save ask for them at once, and a list grown by
+# whichever thread came first once held one power twice, shifting all above it (wrong checksums in a header).
+# 8 * nbytes < 2^67 for any nbytes a file can hold.
+_X_TO_THE_2_TO_THE = _squarings(67)
+
+
+def _x_to_the_2_to_the(k: int) -> int:
+    """x^(2^k) modulo the polynomial."""
+    return _X_TO_THE_2_TO_THE[k]
 
 
 @functools.lru_cache(maxsize=1 << 14)

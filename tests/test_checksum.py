@@ -114,3 +114,34 @@ def test_crc_of_zeros_is_zlibs():
     for n in (0, 1, 2, 3, 8, 255, 4096, 65_537, 1 << 20, 3_000_001):
         assert zeros_crc(n) == zlib.crc32(bytes(n)), n
         assert zeros_crc(n) == zlib.crc32(bytes(n)), n  # the cached answer too
+
+
+_FRESH_THREADS = r"""
+import sys, threading, zlib
+sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows: a race shows at once
+from fsdp_restore import checksum
+sizes = [(1 << k) + 3 for k in range(4, 21)]
+start, results = threading.Barrier(8), {}
+def work(i):
+    start.wait()
+    results[i] = [checksum.zeros_crc(n) for n in sizes[i % 3:] + sizes[:i % 3]]
+threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+expected = {n: zlib.crc32(bytes(n)) for n in sizes}
+wrong = sorted({n for i, got in results.items() for n, c in zip(sizes[i % 3:] + sizes[:i % 3], got) if c != expected[n]})
+print(wrong)
+"""
+
+
+def test_powers_are_right_when_threads_ask_first_at_once():
+    """The save's writer threads (and the convert's and verify's) fold crc32s at once from a fresh process: the
+    powers of x they share must not be built by two threads at once (a race that once shifted the table by one and
+    wrote wrong checksums into a save's header)."""
+    import subprocess
+    import sys
+
+    for _ in range(3):  # a fresh interpreter each time: nothing computed yet
+        out = subprocess.run([sys.executable, "-c", _FRESH_THREADS], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == "[]", f"wrong crc32 of zeros for sizes {out.stdout.strip()}"

@@ -138,6 +138,25 @@ def _split(path, ignore=()) -> tuple[dict, bytes]:
     return header, data[8 + n:]
 
 
+def _header_difference(ours: dict, reference: dict) -> str:
+    """The entries where two headers differ (the structure JSON decoded), not the first 3000 characters."""
+    lines = []
+    for k in sorted(set(ours) | set(reference)):
+        a, b = ours.get(k), reference.get(k)
+        if k == "__metadata__" and a and b:
+            for m in sorted(set(a) | set(b)):
+                x, y = a.get(m), b.get(m)
+                if x != y and m.endswith("structure"):
+                    x, y = json.dumps(json.loads(x), indent=0).splitlines(), json.dumps(json.loads(y), indent=0).splitlines()
+                    i = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+                    lines.append(f"{m} from line {i}: ours {x[max(0, i - 5):i + 5]} reference {y[max(0, i - 5):i + 5]}")
+                elif x != y:
+                    lines.append(f"{m}: ours {x!r} reference {y!r}")
+        elif a != b:
+            lines.append(f"{k}: ours {a} reference {b}")
+    return "headers differ:\n" + "\n".join(lines[:20])
+
+
 def assert_same_files(ours, reference, ignore=()) -> None:
     """Byte for byte, apart from the conversion's source identity (and the header padding it shifts) and the
     metadata keys ``ignore``."""
@@ -154,7 +173,7 @@ def assert_same_files(ours, reference, ignore=()) -> None:
                 assert_same_files(os.path.join(ours, f), os.path.join(reference, f), ignore)
         return
     (h1, d1), (h2, d2) = _split(ours, ignore), _split(reference, ignore)
-    assert h1 == h2, json.dumps(h1)[:3000] + "\n!=\n" + json.dumps(h2)[:3000]
+    assert h1 == h2, _header_difference(h1, h2)
     assert d1 == d2, "data sections differ"
 
 
