@@ -23,7 +23,7 @@ import os
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -105,18 +105,20 @@ _pool_size = 0
 _pool_lock = threading.Lock()
 
 
-def reader_pool(threads: int) -> ThreadPoolExecutor:
-    """The process's read threads, started once and kept: starting 4 threads on every restore cost more
-    than planning it on a busy machine (BENCHMARKS.md). Grown when more threads are asked for; started
-    again in a forked child (threads do not survive a fork, and a pool that thinks they did never runs)."""
+def start_readers(threads: int, work: Callable[[], None], count: int) -> list[Future[None]]:
+    """``count`` runs of ``work`` on the process's read threads, started once and kept: starting 4 threads on every
+    restore cost more than planning it on a busy machine (BENCHMARKS.md). Grown when more threads are asked for;
+    started again in a forked child (threads do not survive a fork, and a pool that thinks they did never runs).
+    Submitted under the lock that grows the pool: a restore on another thread growing it meanwhile shuts the old
+    pool down, which then refuses new work."""
     global _pool, _pool_size
     with _pool_lock:
         if _pool is None or _pool_size < threads:
             old, _pool_size = _pool, max(threads, DEFAULT_READ_THREADS)
             _pool = ThreadPoolExecutor(max_workers=_pool_size, thread_name_prefix="fsdp_restore-read")
             if old is not None:
-                old.shutdown(wait=False)
-        return _pool
+                old.shutdown(wait=False)  # (what was submitted to it still runs)
+        return [_pool.submit(work) for _ in range(count)]
 
 
 def _forget_pool_after_fork() -> None:
@@ -523,8 +525,14 @@ def execute_reads(ckpt: Checkpoint, items: Sequence[ReadItem], threads: int = DE
             with torch.no_grad():
                 work(own_thread=False)
         else:
-            for f in [reader_pool(threads).submit(work) for _ in range(min(threads, len(chunks)))]:
-                f.result()
+            running = start_readers(threads, work, min(threads, len(chunks)))
+            try:
+                for f in running:
+                    f.result()
+            except BaseException as e:  # interrupted (Ctrl-C): no read may land in the model after this returns
+                failed.append(e)  # each worker stops at its next group
+                wait(running)
+                raise
     finally:
         unfinished: list[BaseException] = []
         for w in workers:  # every worker waited for, whichever fails: none leaves copies in flight

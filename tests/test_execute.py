@@ -330,3 +330,89 @@ def test_a_worker_that_fails_to_finish_neither_hides_the_failed_read_nor_leaves_
     with pytest.raises(fsdp_restore.RestoreError, match="device stream failed"):
         fsdp_restore.restore_model(Mixed(), stored, check=False, thread_count=4)
     assert len(finished) >= 2
+
+
+class _Interrupted(Exception):
+    """What a signal handler raised in the restoring thread (as Ctrl-C's KeyboardInterrupt would)."""
+
+
+def test_an_interrupted_read_leaves_no_read_running_into_the_model(tmp_path, monkeypatch):
+    """A restore interrupted while its threads read (Ctrl-C, a SIGTERM handler that raises) must not return with
+    reads still landing in the model: a second restore's NaN fill and check would not see them land after it."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from safetensors.torch import save_file
+
+    from fsdp_restore.plan import ReadItem
+
+    path = str(tmp_path / "w.safetensors")
+    save_file({"w": torch.arange(1 << 18, dtype=torch.float32)}, path)
+    ckpt = Checkpoint(path)
+    dest = torch.full((1 << 18,), -1.0)
+    reads = []
+    real = Checkpoint.read_contiguous
+
+    def slow(self, parts, **kwargs):  # slow storage: 20 ms a read, 64 reads on 4 threads
+        time.sleep(0.02)
+        reads.append(1)
+        return real(self, parts, **kwargs)
+
+    def interrupt(signum, frame):
+        raise _Interrupted()
+
+    monkeypatch.setattr(Checkpoint, "read_contiguous", slow)
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        with pytest.raises(_Interrupted):
+            execute.execute_reads(ckpt, [ReadItem("w", 0, dest, "w", 0, 1 << 18)], threads=4, chunk_bytes=16 * 1024)
+            time.sleep(5)  # (if the reads finished first, the signal lands here)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    at_return = (len(reads), int((dest >= 0).sum()))
+    time.sleep(0.3)  # 15 more reads' time
+    assert (len(reads), int((dest >= 0).sum())) == at_return, "reads went on after the restore returned"
+    assert at_return[0] < 64  # it was interrupted mid-read
+
+
+def test_a_restore_on_another_thread_growing_the_read_threads_does_not_break_this_one(tmp_path, monkeypatch):
+    """Two restores in one process (threads of a server, say), the second asking for more read threads just as the
+    first hands its reads to the pool: the pool is replaced and the old one shut down, which must not refuse the
+    first restore's reads (it did: 'cannot schedule new futures after shutdown')."""
+    import threading
+
+    from safetensors.torch import save_file
+
+    from fsdp_restore.plan import ReadItem
+
+    path = str(tmp_path / "w.safetensors")
+    save_file({"w": torch.arange(1 << 16, dtype=torch.float32)}, path)
+    real_lock = threading.Lock()
+
+    class OtherRestoreOnRelease:
+        """The pool's lock; when this restore first lets go of it, the other restore grows the pool."""
+
+        fired = False
+
+        def __enter__(self):
+            return real_lock.__enter__()
+
+        def __exit__(self, *exc):
+            real_lock.__exit__(*exc)
+            if not OtherRestoreOnRelease.fired:
+                OtherRestoreOnRelease.fired = True
+                other = threading.Thread(target=execute.execute_reads, args=(
+                    Checkpoint(path), [ReadItem("w", 0, torch.empty(1 << 16), "w", 0, 1 << 16)]),
+                    kwargs={"threads": 12, "chunk_bytes": 4096})
+                other.start()
+                other.join()
+
+    monkeypatch.setattr(execute, "_pool", None)
+    monkeypatch.setattr(execute, "_pool_size", 0)
+    monkeypatch.setattr(execute, "_pool_lock", OtherRestoreOnRelease())
+    dest = torch.empty(1 << 16)
+    execute.execute_reads(Checkpoint(path), [ReadItem("w", 0, dest, "w", 0, 1 << 16)], threads=4, chunk_bytes=4096)
+    assert OtherRestoreOnRelease.fired and torch.equal(dest, torch.arange(1 << 16, dtype=torch.float32))
