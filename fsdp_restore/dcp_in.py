@@ -88,8 +88,8 @@ class _Chunks:
         # one chunk per thread, whichever tensor it belongs to: a writer thread reads a tensor's elements in
         # order, so consecutive ranges hit the same chunk; memory stays at threads x one chunk
         cached = getattr(_LAST_CHUNK, "entry", None)
-        if cached is not None and cached[0] == (id(self), i):
-            return cached[1]
+        if cached is not None and cached[0] is self and cached[1] == i:  # (this object, not its id: a later
+            return cached[2]  # reader may take a freed one's address, and would get its chunk)
         _LAST_CHUNK.entry = None
         info = self.chunks[i][2]
         path = self.root / info.relative_path
@@ -101,7 +101,7 @@ class _Chunks:
         except Exception as e:  # noqa: BLE001
             raise FormatError(path, f"tensor '{self.fqn}': cannot read the chunk at byte {info.offset} ({e})") from None
         tensor = tensor.reshape(self.chunks[i][1]).contiguous()
-        _LAST_CHUNK.entry = ((id(self), i), tensor)
+        _LAST_CHUNK.entry = (self, i, tensor)
         return tensor
 
     def read(self, first: int, count: int) -> torch.Tensor:

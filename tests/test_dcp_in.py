@@ -268,3 +268,30 @@ def test_a_cast_that_rounds_whole_numbers_is_refused_from_a_directory_too(tmp_pa
     fsdp_restore.convert(tmp_path / "d", tmp_path / "o.safetensors", dtype="bf16", cast_exclude=["model.ids"])
     assert fsdp_restore.verify(tmp_path / "o.safetensors", against=tmp_path / "d").verdict == (
         "identical up to the declared cast")
+
+
+def test_a_reader_never_takes_another_checkpoints_chunk(tmp_path):
+    """The per-thread chunk cache belongs to one reader: a later checkpoint's reader that Python placed at a freed
+    one's address (as it often does) must read its own chunks (it was keyed by id() and read the old values)."""
+    import gc
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from fsdp_restore.dcp_in import read_dcp
+
+    for name, value in (("a", 1.0), ("b", 2.0)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save({"w": torch.full((4, 4), value)}, checkpoint_id=str(tmp_path / name))
+
+    def first_values(name):
+        _, held = read_dcp(str(tmp_path / name))
+        ((_, reader),) = held.values()
+        return reader(0, 4).tolist()
+
+    for _ in range(15):
+        assert first_values("a") == [1.0] * 4
+        gc.collect()
+        assert first_values("b") == [2.0] * 4
+        gc.collect()
