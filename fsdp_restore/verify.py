@@ -878,7 +878,7 @@ def _judge_cast(report: VerifyReport, key: str, ckpt: Checkpoint, source: torch.
         report.problems.append((key, f"the cast {before} -> {after} made {st.overflowed} finite value(s) infinite or"
                                      f" NaN (beyond {after}'s range): the run would not go on as it was"))
     elif st.changed and not ckpt.entries[key].shape:  # the tensor stored is 0-dim, whatever views name it too
-        value = source.reshape(-1)[0]
+        value = source.reshape(-1)[0:1]  # (a slice: a source held in pieces, `_Piecewise`, reads slices only)
         report.problems.append((key, f"the cast {before} -> {after} changed this 0-dim value"
                                      f" ({value.item()!r} -> {value.to(ckpt.entries[key].dtype).item()!r})"))
     elif st.changed and st.integer_valued:

@@ -592,3 +592,21 @@ def test_views_stored_apart_are_a_declared_change(tmp_path, monkeypatch):
     monkeypatch.setattr(verify, "iter_nodes_with_keys", unmarked)
     report = fsdp_restore.verify(tmp_path / "f.safetensors", against=tmp_path / "f.pt")
     assert not report.ok and [p for p, _ in report.problems] == ["b", "c"], report.problems
+
+
+def test_a_changed_0_dim_value_of_a_source_held_in_pieces_is_named(tmp_path):
+    """A 0-dim value that a cast changed, in a source held in pieces (ZeRO, DCP): named with both values (it raised
+    AttributeError: the pieces' reader takes slices only)."""
+    from safetensors.torch import save_file
+
+    from fsdp_restore.read import Checkpoint
+    from fsdp_restore.verify import VerifyReport, _CastStats, _judge_cast, _Piecewise
+
+    path = str(tmp_path / "s.safetensors")
+    save_file({"step": torch.tensor(3.1).bfloat16()}, path)
+    source = _Piecewise(torch.empty((), dtype=torch.float32, device="meta"),
+                        lambda first, count: torch.tensor([3.1])[first:first + count])
+    report = VerifyReport(path=path)
+    _judge_cast(report, "step", Checkpoint(path), source, _CastStats(changed=True))
+    ((key, text),) = report.problems
+    assert key == "step" and "changed this 0-dim value (3.0999999046325684 -> 3.09375)" in text
