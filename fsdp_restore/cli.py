@@ -340,6 +340,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
                         ("peak anonymous memory", human_bytes(report.peak_anon_bytes)),
                         ("threads", str(report.threads))]:
         table.add_row(name, value)
+    if os.path.isfile(args.src):  # (a directory's files are not checked this way)
+        from .source_crc import describe
+
+        table.add_row("source crc32s checked", describe(report.source_check))
     for group, info in report.cast.items():
         out.print(f"cast: {group}: {info['tensors']} tensors ("
                   + ", ".join(f"{n} {label}" for label, n in info["casts"].items()) + ")")

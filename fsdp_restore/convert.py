@@ -32,6 +32,7 @@ from .jobs import ConvertReport, cast_groups, cast_target, plan_jobs, shard_size
 from .measure import PeakAnonMemory, Stopwatch
 from .provenance import source_identity
 from .share import Share
+from .source_crc import Record, SourceCheck, archive_records
 from .write import ProgressFn, check_destination, default_io_threads, through_link, write_safetensors
 from .zero_files import is_zero_checkpoint
 
@@ -375,7 +376,7 @@ def _convert_directory(src: str | os.PathLike[str], dst: str | os.PathLike[str],
             held = pieces.get(t.data_ptr())
             if held is not None:  # a tensor held in pieces: its real shape and dtype, and how to read it
                 tensors[key], readers[key] = held
-        result, casts = write_converted(tensors, structure, dst, readers=readers, dtype=dtype,
+        result, casts, _ = write_converted(tensors, structure, dst, readers=readers, dtype=dtype,
                                         cast_include=cast_include, cast_exclude=cast_exclude,
                                         max_shard_size=max_shard_size, threads=threads, force=force, progress=progress,
                                         share=share)
@@ -393,12 +394,12 @@ def _truncated(src: str | os.PathLike[str], e: EOFError) -> FormatError:
 
 
 def _report(src: str | os.PathLike[str], dst: str | os.PathLike[str], result: Any, casts: dict[str, tuple[str, str]],
-            *, seconds: float, peak: int, threads: int) -> ConvertReport:
+            *, seconds: float, peak: int, threads: int, source_check: SourceCheck | None = None) -> ConvertReport:
     """The `ConvertReport` of a conversion of one file written as ``result`` (write_converted's)."""
     return ConvertReport(src=str(src), dst=str(dst), files=[str(p) for p in result.paths],
                          tensors=len(result.checksums), nbytes=result.nbytes, cast_tensors=len(casts),
                          cast=cast_groups(casts), seconds=seconds, peak_anon_bytes=peak, threads=threads,
-                         checksums=result.checksums)
+                         checksums=result.checksums, source_check=source_check)
 
 
 def _convert_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, select: str | None,
@@ -436,20 +437,26 @@ def _convert_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, 
                     return None
                 # its warnings (skipped values) said as the torch path says them; said again only if it raises
                 tensors, structure = flatten(obj, on_unsupported=on_unsupported)  # type: ignore[arg-type]
+                members_by_key = {m.filename.rpartition("/data/")[2]: m for m in members if "/data/" in m.filename}
             except Exception:  # noqa: BLE001 - the torch path reads the file again and says what is wrong with it
                 return None
             locations = {key: (fd, t.file_offset) for key, t in tensors.items()}
-            result, casts = write_converted(tensors, structure, dst, dtype=dtype, cast_include=cast_include,
-                                            cast_exclude=cast_exclude, max_shard_size=max_shard_size, threads=threads,
-                                            force=force, progress=progress,
-                                            metadata={META_SOURCE: json.dumps(identity)}, locations=locations,
-                                            share=Share(0, 1))
+            # where the storages' records start is known from the read: only the few other records cost a pread
+            found = {member.filename: t.storage.data_at for t in tensors.values()
+                     for member in [members_by_key.get(t.storage.key)] if member is not None}
+            records = archive_records(fd, found)
+            result, casts, check = write_converted(
+                tensors, structure, dst, dtype=dtype, cast_include=cast_include, cast_exclude=cast_exclude,
+                max_shard_size=max_shard_size, threads=threads, force=force, progress=progress,
+                metadata={META_SOURCE: json.dumps(identity)}, locations=locations, share=Share(0, 1),
+                source=(src, fd, records) if records is not None else None)
         except EOFError as e:  # as the torch path says it
             raise _truncated(src, e) from None
         finally:
             os.close(fd)
         del obj, tensors
-    return _report(src, dst, result, casts, seconds=clock.seconds, peak=mem.peak, threads=threads)
+    return _report(src, dst, result, casts, seconds=clock.seconds, peak=mem.peak, threads=threads,
+                   source_check=check)
 
 
 def _same_file(src: str | os.PathLike[str], before: os.stat_result, now: os.stat_result) -> None:
@@ -493,9 +500,10 @@ def _convert_zero_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str]
                                              else (t.storage.fd, t.file_offset) for key, t in tensors.items()}
             except Exception:  # noqa: BLE001 - as above
                 return None
-            result, casts = write_converted(tensors, structure, dst, dtype=dtype, cast_include=cast_include,
-                                            cast_exclude=cast_exclude, max_shard_size=max_shard_size, threads=threads,
-                                            force=force, progress=progress, locations=locations, share=Share(0, 1))
+            result, casts, _ = write_converted(tensors, structure, dst, dtype=dtype, cast_include=cast_include,
+                                               cast_exclude=cast_exclude, max_shard_size=max_shard_size,
+                                               threads=threads, force=force, progress=progress, locations=locations,
+                                               share=Share(0, 1))
         except EOFError as e:  # as the torch path says it
             raise _truncated(label, e) from None
         finally:
@@ -654,7 +662,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
         if report is not None:
             return report
 
-    def read_source() -> tuple[dict[str, Any], Any, dict[str, torch.Tensor], dict[str, Any], int, dict]:
+    def read_source() -> tuple[dict[str, Any], Any, dict[str, torch.Tensor], dict[str, Any], int, dict,
+                               list[Record] | None]:
         from . import mapped  # (torch's path only: it finds where torch.load mapped each tensor)
 
         if not Path(src).is_file():
@@ -670,24 +679,26 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
             mapping = mapped.MappedFile(src, fd)
             locations = {key: (fd, offset) for key, t in tensors.items()
                          if (offset := mapping.offset_of(t)) is not None}
+            records = archive_records(fd) if one.rank == 0 else None  # (rank 0 checks them, before its rename)
         except BaseException:
             os.close(fd)
             raise
-        return identity, obj, tensors, structure, fd, locations
+        return identity, obj, tensors, structure, fd, locations, records
 
     with PeakAnonMemory() as mem, Stopwatch() as clock, _gc_paused():
         read = one.step("read the source", read_source)
-        identity, obj, tensors, structure, fd, locations = read  # type: ignore[misc]
+        identity, obj, tensors, structure, fd, locations, records = read  # type: ignore[misc]
         try:
             _same_source(one, identity)
-            result, casts = write_converted(tensors, structure, dst, dtype=dtype, cast_include=cast_include,
-                                            cast_exclude=cast_exclude, max_shard_size=max_shard_size,
-                                            threads=threads, force=force, progress=progress,
-                                            metadata={META_SOURCE: json.dumps(identity)}, locations=locations,
-                                            share=one)
+            result, casts, check = write_converted(
+                tensors, structure, dst, dtype=dtype, cast_include=cast_include, cast_exclude=cast_exclude,
+                max_shard_size=max_shard_size, threads=threads, force=force, progress=progress,
+                metadata={META_SOURCE: json.dumps(identity)}, locations=locations, share=one,
+                source=(src, fd, records) if records is not None else None)
         except EOFError as e:  # a tensor's bytes read at their offset: the file is shorter than its pickle says
             raise _truncated(src, e) from None
         finally:
             os.close(fd)
         del obj, tensors
-    return _report(src, dst, result, casts, seconds=clock.seconds, peak=mem.peak, threads=threads)
+    return _report(src, dst, result, casts, seconds=clock.seconds, peak=mem.peak, threads=threads,
+                   source_check=check)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from .flatten import holds_model_subtree, is_optimizer_state_dict, iter_nodes_with_keys
 from .format import StoredDtype, as_torch_dtype, stored_dtype, torch_dtype_from_string, torch_dtype_name
 from .share import Share
+from .source_crc import Record, SourceCheck, plan_source_check, spans_of
 from .write import Location, Reader, TensorJob, write_safetensors
 
 if TYPE_CHECKING:
@@ -129,6 +130,9 @@ class ConvertReport:
     threads: int
     checksums: dict[str, str] = field(default_factory=dict, repr=False)
     cast: dict[str, dict[str, Any]] = field(default_factory=dict)  # by group, see `cast_groups`
+    # the source archive's own crc32s checked (`source_crc`); None where they could not be (not a torch.save
+    # archive as torch lays it out, or a directory of several files)
+    source_check: SourceCheck | None = field(default=None, repr=False)
 
     @property
     def throughput(self) -> float:
@@ -213,11 +217,15 @@ def write_converted(tensors: dict[str, torch.Tensor], structure: dict[str, Any],
                     progress: Callable[[int, int], None] | None = None,
                     metadata: dict[str, str] | None = None,
                     locations: dict[str, Location] | None = None,
-                    share: Share | None = None) -> tuple[Any, dict[str, tuple[str, str]]]:
+                    share: Share | None = None,
+                    source: tuple[str | os.PathLike[str], int, list[Record]] | None = None
+                    ) -> tuple[Any, dict[str, tuple[str, str]], SourceCheck | None]:
     """Cast (policy above) and write ``tensors`` with ``structure``; ``readers[key]`` supplies the
     elements of a tensor held in pieces (its ``tensors`` entry then only gives shape and dtype); ``locations[key]``
     says where a tensor's bytes lie in open files (`write.TensorJob.location`), read there when it is not cast.
-    Returns the writer's result and ``{key: (dtype before, dtype after)}`` of every cast."""
+    ``source``: (path, open descriptor, its archive's records) of a ``torch.save`` file the tensors come from,
+    whose recorded crc32s are checked before the output is put in place (`source_crc`).
+    Returns the writer's result, ``{key: (dtype before, dtype after)}`` of every cast, and the source check."""
     jobs = plan_jobs(tensors, structure, dtype, cast_include, cast_exclude)
     for job in jobs:
         job.reader = (readers or {}).get(job.key)
@@ -232,7 +240,11 @@ def write_converted(tensors: dict[str, torch.Tensor], structure: dict[str, Any],
         if progress:
             progress(done[0], total)
 
+    check = None
+    if source is not None:
+        src, fd, records = source
+        check = plan_source_check(src, fd, records, spans_of(jobs, fd), threads=threads)
     result = write_safetensors(dst, jobs, structure_json=json.dumps(structure, separators=(",", ":")),
                                max_shard_size=parse_size(max_shard_size), threads=threads, force=force,
-                               progress=on_bytes, metadata=metadata, share=share)
-    return result, casts
+                               progress=on_bytes, metadata=metadata, share=share, check_source=check)
+    return result, casts, check

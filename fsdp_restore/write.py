@@ -981,7 +981,8 @@ def index_bytes(files: Sequence[OutputFile], *, structure_json: str | None,
 def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *, structure_json: str | None,
                       max_shard_size: int | None = None, threads: int | None = None, force: bool = False,
                       progress: ProgressFn | None = None, metadata: dict[str, str] | None = None,
-                      share: Share | None = None) -> WriteResult:
+                      share: Share | None = None,
+                      check_source: Callable[[dict[str, str]], None] | None = None) -> WriteResult:
     """Write ``jobs`` to ``dst`` atomically: one file, or (with ``max_shard_size``) a directory of
     ``model-0000k-of-0000n.safetensors`` shards plus ``model.safetensors.index.json``.
 
@@ -992,7 +993,10 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
 
     ``share``: this process's part of a write made by several (`share.Share`; every rank calls this with the
     same ``jobs``): rank 0 creates the temporary, every rank writes its share of the blocks, rank 0 joins the
-    checksums and renames; a failure on any rank is the same `ConvertError` on every rank."""
+    checksums and renames; a failure on any rank is the same `ConvertError` on every rank.
+
+    ``check_source``: called on rank 0 with every key's checksum before the output is put in place; what it
+    raises is the write's error (`source_crc.SourceCheck`: the source's own crc32s)."""
     dst_given, dst = dst, Path(dst)
     one = share or Share(0, 1)
     lead = one.rank == 0
@@ -1080,6 +1084,8 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
                 except OSError as e:
                     raise said_of_space(e, dst, sum(w.size for w in writers)) from None
                 result.checksums.update(w.checksums)
+            if check_source is not None:
+                check_source(result.checksums)
             if sharded:
                 _write_small_file(tmp / DEFAULT_INDEX_NAME, index_bytes(files, structure_json=structure_json,
                                                                         metadata=metadata))
