@@ -23,7 +23,7 @@ from rich.console import Group
 from rich.table import Table
 from torch import nn
 
-from .errors import RestoreError
+from .errors import RestoreError, flag_argument
 from .launch import RankFailure, pick_backend, run_ranks
 from .key_map import KeyMap, as_function, parse_spec
 from .read import Checkpoint
@@ -297,7 +297,7 @@ def compare_with_file(model: nn.Module, expected: Mapping[str, torch.Tensor], ke
 
 
 def _worker(rank: int, world_size: int, path: str, factory_spec: str, fsdp: str, model_prefix: str | None,
-            key_map_spec: str | None = None) -> dict[str, Any]:
+            key_map_spec: str | None = None, strict: bool = True) -> dict[str, Any]:
     """One rank: build and shard, restore, compare; each phase ends in a verdict that every rank
     shares, so a failure on one rank (a factory that raises) stops all of them at once."""
     import torch.distributed as dist
@@ -311,14 +311,20 @@ def _worker(rank: int, world_size: int, path: str, factory_spec: str, fsdp: str,
             with Checkpoint(path) as ckpt:
                 model_prefix = default_prefix(ckpt) if model_prefix is None else model_prefix
         agree(problems, "check-restore: building the model")
-        report = restore_model(model, path, model_prefix=model_prefix, check=True, key_map=key_map)
+        report = restore_model(model, path, model_prefix=model_prefix, check=True, key_map=key_map, strict=strict)
         problems = new_problems()
         with problems.guard():
             expected = _expected_tensors(path, model_prefix or "")
         agree(problems, "check-restore: reading the file for the comparison")
         compared, mismatches, not_found = compare_with_file(model, expected, key_map)  # collectives: FSDP's gathers
+        # strict=False: what the restore said the file lacks is left as the factory built it, not compared; a name
+        # the comparison did not find and the restore did not call missing is still a failure
+        said_missing = set(report.missing)
+        left = [name for name in not_found if name in said_missing]
+        not_found = [name for name in not_found if name not in said_missing]
         return {"tensors": report.tensors, "elements": report.elements, "bytes_read": report.bytes_read,
                 "seconds": report.seconds, "compared": compared, "mismatches": mismatches, "not_found": not_found,
+                "left_as_built": left, "unexpected": report.unexpected,
                 "nan_in_checkpoint": report.nan_in_checkpoint, "error": None}
     except RestoreError as e:
         return {"error": str(e)}
@@ -332,6 +338,11 @@ class CheckRestoreReport:
     backend: str
     ranks: list[dict[str, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    strict: bool = True
+    # strict=False: the model's tensors the file does not hold (left as the factory built them, not compared), and
+    # the file's tensors the model has no place for
+    left_as_built: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -348,27 +359,44 @@ class CheckRestoreReport:
             proven = not r["mismatches"] and not r["not_found"]
             table.add_row(str(rank), str(r["tensors"]), str(r["elements"]), f"{r['bytes_read'] / 1e6:.2f} MB",
                           f"{r['seconds']:.2f}", str(r["compared"]), "[green]OK[/]" if proven else "[red]FAIL[/]")
-        lines = [f"[red]FAIL[/] {p}" for p in self.problems] or ["[green]restore check passed[/]: every element"
-                                                                 " restored (NaN-fill check) and equal to the file"]
+        lines = [f"[red]FAIL[/] {p}" for p in self.problems]
+        if not lines and self.strict:
+            lines = ["[green]restore check passed[/]: every element restored (NaN-fill check) and equal to the file"]
+        elif not lines:
+            lines = ["[green]restore check passed[/]: every element of the tensors the file holds restored (NaN-fill"
+                     " check) and equal to the file"]
+        if not self.strict:  # what --no-strict let through, said in full: it is the user's to judge
+            if self.left_as_built:
+                lines.append(f"not in the file, left as the model was built ({len(self.left_as_built)}): "
+                             + _listed(self.left_as_built))
+            if self.unexpected:
+                lines.append(f"in the file, not in the model ({len(self.unexpected)}): " + _listed(self.unexpected))
         return Group(table, *lines)
 
 
+def _listed(names: list[str], most: int = 20) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
 def run_check_restore(path: str, factory: str, *, nproc: int = 2, fsdp: str = "fsdp2",
-                      model_prefix: str | None = None, key_map: str | None = None, timeout: float = 600
-                      ) -> CheckRestoreReport:
+                      model_prefix: str | None = None, key_map: str | None = None, timeout: float = 600,
+                      strict: bool = True) -> CheckRestoreReport:
     """Run the check on ``nproc`` local ranks; never raises for a failed check (see ``report.ok``).
-    ``key_map``: a file or ``module:attribute`` (`fsdp_restore.key_map.parse_spec`)."""
+    ``key_map``: a file or ``module:attribute`` (`fsdp_restore.key_map.parse_spec`). ``strict=False``: restore
+    what the file holds of the model (a LoRA adapter's file, a partial checkpoint) and compare that; the rest is
+    listed (``report.left_as_built``, ``report.unexpected``), not failed."""
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:  # 0 ranks would check nothing and "pass"
         raise ValueError(f"nproc must be a whole number >= 1 (the local ranks to restore on), not {nproc!r}")
+    flag_argument("strict", strict)
     Checkpoint(path).close()  # a bad file fails here with a FormatError, before spawning anything
     load_factory(factory)  # likewise an import error in the factory
     if key_map:
         parse_spec(key_map)  # and a malformed key map
     backend = pick_backend(nproc)
-    report = CheckRestoreReport(path=str(path), nproc=nproc, fsdp=fsdp, backend=backend)
+    report = CheckRestoreReport(path=str(path), nproc=nproc, fsdp=fsdp, backend=backend, strict=strict)
     try:
-        report.ranks = run_ranks(_worker, nproc, str(path), factory, fsdp, model_prefix, key_map, timeout=timeout,
-                                 backend=backend)
+        report.ranks = run_ranks(_worker, nproc, str(path), factory, fsdp, model_prefix, key_map, strict,
+                                 timeout=timeout, backend=backend)
     except RankFailure as e:
         report.problems = [f"rank {r}: {msg.splitlines()[0]}" for r, msg in sorted(e.errors.items())]
         return report
@@ -377,6 +405,11 @@ def run_check_restore(path: str, factory: str, *, nproc: int = 2, fsdp: str = "f
     mismatched = sorted({m for r in report.ranks for m in r.get("mismatches", [])})
     if mismatched:
         report.problems.append(f"restored values differ from the file: {', '.join(mismatched)}")
+    report.left_as_built = sorted({m for r in report.ranks for m in r.get("left_as_built", [])})
+    report.unexpected = sorted({m for r in report.ranks for m in r.get("unexpected", [])})
+    if not strict and not any(r.get("compared") for r in report.ranks) and not errors:
+        report.problems.append("the file holds none of the model's tensors under the names the restore looks for:"
+                               " nothing was restored or compared (check --model-prefix and --key-map)")
     not_found = sorted({m for r in report.ranks for m in r.get("not_found", [])})
     if not_found:
         report.problems.append(f"the comparison found no tensor in the file for {', '.join(not_found[:20])}"

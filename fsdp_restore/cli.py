@@ -394,7 +394,7 @@ def cmd_check_restore(args: argparse.Namespace) -> int:
     with err.status(f"restoring on {args.nproc} ranks..."):
         try:
             report = run_check_restore(args.path, args.model, nproc=args.nproc, fsdp=args.fsdp,
-                                       model_prefix=args.model_prefix, key_map=args.key_map)
+                                       model_prefix=args.model_prefix, key_map=args.key_map, strict=args.strict)
         except ValueError as e:  # checked before any rank starts: --model, --key-map, --nproc (a usage error)
             raise OptionError(str(e)) from None
     out.print(report.summary(), highlight=False, soft_wrap=True)  # its lines as they are: piped, not cut at 80
@@ -543,6 +543,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix", dest="model_prefix", action=_RenamedFlag, help=argparse.SUPPRESS, **names)
     p.add_argument("--key-map", metavar="FILE|MODULE:ATTR", help="the checkpoint's name of each model name: a JSON/YAML"
                    " list of [regex, replacement] pairs or mapping, or a Python callable/dict/list")
+    p.add_argument("--no-strict", dest="strict", action="store_false",
+                   help="restore what the file holds of the model (a LoRA adapter's file, a partial checkpoint) and"
+                        " compare that; list the model's tensors the file lacks, and the file's the model lacks")
     p.set_defaults(func=cmd_check_restore)
     return parser
 

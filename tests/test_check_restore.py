@@ -347,3 +347,56 @@ def test_the_comparison_finds_what_the_restore_restored(tmp_path, case):
     fsdp_restore.restore_model(model, tmp_path / "ck.safetensors")
     compared, differ, not_found = compare_with_file(model, _expected_tensors(str(tmp_path / "ck.safetensors"), ""))
     assert (compared, differ, not_found) == (len(state), [], [])
+
+
+LORA_FACTORY = '''
+import torch
+from torch import nn
+
+class LoRALinear(nn.Module):
+    def __init__(self, n, r=2):
+        super().__init__()
+        self.base = nn.Linear(n, n)
+        self.lora_A = nn.Parameter(torch.randn(r, n))
+        self.lora_B = nn.Parameter(torch.zeros(n, r))
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([LoRALinear(6) for _ in range(3)])
+
+def build():
+    torch.manual_seed(0)
+    return Net()
+'''
+
+
+def test_no_strict_checks_what_an_adapter_file_holds_and_lists_the_rest(tmp_path):
+    """A LoRA adapter's file holds a few of the model's tensors: strict fails naming the base weights; --no-strict
+    restores and compares the adapter's, and lists what it left as built and what the file has beyond the model."""
+    (tmp_path / "lora_model.py").write_text(LORA_FACTORY)
+    torch.manual_seed(3)
+    adapter = {f"layers.{i}.{name}": torch.randn(*shape) for i in range(3)
+               for name, shape in (("lora_A", (2, 6)), ("lora_B", (6, 2)))}
+    fsdp_restore.save({"model": {**adapter, "extra.scale": torch.ones(1)}}, tmp_path / "adapter.safetensors")
+    spec = f"{tmp_path / 'lora_model.py'}:build"
+    strict = run_check_restore(str(tmp_path / "adapter.safetensors"), spec, nproc=2)
+    assert not strict.ok and "layers.0.base.weight" in " ".join(strict.problems)
+    report = run_check_restore(str(tmp_path / "adapter.safetensors"), spec, nproc=2, strict=False)
+    assert report.ok, report.problems
+    assert sum(r["compared"] for r in report.ranks) == 6  # the six adapter tensors, each compared on one rank
+    assert report.left_as_built == sorted(f"layers.{i}.base.{w}" for i in range(3) for w in ("weight", "bias"))
+    assert report.unexpected == ["extra.scale"]
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    console.print(report.summary())
+    text = console.export_text()
+    assert "every element of the tensors the file holds" in text and "left as the model was built (6)" in text
+    # a file that holds none of the model's tensors under the names looked for passes nothing
+    fsdp_restore.save({"model": {"other.weight": torch.ones(2)}}, tmp_path / "none.safetensors")
+    nothing = run_check_restore(str(tmp_path / "none.safetensors"), spec, nproc=2, strict=False)
+    assert not nothing.ok and any("none of the model's tensors" in p or "nothing" in p for p in nothing.problems), \
+        nothing.problems
+    with pytest.raises(TypeError, match="strict"):
+        run_check_restore(str(tmp_path / "adapter.safetensors"), spec, strict="no")
