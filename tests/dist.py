@@ -49,6 +49,12 @@ def cases(world_size: int, *values: Any, only: tuple[str, ...] = ALL) -> list[An
                          marks=_skip(b, world_size)) for b in only]
 
 
+def slow(params: list[Any]) -> list[Any]:
+    """The same ``pytest.param``s, marked ``slow`` (run by ``scripts/test.sh -m slow``): the default suite keeps to
+    its time budget on 2 cores with one case of a kind, the slow suite runs the rest."""
+    return [pytest.param(*p.values, id=p.id, marks=[*p.marks, pytest.mark.slow]) for p in params]
+
+
 def _on_device(rank: int, world_size: int, fn: Callable[..., Any], backend: str, *args: Any) -> Any:
     import models
 

@@ -290,7 +290,7 @@ def test_a_reader_never_takes_another_checkpoints_chunk(tmp_path):
         ((_, reader),) = held.values()
         return reader(0, 4).tolist()
 
-    for _ in range(15):
+    for _ in range(10):  # (the old cache failed within the first few, in most runs)
         assert first_values("a") == [1.0] * 4
         gc.collect()
         assert first_values("b") == [2.0] * 4

@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from dist import GLOO, GPU, NCCL, backends, cases, run_ranks
+from dist import GLOO, GPU, NCCL, backends, cases, run_ranks, slow
 from models import build, full_state, wrap
 
 import fsdp_restore
@@ -52,7 +52,7 @@ def test_fsdp2_mlp_every_world_size(ckpts, world_size, backend):
 
 
 @pytest.mark.parametrize("model_name,world_size,backend", cases(2, "gpt2", only=GLOO) + cases(3, "gpt2", only=GLOO)
-                         + cases(3, "llama", only=GLOO) + cases(4, "llama", only=GLOO) + cases(1, "llama", only=GPU)
+                         + cases(3, "llama", only=GLOO) + slow(cases(4, "llama", only=GLOO)) + cases(1, "llama", only=GPU)
                          + cases(3, "llama", only=GPU))
 def test_fsdp2_transformers(ckpts, model_name, world_size, backend):
     results = run_ranks(_restore_and_compare, world_size, ckpts[model_name], model_name, "fsdp2", {}, backend=backend)

@@ -16,7 +16,7 @@ import zlib
 
 import pytest
 import torch
-from dist import GLOO, cases, run_ranks
+from dist import GLOO, cases, run_ranks, slow
 from models import build, converted, wrap
 from safetensors import safe_open
 
@@ -96,17 +96,13 @@ def _restore(rank, world_size, path, how, options):
             "timed": "checksums" in report.timings}
 
 
-def _slow(params: list) -> list:
-    """The 4-rank layouts, 15-17 s each on 2 cores, and FSDP2 at 1 and 3 ranks (8-12 s; 2 ranks and the uneven FSDP1
-    unit at 3 stay): in the slow suite (the restore itself at 4 ranks, HSDP and FSDP2 + TP, is in the default one:
-    test_restore, test_shards)."""
-    return [pytest.param(*p.values, id=p.id, marks=[*p.marks, pytest.mark.slow]) for p in params]
-
-
-LAYOUTS = [*_slow(cases(1, "fsdp2", only=GLOO)), *cases(2, "fsdp2", only=GLOO), *_slow(cases(3, "fsdp2", only=GLOO)),
-           *_slow(cases(4, "hsdp", only=GLOO)), *cases(2, "ddp", only=GLOO),
-           *cases(3, "fsdp1-FULL_SHARD-flat", only=GLOO), *cases(2, "tp", only=GLOO),
-           *_slow(cases(4, "fsdp2+tp", only=GLOO))]
+# The 4-rank layouts (15-17 s each on 2 cores), FSDP2 at 1 and 3 ranks, DDP and tensor parallel (8-12 s) in the slow
+# suite; FSDP2 at 2 ranks and the uneven FSDP1 unit at 3 stay (replicas: test_replicas_reading_copies_that_differ;
+# a column block's fold: test_placed_parts_join_into_the_whole_crc32 and test_check's column faults)
+LAYOUTS = [*slow(cases(1, "fsdp2", only=GLOO)), *cases(2, "fsdp2", only=GLOO), *slow(cases(3, "fsdp2", only=GLOO)),
+           *slow(cases(4, "hsdp", only=GLOO)), *slow(cases(2, "ddp", only=GLOO)),
+           *cases(3, "fsdp1-FULL_SHARD-flat", only=GLOO), *slow(cases(2, "tp", only=GLOO)),
+           *slow(cases(4, "fsdp2+tp", only=GLOO))]
 
 
 @pytest.mark.parametrize("how,world_size,backend", LAYOUTS)
@@ -217,7 +213,7 @@ def _restore_with_swapping_reader(rank, world_size, path, verify):
     return _restore(rank, world_size, path, "fsdp2", {"verify_checksums": verify})
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_a_reader_that_permutes_values_is_caught(llama, world_size):
     """A fault of the read path itself, which the NaN check cannot see (every element is written once)."""
     unchecked = run_ranks(_restore_with_swapping_reader, world_size, llama, False)

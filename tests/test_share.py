@@ -116,6 +116,7 @@ def test_a_process_group_needs_torch_distributed(tmp_path):
     assert not (tmp_path / "a.safetensors").exists()
 
 
+@pytest.mark.slow  # whole torchrun processes: 9-12 s on 2 cores (the API's shared conversion is in the default suite)
 def test_the_command_under_torchrun_converts_on_every_rank(tmp_path):
     import socket
     import subprocess
