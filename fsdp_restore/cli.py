@@ -343,7 +343,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if os.path.isfile(args.src):  # (a directory's files are not checked this way)
         from .source_crc import describe
 
-        table.add_row("source crc32s checked", describe(report.source_check))
+        table.add_row("source crc32s checked", describe(report.source_crcs))
     for group, info in report.cast.items():
         out.print(f"cast: {group}: {info['tensors']} tensors ("
                   + ", ".join(f"{n} {label}" for label, n in info["casts"].items()) + ")")

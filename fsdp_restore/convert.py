@@ -28,11 +28,13 @@ from .errors import (ConvertError, FormatError, UnsafePickleError, allow_global_
                      thread_count_argument)
 from .flatten import flatten
 from .format import META_SOURCE, PT_SUFFIXES, SNIFF_BYTES, StoredDtype, is_legacy_torch_save
-from .jobs import ConvertReport, cast_groups, cast_target, plan_jobs, shard_size_argument, write_converted
+from .jobs import (ConvertReport, SourceRecords, cast_groups, cast_target, plan_jobs, shard_size_argument,
+                   write_converted)
 from .measure import PeakAnonMemory, Stopwatch
 from .provenance import source_identity
 from .share import Share
-from .source_crc import Record, SourceCheck, archive_records
+from .plain_pt import StoredTensor
+from .source_crc import Archive, SourceCrcs, check_small_records
 from .write import ProgressFn, check_destination, default_io_threads, through_link, write_safetensors
 from .zero_files import is_zero_checkpoint
 
@@ -394,12 +396,12 @@ def _truncated(src: str | os.PathLike[str], e: EOFError) -> FormatError:
 
 
 def _report(src: str | os.PathLike[str], dst: str | os.PathLike[str], result: Any, casts: dict[str, tuple[str, str]],
-            *, seconds: float, peak: int, threads: int, source_check: SourceCheck | None = None) -> ConvertReport:
+            *, seconds: float, peak: int, threads: int, source_crcs: SourceCrcs | None = None) -> ConvertReport:
     """The `ConvertReport` of a conversion of one file written as ``result`` (write_converted's)."""
     return ConvertReport(src=str(src), dst=str(dst), files=[str(p) for p in result.paths],
                          tensors=len(result.checksums), nbytes=result.nbytes, cast_tensors=len(casts),
                          cast=cast_groups(casts), seconds=seconds, peak_anon_bytes=peak, threads=threads,
-                         checksums=result.checksums, source_check=source_check)
+                         checksums=result.checksums, source_crcs=source_crcs)
 
 
 def _convert_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, select: str | None,
@@ -427,7 +429,14 @@ def _convert_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, 
                 if not stat.S_ISREG(before.st_mode):
                     return None
                 os.set_blocking(fd, True)  # (Lustre reads O_NONBLOCK on each read as "do not wait for a lock")
-                loaded, members = load_plain_archive(fd)
+                archive = Archive.open(fd)
+            except Exception:  # noqa: BLE001 - as below
+                return None
+            if archive is None:
+                return None  # not laid out as torch.save lays it out: the torch path decides
+            small_checked = check_small_records(src, archive)  # damage said as such, before the pickle is read
+            try:
+                loaded, members = load_plain_archive(fd, archive=archive.parsed)
                 st = os.fstat(fd)
                 if (st.st_size, st.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
                     return None  # rewritten while it was read: the torch path reads it again
@@ -437,26 +446,32 @@ def _convert_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, 
                     return None
                 # its warnings (skipped values) said as the torch path says them; said again only if it raises
                 tensors, structure = flatten(obj, on_unsupported=on_unsupported)  # type: ignore[arg-type]
-                members_by_key = {m.filename.rpartition("/data/")[2]: m for m in members if "/data/" in m.filename}
             except Exception:  # noqa: BLE001 - the torch path reads the file again and says what is wrong with it
                 return None
             locations = {key: (fd, t.file_offset) for key, t in tensors.items()}
-            # where the storages' records start is known from the read: only the few other records cost a pread
-            found = {member.filename: t.storage.data_at for t in tensors.values()
-                     for member in [members_by_key.get(t.storage.key)] if member is not None}
-            records = archive_records(fd, found)
-            result, casts, check = write_converted(
+            source = SourceRecords(src, archive, storage_at={key: t.storage.data_at for key, t in tensors.items()
+                                                             if isinstance(t, StoredTensor)},
+                                   small_checked=small_checked)
+            result, casts, crcs = write_converted(
                 tensors, structure, dst, dtype=dtype, cast_include=cast_include, cast_exclude=cast_exclude,
                 max_shard_size=max_shard_size, threads=threads, force=force, progress=progress,
-                metadata={META_SOURCE: json.dumps(identity)}, locations=locations, share=Share(0, 1),
-                source=(src, fd, records) if records is not None else None)
+                metadata={META_SOURCE: json.dumps(identity)}, locations=locations, share=Share(0, 1), source=source)
         except EOFError as e:  # as the torch path says it
             raise _truncated(src, e) from None
         finally:
             os.close(fd)
         del obj, tensors
     return _report(src, dst, result, casts, seconds=clock.seconds, peak=mem.peak, threads=threads,
-                   source_check=check)
+                   source_crcs=crcs)
+
+
+def _why_unchecked(src: str | os.PathLike[str]) -> SourceCrcs:
+    """What the report says of a source whose records are not checked: a legacy file records no crc32s; any other
+    is not a zip archive laid out as torch.save lays it out (compressed records, another writer)."""
+    with open(src, "rb") as f:
+        legacy = is_legacy_torch_save(f.read(SNIFF_BYTES))
+    return SourceCrcs(0, 0, note="a legacy torch.save file: it records no crc32s" if legacy else
+                      "not a zip archive laid out as torch.save writes one")
 
 
 def _same_file(src: str | os.PathLike[str], before: os.stat_result, now: os.stat_result) -> None:
@@ -663,7 +678,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
             return report
 
     def read_source() -> tuple[dict[str, Any], Any, dict[str, torch.Tensor], dict[str, Any], int, dict,
-                               list[Record] | None]:
+                               SourceRecords | None]:
         from . import mapped  # (torch's path only: it finds where torch.load mapped each tensor)
 
         if not Path(src).is_file():
@@ -671,34 +686,46 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
         check_destination(dst, force=force, sources=[src], one_file=max_shard_size is None)
         before = os.stat(src)
         identity = source_identity(src, stat=before, select=select)  # before reading: a source rewritten meanwhile won't match it
-        obj = select_subtree(load_pt(src, trust_pickle=trust_pickle, allow_globals=allow_globals), select, source=src)
-        tensors, structure = flatten(obj, on_unsupported=on_unsupported)  # type: ignore[arg-type]
         fd = os.open(src, os.O_RDONLY)
         try:
             _same_file(src, before, os.fstat(fd))
+            source = None
+            if one.rank == 0:  # (rank 0 checks the records: the small ones now, before the pickle is read)
+                archive = Archive.open(fd)
+                source = SourceRecords(src, archive, unchecked=None if archive else _why_unchecked(src))
+                if archive is not None:
+                    source.small_checked = check_small_records(src, archive)
+            obj = select_subtree(load_pt(src, trust_pickle=trust_pickle, allow_globals=allow_globals), select,
+                                 source=src)
+            tensors, structure = flatten(obj, on_unsupported=on_unsupported)  # type: ignore[arg-type]
+            _same_file(src, before, os.stat(src))  # what torch.load read by its path is the file of ``fd``
             mapping = mapped.MappedFile(src, fd)
             locations = {key: (fd, offset) for key, t in tensors.items()
                          if (offset := mapping.offset_of(t)) is not None}
-            records = archive_records(fd) if one.rank == 0 else None  # (rank 0 checks them, before its rename)
+            if source is not None and source.archive is not None:
+                if mapping.mapped:  # where each tensor's storage lies (a numpy array's is none of the file's)
+                    source.storage_at = {key: at for key, t in tensors.items()
+                                         if (at := mapping.offset_at(t.untyped_storage().data_ptr())) is not None}
+                else:  # nothing mapped (byte-swapped on loading): every storage is checked
+                    source.every_storage = True
         except BaseException:
             os.close(fd)
             raise
-        return identity, obj, tensors, structure, fd, locations, records
+        return identity, obj, tensors, structure, fd, locations, source
 
     with PeakAnonMemory() as mem, Stopwatch() as clock, _gc_paused():
         read = one.step("read the source", read_source)
-        identity, obj, tensors, structure, fd, locations, records = read  # type: ignore[misc]
+        identity, obj, tensors, structure, fd, locations, source = read  # type: ignore[misc]
         try:
             _same_source(one, identity)
-            result, casts, check = write_converted(
+            result, casts, crcs = write_converted(
                 tensors, structure, dst, dtype=dtype, cast_include=cast_include, cast_exclude=cast_exclude,
                 max_shard_size=max_shard_size, threads=threads, force=force, progress=progress,
-                metadata={META_SOURCE: json.dumps(identity)}, locations=locations, share=one,
-                source=(src, fd, records) if records is not None else None)
+                metadata={META_SOURCE: json.dumps(identity)}, locations=locations, share=one, source=source)
         except EOFError as e:  # a tensor's bytes read at their offset: the file is shorter than its pickle says
             raise _truncated(src, e) from None
         finally:
             os.close(fd)
         del obj, tensors
     return _report(src, dst, result, casts, seconds=clock.seconds, peak=mem.peak, threads=threads,
-                   source_check=check)
+                   source_crcs=crcs)

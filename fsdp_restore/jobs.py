@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from .flatten import holds_model_subtree, is_optimizer_state_dict, iter_nodes_with_keys
 from .format import StoredDtype, as_torch_dtype, stored_dtype, torch_dtype_from_string, torch_dtype_name
 from .share import Share
-from .source_crc import Record, SourceCheck, plan_source_check, spans_of
+from .source_crc import Archive, SourceCrcs, drawn_from, plan_source_check
 from .write import Location, Reader, TensorJob, write_safetensors
 
 if TYPE_CHECKING:
@@ -130,13 +130,27 @@ class ConvertReport:
     threads: int
     checksums: dict[str, str] = field(default_factory=dict, repr=False)
     cast: dict[str, dict[str, Any]] = field(default_factory=dict)  # by group, see `cast_groups`
-    # the source archive's own crc32s checked (`source_crc`); None where they could not be (not a torch.save
-    # archive as torch lays it out, or a directory of several files)
-    source_check: SourceCheck | None = field(default=None, repr=False)
+    # what was checked of the source archive's own crc32s (`source_crc`); None for a directory of several files
+    source_crcs: SourceCrcs | None = field(default=None, repr=False)
 
     @property
     def throughput(self) -> float:
         return self.nbytes / self.seconds if self.seconds else 0.0
+
+
+@dataclass
+class SourceRecords:
+    """A ``torch.save`` file a conversion reads (for `write_converted`): its ``archive`` as parsed once (None where
+    it is not one laid out as torch.save's; ``unchecked`` then says why), where each converted tensor's storage
+    record starts (``storage_at``; ``every_storage`` where that could not be told: all are checked), and how many
+    small records were checked already (`source_crc.check_small_records`)."""
+
+    src: str | os.PathLike[str]
+    archive: Archive | None
+    storage_at: dict[str, int] = field(default_factory=dict)
+    every_storage: bool = False
+    small_checked: int = 0
+    unchecked: SourceCrcs | None = None
 
 
 def plan_jobs(tensors: dict[str, torch.Tensor], structure: dict[str, Any], dtype: torch.dtype | StoredDtype | None,
@@ -218,14 +232,14 @@ def write_converted(tensors: dict[str, torch.Tensor], structure: dict[str, Any],
                     metadata: dict[str, str] | None = None,
                     locations: dict[str, Location] | None = None,
                     share: Share | None = None,
-                    source: tuple[str | os.PathLike[str], int, list[Record]] | None = None
-                    ) -> tuple[Any, dict[str, tuple[str, str]], SourceCheck | None]:
+                    source: SourceRecords | None = None
+                    ) -> tuple[Any, dict[str, tuple[str, str]], SourceCrcs | None]:
     """Cast (policy above) and write ``tensors`` with ``structure``; ``readers[key]`` supplies the
     elements of a tensor held in pieces (its ``tensors`` entry then only gives shape and dtype); ``locations[key]``
     says where a tensor's bytes lie in open files (`write.TensorJob.location`), read there when it is not cast.
-    ``source``: (path, open descriptor, its archive's records) of a ``torch.save`` file the tensors come from,
-    whose recorded crc32s are checked before the output is put in place (`source_crc`).
-    Returns the writer's result, ``{key: (dtype before, dtype after)}`` of every cast, and the source check."""
+    ``source``: the ``torch.save`` archive the tensors come from, whose storages' recorded crc32s are checked before
+    the output is put in place (`source_crc`). Returns the writer's result, ``{key: (dtype before, dtype after)}``
+    of every cast, and what was checked of the source."""
     jobs = plan_jobs(tensors, structure, dtype, cast_include, cast_exclude)
     for job in jobs:
         job.reader = (readers or {}).get(job.key)
@@ -241,10 +255,13 @@ def write_converted(tensors: dict[str, torch.Tensor], structure: dict[str, Any],
             progress(done[0], total)
 
     check = None
-    if source is not None:
-        src, fd, records = source
-        check = plan_source_check(src, fd, records, spans_of(jobs, fd), threads=threads)
+    if source is not None and source.archive is not None:
+        check = plan_source_check(source.src, source.archive,
+                                  drawn_from(jobs, source.archive.fd, source.storage_at), threads=threads,
+                                  small_checked=source.small_checked, every_storage=source.every_storage)
     result = write_safetensors(dst, jobs, structure_json=json.dumps(structure, separators=(",", ":")),
                                max_shard_size=parse_size(max_shard_size), threads=threads, force=force,
                                progress=on_bytes, metadata=metadata, share=share, check_source=check)
-    return result, casts, check
+    if check is not None:
+        return result, casts, check.summary()
+    return result, casts, source.unchecked if source is not None else None

@@ -45,16 +45,24 @@ class MappedFile:
         self._ranges.sort()
         self._starts = [r[0] for r in self._ranges]
 
+    @property
+    def mapped(self) -> bool:
+        """Whether any mapping of the file was found (the tensors' memory is the file's bytes)."""
+        return bool(self._ranges)
+
     def offset_of(self, t: torch.Tensor) -> int | None:
         """The file offset of contiguous CPU tensor ``t``'s bytes, if they all lie in one mapping of this file."""
         if t.device.type != "cpu" or not t.is_contiguous() or not self._ranges:
             return None
-        address = t.data_ptr()
+        return self.offset_at(t.data_ptr(), t.numel() * t.element_size())
+
+    def offset_at(self, address: int, nbytes: int = 0) -> int | None:
+        """The file offset of the ``nbytes`` at ``address``, if they lie in one mapping of this file."""
         i = bisect.bisect_right(self._starts, address) - 1
         if i < 0:
             return None
         start, end, offset = self._ranges[i]
-        if not (start <= address and address + t.numel() * t.element_size() <= end):
+        if not (start <= address and address + nbytes <= end):
             return None
         return offset + address - start
 

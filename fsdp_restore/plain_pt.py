@@ -188,7 +188,8 @@ def load_plain(path: str | os.PathLike[str]) -> Any:
         os.close(fd)
 
 
-def load_plain_archive(fd: int, *, deepspeed: bool = False) -> tuple[Any, list[ZipMember]]:
+def load_plain_archive(fd: int, *, deepspeed: bool = False, archive: _Archive | None = None
+                       ) -> tuple[Any, list[ZipMember]]:
     """`load_plain` of the file open as ``fd`` (read with ``pread`` only: the caller reads the tensors' bytes
     through the same descriptor, so from the same file, whatever its path names meanwhile), and the archive's
     members as its central directory lists them (for its fingerprint, `provenance.members_fingerprint`).
@@ -196,10 +197,10 @@ def load_plain_archive(fd: int, *, deepspeed: bool = False) -> tuple[Any, list[Z
     ``deepspeed``: a file of a DeepSpeed ZeRO checkpoint, read as the conversion's torch path reads one (`zero`):
     also ``torch.Size`` (`StoredSize`), tensors rebuilt through ``_rebuild_from_type_v2`` as plain tensors (with
     no attribute but DeepSpeed's ``ds_id``), ``ZeroStageEnum`` (`StoredZeroStage`) and DeepSpeed's loss scalers
-    and fragment addresses (`StandIn`s)."""
+    and fragment addresses (`StandIn`s). ``archive``: the `_Archive` of ``fd`` where the caller parsed it already."""
     if sys.byteorder != "little":
         raise NotPlain("a big-endian host")
-    archive = _Archive(fd)
+    archive = archive if archive is not None else _Archive(fd)
     members = archive.members
     names = [m.filename for m in members]
     # names as torch's zip reader (miniz) sees them: told apart without case; the archive at the start of the file

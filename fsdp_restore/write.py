@@ -982,7 +982,7 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
                       max_shard_size: int | None = None, threads: int | None = None, force: bool = False,
                       progress: ProgressFn | None = None, metadata: dict[str, str] | None = None,
                       share: Share | None = None,
-                      check_source: Callable[[dict[str, str]], None] | None = None) -> WriteResult:
+                      check_source: Callable[[dict[str, str] | None], None] | None = None) -> WriteResult:
     """Write ``jobs`` to ``dst`` atomically: one file, or (with ``max_shard_size``) a directory of
     ``model-0000k-of-0000n.safetensors`` shards plus ``model.safetensors.index.json``.
 
@@ -995,8 +995,9 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
     same ``jobs``): rank 0 creates the temporary, every rank writes its share of the blocks, rank 0 joins the
     checksums and renames; a failure on any rank is the same `ConvertError` on every rank.
 
-    ``check_source``: called on rank 0 with every key's checksum before the output is put in place; what it
-    raises is the write's error (`source_crc.SourceCheck`: the source's own crc32s)."""
+    ``check_source``: rank 0's check of the source (`source_crc.SourceCheck`: its own crc32s), called with every
+    key's checksum before the output is put in place, and with None before a cast's error is raised (damage may be
+    what made the cast overflow); what it raises is the write's error, on every rank."""
     dst_given, dst = dst, Path(dst)
     one = share or Share(0, 1)
     lead = one.rank == 0
@@ -1068,6 +1069,8 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
         changed = {key: change for _, rank_changed, _ in gathered for key, change in rank_changed.items()
                    if key not in overflowed}  # values made infinite: said once, as such
         if overflowed or changed:  # every offender at once, from every rank's blocks, before the output is in place
+            if check_source is not None or one.world > 1:  # a damaged source is what to say first, if it is damaged
+                one.step("check the source", lambda: check_source(None) if check_source is not None else None)
             raise cast_error(overflowed, changed, jobs)
         others = [segments for _, _, segments in gathered[1:]]
         result = WriteResult(paths=[], nbytes=sum(j.nbytes for j in jobs))

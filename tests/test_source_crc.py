@@ -21,8 +21,10 @@ import fsdp_restore
 from fsdp_restore import FormatError
 from fsdp_restore.errors import ConvertError
 
-# the fused q, k, v views are stored apart, as flatten warns
-pytestmark = pytest.mark.filterwarnings("ignore:tensors at model.q, model.k, model.v share storage")
+# what the conversions here are told (the fused views stored apart; trust_pickle; a legacy file loaded whole)
+pytestmark = [pytest.mark.filterwarnings("ignore:tensors at model.q, model.k, model.v share storage"),
+              pytest.mark.filterwarnings("ignore:.*trust_pickle=True executes the file's pickle"),
+              pytest.mark.filterwarnings("ignore:.*is a legacy .non-zip. torch.save file")]
 
 
 def _record_span(path, suffix: str) -> tuple[int, int, int]:
@@ -36,14 +38,15 @@ def _record_span(path, suffix: str) -> tuple[int, int, int]:
     return info.header_offset + 30 + name_len + extra_len, info.file_size, info.CRC
 
 
-def _flip(path, suffix: str, at: int = 0) -> None:
-    """Flip the lowest bit of byte ``at`` of a record (a bit rotten on disk): its recorded crc32 no longer fits."""
+def _flip(path, suffix: str, at: int = 0, mask: int = 1) -> None:
+    """Flip the bits ``mask`` (one, the lowest, unless told) of byte ``at`` of a record (a bit rotten on disk): its
+    recorded crc32 no longer fits."""
     first, size, crc = _record_span(path, suffix)
     with open(path, "r+b") as f:
         f.seek(first + at)
         byte = f.read(1)
         f.seek(first + at)
-        f.write(bytes([byte[0] ^ 1]))
+        f.write(bytes([byte[0] ^ mask]))
     with open(path, "rb") as f:
         f.seek(first)
         assert zlib.crc32(f.read(size)) != crc
@@ -89,25 +92,14 @@ PATHS = [pytest.param({}, id="torch-free"), pytest.param({"trust_pickle": True},
 def test_a_clean_checkpoint_converts_with_every_record_checked(tmp_path, how):
     src, dst = tmp_path / "c.pt", tmp_path / "c.safetensors"
     obj = _checkpoint(src)
-    report = fsdp_restore.convert(src, dst, **how)
-    check = report.source_check
-    assert check is not None and check.unrecorded == 0
+    crcs = fsdp_restore.convert(src, dst, **how).source_crcs
     with zipfile.ZipFile(src) as z:
-        records = {i.filename for i in z.infolist()}
-    checked = {r.name for r, _ in check.tiled} | {r.name for r in check.reread}
-    assert checked == records  # every record: the pickle and the small ones read again, every storage
-    tiled = {r.name: [k for k, _ in tiles] for r, tiles in check.tiled}
-    # whole storages and a tied pair are checked from the written tensors' checksums; a fused storage whose three
-    # views tile it too; a view of part of its storage is read again
-    assert sorted(tiled[next(n for n in tiled if n.endswith(_storage_of(src, ["model", "a.weight"])))]) == [
-        "model.a.weight"]
-    assert len(tiled[next(n for n in tiled if n.endswith(_storage_of(src, ["model", "b.weight"])))]) == 1
-    assert [k for n, k in tiled.items() if n.endswith(_storage_of(src, ["model", "q"]))] == [
-        ["model.q", "model.k", "model.v"]]
-    reread = {r.name for r in check.reread}
-    assert any(n.endswith(_storage_of(src, ["model", "part"])) for n in reread)
-    assert all(n.endswith(("data.pkl", "version", "byteorder", ".format_version", ".storage_alignment",
-                           "serialization_id")) or "/data/" in n for n in reread)
+        records = len(z.infolist())
+    assert crcs.checked == crcs.records == records and crcs.unrecorded == 0  # the pickle, the small ones, storages
+    # whole storages, a tied pair and a fused storage whose three views tile it are checked from the written
+    # tensors' checksums; only the storage of a view of part of it is read again
+    _, size, _ = _record_span(src, _storage_of(src, ["model", "part"]))
+    assert crcs.reread_bytes == size == 40
     torch.testing.assert_close(load_file(dst)["model.a.weight"], obj["model"]["a.weight"], rtol=0, atol=0)
 
 
@@ -143,37 +135,93 @@ def test_a_flipped_bit_in_any_record_is_named_and_nothing_is_written(tmp_path, h
 def test_a_cast_conversion_reads_the_records_again(tmp_path):
     src, dst = tmp_path / "c.pt", tmp_path / "c.safetensors"
     _checkpoint(src)
-    report = fsdp_restore.convert(src, dst, dtype="bf16")
-    reread = {r.name for r in report.source_check.reread}
-    assert any(n.endswith(_storage_of(src, ["model", "a.weight"])) for n in reread)  # cast: not its written bytes
+    crcs = fsdp_restore.convert(src, dst, dtype="bf16").source_crcs
+    _, size, _ = _record_span(src, _storage_of(src, ["model", "a.weight"]))
+    assert crcs.reread_bytes >= size + 40  # cast: its written bytes are not the source's
     _flip(src, _storage_of(src, ["model", "a.weight"]), 5)
     with pytest.raises(FormatError, match="differ from the crc32"):
         fsdp_restore.convert(src, tmp_path / "d.safetensors", dtype="bf16")
     _nothing_written(tmp_path / "d.safetensors")
 
 
+@pytest.mark.parametrize("how", PATHS)
+def test_a_strided_tensors_storage_is_checked(tmp_path, how):
+    """A transposed weight (and a strided slice) is written from its storage's bytes in another order: its record
+    is read again (it was left unchecked)."""
+    src = tmp_path / "t.pt"
+    torch.manual_seed(0)
+    torch.save({"w": torch.randn(4, 6).t(), "s": torch.randn(20)[::2]}, src)
+    assert fsdp_restore.convert(src, tmp_path / "ok.safetensors", **how).source_crcs.reread_bytes == 96 + 80
+    for key in ("w", "s"):
+        copy, record = tmp_path / f"{key}.pt", _storage_of(src, [key])
+        copy.write_bytes(src.read_bytes())
+        _flip(copy, record, 3)
+        with pytest.raises(FormatError, match=f"differ from the crc32 .*{record}'"):
+            fsdp_restore.convert(copy, tmp_path / f"{key}.safetensors", **how)
+
+
+@pytest.mark.parametrize("how", PATHS)
+@pytest.mark.parametrize("at", [0, 1, 2])
+def test_a_damaged_pickle_is_named_as_damage_not_as_what_it_then_looks_like(tmp_path, how, at):
+    """The pickle's crc32 is checked before it is read: a flipped bit there is not an unpickling error, a global
+    to allow, or an advice to trust the pickle."""
+    src = tmp_path / "c.pt"
+    _checkpoint(src)
+    _flip(src, "data.pkl", at)
+    with pytest.raises(FormatError) as info:
+        fsdp_restore.convert(src, tmp_path / "c.safetensors", **how)
+    assert "data.pkl" in str(info.value) and "differ from the crc32" in str(info.value)
+    assert "trust" not in str(info.value) and "allow" not in str(info.value)
+
+
+def test_damage_that_makes_a_cast_overflow_is_named_as_damage(tmp_path):
+    """A flipped exponent bit makes a finite fp32 value overflow fp16: the damage is what is said, not the cast."""
+    src = tmp_path / "c.pt"
+    torch.save({"w": torch.full((8,), 0.75)}, src)
+    _flip(src, "data/0", 3 * 4 + 3, mask=0x40)  # (the exponent's top bit of element 3: 0.75 becomes 2.6e38)
+    assert torch.isfinite(torch.load(src)["w"]).all() and torch.load(src)["w"][3] > 1e38
+    with pytest.raises(FormatError, match="differ from the crc32"):
+        fsdp_restore.convert(src, tmp_path / "c.safetensors", dtype="fp16", cast_include=["w"])
+
+
 def test_a_select_checks_only_what_it_converts(tmp_path):
     src = tmp_path / "c.pt"
     _checkpoint(src)
     _flip(src, _storage_of(src, ["optim", "state", 0, "exp_avg"]), 9)
-    report = fsdp_restore.convert(src, tmp_path / "m.safetensors", select="model")  # the optimizer's not read
-    assert report.source_check.records > 0
+    crcs = fsdp_restore.convert(src, tmp_path / "m.safetensors", select="model").source_crcs  # the optimizer's not read
+    from fsdp_restore.source_crc import describe
+
+    assert 0 < crcs.checked < crcs.records and "(the rest not converted)" in describe(crcs)
     with pytest.raises(FormatError, match="differ from the crc32"):
         fsdp_restore.convert(src, tmp_path / "all.safetensors")
 
 
 def test_an_archive_saved_without_crc32s_converts_and_says_so(tmp_path):
+    from fsdp_restore.source_crc import describe
+
     src, dst = tmp_path / "c.pt", tmp_path / "c.safetensors"
     torch.serialization.set_crc32_options(False)
     try:
         _checkpoint(src)
     finally:
         torch.serialization.set_crc32_options(True)
-    report = fsdp_restore.convert(src, dst)
-    assert report.source_check.records == 0 and report.source_check.unrecorded > 0
-    from fsdp_restore.source_crc import describe
+    crcs = fsdp_restore.convert(src, dst).source_crcs
+    assert crcs.checked == 0 and crcs.unrecorded > 0
+    assert "set_crc32_options(False)" in describe(crcs)
+    torch.save({"w": torch.ones(3)}, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
+    legacy = fsdp_restore.convert(tmp_path / "old.pt", tmp_path / "old.safetensors").source_crcs
+    assert "a legacy torch.save file" in describe(legacy)
 
-    assert "set_crc32_options(False)" in describe(report.source_check)
+
+def test_numpy_arrays_in_the_pickle_are_not_storages_to_read_again(tmp_path):
+    """The torch path finds each tensor's storage in torch.load's mapping; a numpy array (an RNG state) has none,
+    which must not make it read every storage again."""
+    import numpy as np
+
+    src = tmp_path / "c.pt"
+    torch.save({"w": torch.randn(64, 64), "rng": np.random.RandomState(0).get_state()[1]}, src)
+    crcs = fsdp_restore.convert(src, tmp_path / "c.safetensors", trust_pickle=True).source_crcs
+    assert crcs.checked == crcs.records and crcs.reread_bytes == 0
 
 
 def test_the_cli_names_the_damaged_record_without_a_traceback(tmp_path, capsys):
