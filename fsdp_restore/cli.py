@@ -38,6 +38,7 @@ CONVERT_DEFAULTS: dict[str, Any] = {
     "select": None,  # e.g. model: write only this subtree, with plain keys
     "thread_count": None,  # default: every core, at least 4 (they mostly wait on the disk)
     "force": False,  # replace an existing destination
+    "verify_checksums": False,  # also check the source's crc32s where that costs a pass (casts, partial views)
     "trust_pickle": False,  # run arbitrary pickle code in the source (only for files you trust)
     "allow_globals": [],  # extra data-only classes the safe unpickler may build, "module.Name"
     "on_unsupported": "error",  # error | skip (drop unsupported values with a warning)
@@ -255,7 +256,7 @@ def check_convert_options(values: dict[str, Any], origin: dict[str, str] | None 
         if parsed is None or parsed < 1:
             fail("max_shard_size", f"expected {_SIZE_HINT} (or null: one file)")
         out["max_shard_size"] = parsed
-    for key in ("force", "trust_pickle"):
+    for key in ("force", "trust_pickle", "verify_checksums"):
         if not isinstance(values.get(key), bool):
             fail(key, "expected true or false")
     if values.get("on_unsupported") not in ("error", "skip"):
@@ -288,6 +289,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     flags = {"dtype": args.dtype, "max_shard_size": args.max_shard_size, "select": args.select, "tag": args.tag,
              "thread_count": args.thread_count, "force": True if args.force else None,
+             "verify_checksums": True if args.verify_checksums else None,
              "trust_pickle": True if args.trust_pickle else None,
              "allow_globals": args.allow_global or None}
     values, origin = _convert_values(args.config, flags, args.overrides)
@@ -340,13 +342,17 @@ def cmd_convert(args: argparse.Namespace) -> int:
                         ("peak anonymous memory", human_bytes(report.peak_anon_bytes)),
                         ("threads", str(report.threads))]:
         table.add_row(name, value)
+    rest = None
     if os.path.isfile(args.src):  # (a directory's files are not checked this way)
-        from .source_crc import describe
+        from .source_crc import describe, describe_rest
 
         table.add_row("source crc32s checked", describe(report.source_crcs))
+        rest = describe_rest(report.source_crcs)
     for group, info in report.cast.items():
         out.print(f"cast: {group}: {info['tensors']} tensors ("
                   + ", ".join(f"{n} {label}" for label, n in info["casts"].items()) + ")")
+    if rest:
+        out.print(rest, highlight=False, soft_wrap=True)
     out.print(table)
     return 0
 
@@ -500,6 +506,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", action="store_true",
                    help="under torchrun: every rank writes its share of the one output (for several nodes)")
     p.add_argument("--trust-pickle", action="store_true", help="execute the file's pickle (trusted files only)")
+    p.add_argument("--verify-checksums", action="store_true",
+                   help="also check the source's recorded crc32s where that costs a pass over its bytes (tensors"
+                        " cast, views of part of a storage); those the output holds unchanged are always checked")
     p.add_argument("--allow-global", action="append", metavar="MODULE.NAME",
                    help="let the safe unpickler build this data-only class")
     p.epilog = "Any option of configs/convert.yaml can also be given as key=value, e.g. cast_exclude=[optim.*]"

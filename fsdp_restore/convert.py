@@ -408,7 +408,7 @@ def _convert_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, 
                    on_unsupported: str, threads: int, max_shard_size: int | str | None, force: bool,
                    progress: Callable[[int, int], None] | None, dtype: StoredDtype | None = None,
                    cast_include: Sequence[str] | None = None,
-                   cast_exclude: Sequence[str] = ()) -> ConvertReport | None:
+                   cast_exclude: Sequence[str] = (), verify_checksums: bool = False) -> ConvertReport | None:
     """`convert` of a plain checkpoint without torch (`plain_pt`): the same file, byte for byte, as the conversion
     through torch.load writes (the tests compare them). None, with nothing written, where `plain_pt` does not read
     the file exactly as torch would, or anything before the write fails: the caller then converts through torch,
@@ -455,7 +455,8 @@ def _convert_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, 
             result, casts, crcs = write_converted(
                 tensors, structure, dst, dtype=dtype, cast_include=cast_include, cast_exclude=cast_exclude,
                 max_shard_size=max_shard_size, threads=threads, force=force, progress=progress,
-                metadata={META_SOURCE: json.dumps(identity)}, locations=locations, share=Share(0, 1), source=source)
+                metadata={META_SOURCE: json.dumps(identity)}, locations=locations, share=Share(0, 1), source=source,
+                verify_checksums=verify_checksums)
         except EOFError as e:  # as the torch path says it
             raise _truncated(src, e) from None
         finally:
@@ -591,7 +592,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
             force: bool = False, trust_pickle: bool = False, allow_globals: Sequence[str] = (),
             on_unsupported: str = "error", progress: Callable[[int, int], None] | None = None,
             tag: str | None = None, threads: int | None = None,
-            process_group: dist.ProcessGroup | None = None) -> ConvertReport:
+            process_group: dist.ProcessGroup | None = None, verify_checksums: bool = False) -> ConvertReport:
     """Stream a ``torch.save`` file into our safetensors format and report what it cost.
 
     A plain checkpoint of dicts, lists, tuples, Python scalars and tensors (one process, no ``trust_pickle`` or
@@ -624,6 +625,13 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
     (`fsdp_restore.share`); call it on every rank with the same arguments. A failure on any rank raises the same
     `ConvertError` on every rank, and nothing is put at ``dst``.
 
+    The crc32s ``torch.save`` recorded for the source's records are checked before anything is put at ``dst``
+    (``torch.load`` does not check them): the pickle and the small records before the pickle is read, and every
+    storage the output holds unchanged from the written tensors' own checksums, at no cost. ``verify_checksums=True``
+    also checks the storages of tensors cast (their crc32 taken as the cast reads them) and of views of part of a
+    storage (read again). A damaged record is a `FormatError` naming it; ``report.source_crcs`` says what was
+    checked.
+
     ``threads=``, the old name of ``thread_count``, still works with a `DeprecationWarning`; a
     ``thread_count`` that is not an int >= 1 is a `ValueError` before anything is read (with a
     ``process_group`` of several ranks, a bad argument on any rank is the same `ConvertError` on every rank).
@@ -647,6 +655,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
         shard_size_argument(max_shard_size)  # a bad size: here, not after the source was read
         flag_argument("force", force)
         flag_argument("trust_pickle", trust_pickle)
+        flag_argument("verify_checksums", verify_checksums)
         allow_globals_argument(allow_globals)
         if select is not None and not isinstance(select, str):
             raise TypeError(f"select must be the name of one top-level subtree (a string such as 'model'), not"
@@ -673,7 +682,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
     threads = thread_count or default_io_threads()
     if lane:  # without torch, where the file allows (plain_pt)
         report = _convert_plain(src, dst, select=select, on_unsupported=on_unsupported, threads=threads,
-                                max_shard_size=max_shard_size, force=force, progress=progress, **casting)
+                                max_shard_size=max_shard_size, force=force, progress=progress,
+                                verify_checksums=verify_checksums, **casting)
         if report is not None:
             return report
 
@@ -721,7 +731,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
             result, casts, crcs = write_converted(
                 tensors, structure, dst, dtype=dtype, cast_include=cast_include, cast_exclude=cast_exclude,
                 max_shard_size=max_shard_size, threads=threads, force=force, progress=progress,
-                metadata={META_SOURCE: json.dumps(identity)}, locations=locations, share=one, source=source)
+                metadata={META_SOURCE: json.dumps(identity)}, locations=locations, share=one, source=source,
+                verify_checksums=verify_checksums)
         except EOFError as e:  # a tensor's bytes read at their offset: the file is shorter than its pickle says
             raise _truncated(src, e) from None
         finally:

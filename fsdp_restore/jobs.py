@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from .flatten import holds_model_subtree, is_optimizer_state_dict, iter_nodes_with_keys
 from .format import StoredDtype, as_torch_dtype, stored_dtype, torch_dtype_from_string, torch_dtype_name
 from .share import Share
-from .source_crc import Archive, SourceCrcs, drawn_from, plan_source_check
+from .source_crc import Archive, SourceCrcs, plan_source_check
 from .write import Location, Reader, TensorJob, write_safetensors
 
 if TYPE_CHECKING:
@@ -232,13 +232,14 @@ def write_converted(tensors: dict[str, torch.Tensor], structure: dict[str, Any],
                     metadata: dict[str, str] | None = None,
                     locations: dict[str, Location] | None = None,
                     share: Share | None = None,
-                    source: SourceRecords | None = None
+                    source: SourceRecords | None = None, verify_checksums: bool = False
                     ) -> tuple[Any, dict[str, tuple[str, str]], SourceCrcs | None]:
     """Cast (policy above) and write ``tensors`` with ``structure``; ``readers[key]`` supplies the
     elements of a tensor held in pieces (its ``tensors`` entry then only gives shape and dtype); ``locations[key]``
     says where a tensor's bytes lie in open files (`write.TensorJob.location`), read there when it is not cast.
     ``source``: the ``torch.save`` archive the tensors come from, whose storages' recorded crc32s are checked before
-    the output is put in place (`source_crc`). Returns the writer's result, ``{key: (dtype before, dtype after)}``
+    the output is put in place (`source_crc`); ``verify_checksums``: also those that cost a pass (casts, partial
+    views; given on every rank of a shared write: each takes the crc32s of what its casts read). Returns the writer's result, ``{key: (dtype before, dtype after)}``
     of every cast, and what was checked of the source."""
     jobs = plan_jobs(tensors, structure, dtype, cast_include, cast_exclude)
     for job in jobs:
@@ -256,12 +257,13 @@ def write_converted(tensors: dict[str, torch.Tensor], structure: dict[str, Any],
 
     check = None
     if source is not None and source.archive is not None:
-        check = plan_source_check(source.src, source.archive,
-                                  drawn_from(jobs, source.archive.fd, source.storage_at), threads=threads,
-                                  small_checked=source.small_checked, every_storage=source.every_storage)
+        check = plan_source_check(source.src, source.archive, jobs, source.storage_at, threads=threads,
+                                  small_checked=source.small_checked, every_storage=source.every_storage,
+                                  full=verify_checksums)
     result = write_safetensors(dst, jobs, structure_json=json.dumps(structure, separators=(",", ":")),
                                max_shard_size=parse_size(max_shard_size), threads=threads, force=force,
-                               progress=on_bytes, metadata=metadata, share=share, check_source=check)
+                               progress=on_bytes, metadata=metadata, share=share, check_source=check,
+                               record_sources=verify_checksums)
     if check is not None:
         return result, casts, check.summary()
     return result, casts, source.unchecked if source is not None else None

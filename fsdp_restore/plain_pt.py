@@ -19,6 +19,7 @@ lists, so a hostile pickle costs at most its own size in memory.
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 import sys
@@ -110,19 +111,25 @@ class StoredTensor:
 
     def is_contiguous(self) -> bool:
         """torch's rule: row-major strides, a dimension of size 1 taking any stride; an empty tensor always is."""
-        if 0 in self.shape:
-            return True
-        expected = 1
-        for size, stride in zip(reversed(self.shape), reversed(self.strides)):
-            if size != 1 and stride != expected:
-                return False
-            expected *= size
-        return True
+        return _row_major(self.shape, self.strides)
 
     @property
     def file_offset(self) -> int:
         """Where the tensor's first byte lies in the file."""
         return self.storage.data_at + self.offset * self.dtype.itemsize
+
+
+@functools.lru_cache(maxsize=4096)
+def _row_major(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """`StoredTensor.is_contiguous` (cached: a checkpoint's tensors come in a few shapes, and it is asked of each)."""
+    if 0 in shape:
+        return True
+    expected = 1
+    for size, stride in zip(reversed(shape), reversed(strides)):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 class _Global:

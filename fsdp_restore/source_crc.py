@@ -39,21 +39,34 @@ class SourceCrcs:
     records: int  # records in the archive
     reread_bytes: int = 0  # bytes read a second time to check them (the rest followed from the written tensors)
     unrecorded: int = 0  # records saved without a crc32 (``torch.serialization.set_crc32_options(False)``)
+    skipped: int = 0  # records of tensors cast or partly viewed, left unchecked without ``verify_checksums``
     note: str = ""  # why nothing was checked, where nothing was
 
 
 def describe(crcs: SourceCrcs | None) -> str:
-    """One line for the conversion's report."""
+    """A few words for the conversion's report table (what was checked), `describe_rest` for what was not."""
     if crcs is None:
         return "not checked"
+    if crcs.note or (not crcs.checked and crcs.unrecorded):
+        return "none"
+    return f"{crcs.checked} of {crcs.records} records"
+
+
+def describe_rest(crcs: SourceCrcs | None) -> str | None:
+    """The line under the report's table that says what was not checked, and why; None where all was."""
+    if crcs is None:
+        return None
     if crcs.note:
-        return f"none ({crcs.note})"
+        return f"source crc32s: none checked ({crcs.note})"
     if not crcs.checked and crcs.unrecorded:
-        return "none recorded (saved with torch.serialization.set_crc32_options(False))"
-    text = f"{crcs.checked} of {crcs.records} records"
+        return "source crc32s: none recorded (saved with torch.serialization.set_crc32_options(False))"
+    reread = f"; {crcs.reread_bytes / 1e6:.1f} MB read again to check them" if crcs.reread_bytes >= 1e5 else ""
+    if crcs.skipped:
+        return (f"source crc32s: {crcs.skipped} record(s) of tensors cast or partly viewed not checked (a pass over"
+                f" their bytes): --verify-checksums checks them{reread}")
     if crcs.checked + crcs.unrecorded < crcs.records:
-        text += " (the rest not converted)"
-    return text + (f", {crcs.reread_bytes / 1e6:.1f} MB read again" if crcs.reread_bytes >= 1e5 else "")
+        return f"source crc32s: the records not converted were not checked{reread}"
+    return f"source crc32s: {reread[2:]}" if reread else None
 
 
 class Archive:
@@ -97,11 +110,17 @@ def check_small_records(src: str | os.PathLike[str], archive: Archive) -> int:
     return checked
 
 
+# a part of a record: (its first byte in the file, bytes, key, how its crc32 is known): WRITTEN, the written tensor's
+# checksum (its bytes unchanged); CAST, the crc32 of the source bytes its cast read (`write._record_source`)
+WRITTEN, CAST = "written", "cast"
+
+
 @dataclass
 class SourceCheck:
-    """The check of the storages a conversion draws from (`plan_source_check`), called by the writer: with None
-    before it raises another error (a cast's: what damage would also make it say), with every written tensor's
-    checksum before the output is put in place."""
+    """The check of the storages a conversion draws from (`plan_source_check`), called by the writer with the
+    crc32s of the source bytes its casts read (``sources``): with ``checksums`` None before it raises another error
+    (a cast's: what damage would also make it say), with every written tensor's checksum before the output is put
+    in place. A record whose parts' crc32s are not all known is read again."""
 
     src: str
     fd: int
@@ -109,32 +128,40 @@ class SourceCheck:
     records: int  # in the archive
     small_checked: int  # `check_small_records`'
     unrecorded: int
-    tiled: list[tuple[ZipMember, list[tuple[str, int]]]] = field(default_factory=list)
+    # (record, where its data starts, its parts in order: (key, bytes, how its crc32 is known))
+    tiled: list[tuple[ZipMember, int, list[tuple[str, int, str]]]] = field(default_factory=list)
     reread: list[tuple[ZipMember, int]] = field(default_factory=list)  # (record, where its data starts)
-    _reread_bad: list[tuple[ZipMember, int, Sequence[str]]] | None = None
+    skipped: int = 0  # records that would cost a pass over their bytes, without verify_checksums
+    # by record name, once checked: None where it matched, else (record, crc32 found, its tensors)
+    _done: dict[str, tuple[ZipMember, int, Sequence[str]] | None] = field(default_factory=dict)
 
     def summary(self) -> SourceCrcs:
-        return SourceCrcs(checked=self.small_checked + len(self.tiled) + len(self.reread), records=self.records,
-                          reread_bytes=sum(m.file_size for m, _ in self.reread), unrecorded=self.unrecorded)
+        return SourceCrcs(checked=self.small_checked + len(self._done), records=self.records,
+                          reread_bytes=sum(m.file_size for m, _ in self.reread), unrecorded=self.unrecorded,
+                          skipped=self.skipped)
 
-    def __call__(self, checksums: Mapping[str, str] | None) -> None:
-        """Raise `FormatError` naming every storage whose bytes are not those its crc32 was taken of: those read
-        again, and given the written tensors' ``checksums``, those they tile."""
-        if self._reread_bad is None:
-            self._reread_bad = []
-            if self.reread:
-                with ThreadPoolExecutor(max_workers=max(1, min(self.threads, len(self.reread)))) as pool:
-                    crcs = pool.map(lambda r: _crc_of(self.fd, r[1], r[0].file_size), self.reread)
-                    self._reread_bad = [(m, got, ()) for (m, _), got in zip(self.reread, crcs) if got != m.CRC]
-        bad = list(self._reread_bad)
-        if checksums is not None:
-            for member, tiles in self.tiled:
-                if len(tiles) == 1:  # a tensor that is its whole storage: its crc32 is the record's
-                    got = int(checksums[tiles[0][0]], 16)
-                else:
-                    got = combine_segments((int(checksums[key], 16), nbytes) for key, nbytes in tiles)
-                if got != member.CRC:
-                    bad.append((member, got, [key for key, _ in tiles]))
+    def __call__(self, checksums: Mapping[str, str] | None, sources: Mapping[str, int]) -> None:
+        """Raise `FormatError` naming every storage whose bytes are not those its crc32 was taken of."""
+        done = self._done
+        for member, at, tiles in self.tiled:
+            if member.filename in done:
+                continue
+            if any(how == CAST and key not in sources for key, _, how in tiles):
+                self.reread.append((member, at))  # a cast that read its bytes otherwise (torch's, in pieces)
+                continue
+            if checksums is None and any(how == WRITTEN for _, _, how in tiles):
+                continue  # (known once the output's are)
+            crcs = [(sources[key] if how == CAST else int(checksums[key], 16), nbytes)  # type: ignore[index]
+                    for key, nbytes, how in tiles]
+            got = crcs[0][0] if len(crcs) == 1 else combine_segments(crcs)
+            done[member.filename] = (member, got, [key for key, _, _ in tiles]) if got != member.CRC else None
+        rereads = [r for r in self.reread if r[0].filename not in done]
+        if rereads:
+            with ThreadPoolExecutor(max_workers=max(1, min(self.threads, len(rereads)))) as pool:
+                crcs = pool.map(lambda r: _crc_of(self.fd, r[1], r[0].file_size), rereads)
+                for (member, _), got in zip(rereads, crcs):
+                    done[member.filename] = (member, got, ()) if got != member.CRC else None
+        bad = [found for found in done.values() if found is not None]
         if bad:
             raise FormatError(self.src, damaged_records(bad))
 
@@ -161,80 +188,83 @@ def damaged_records(bad: Sequence[tuple[ZipMember, int, Sequence[str]]]) -> str:
             " nothing was written")
 
 
-@dataclass(frozen=True)
-class Drawn:
-    """A converted tensor's bytes in the source file: ``storage_at``, where its storage's record data starts;
-    ``first``/``nbytes``, its own bytes, contiguous from ``first`` where it is one run (else ``first`` is -1); and
-    whether the output holds them unchanged (no cast, contiguous)."""
-
-    storage_at: int
-    first: int
-    nbytes: int
-    unchanged: bool
-
-
-def plan_source_check(src: str | os.PathLike[str], archive: Archive, drawn: Mapping[str, Drawn], *,
-                      threads: int, small_checked: int, every_storage: bool = False) -> SourceCheck:
-    """The check of the storage records the conversion draws from (``drawn``: per converted tensor whose storage
-    was found). A record is checked from its tensors' checksums where the unchanged ones tile it exactly, else read
-    again; a record no converted tensor draws from (``select``) is left alone, unless ``every_storage`` (where
-    the tensors' storages could not be placed: all are read)."""
-    storages = sorted((m for m in archive.members if _is_storage(m)), key=lambda m: m.header_offset)
-    check = SourceCheck(str(src), archive.fd, threads, records=len(archive.members), small_checked=small_checked,
-                        unrecorded=sum(1 for m in archive.members if not m.CRC))
+def plan_source_check(src: str | os.PathLike[str], archive: Archive, jobs: Iterable[Any],
+                      storage_at: Mapping[str, int], *, threads: int, small_checked: int,
+                      every_storage: bool = False, full: bool = False) -> SourceCheck:
+    """The check of the storage records the conversion's ``jobs`` (`write.TensorJob`) draw from, given where each
+    one's storage record starts (``storage_at``; a key absent: not a storage's, such as a numpy array's). A record
+    is checked from crc32s the conversion takes anyway where its tensors (contiguous, one run in this file) tile it
+    exactly: the written tensor's checksum where it is written unchanged, else the crc32 of the source bytes its
+    cast read; otherwise it is read again. A record no converted tensor draws from (``select``) is left alone,
+    unless ``every_storage`` (where the tensors' storages could not be placed: all are read). Only with ``full``
+    (``verify_checksums``) are the records that cost a pass over their bytes checked (casts, records read again);
+    without it they are counted in ``skipped``. One pass, in plain tuples: a checkpoint of tens of thousands of small
+    tensors pays it per tensor."""
+    storages = sorted((m for m in archive.members if "/data/" in m.filename), key=lambda m: m.header_offset)
+    # (an empty record's crc32 is 0, as an unrecorded one's: nothing to check, and not counted)
+    check = SourceCheck(str(src), archive.fd, threads, records=sum(1 for m in archive.members if m.file_size),
+                        small_checked=small_checked,
+                        unrecorded=sum(1 for m in archive.members if not m.CRC and m.file_size))
     headers = [m.header_offset for m in storages]
-    parts: dict[int, list[tuple[int, int, str, bool]]] = {}
+    last = len(headers) - 1
+    fd = archive.fd
+    parts: dict[int, list[tuple[int, int, str, str | None]]] = {}
     data_at: dict[int, int] = {}
     unplaced = every_storage
-    for key, d in drawn.items():
-        i = bisect_right(headers, d.storage_at) - 1
-        if i < 0 or (i + 1 < len(headers) and d.storage_at >= headers[i + 1]):
+    for job in jobs:
+        key = job.key
+        at = storage_at.get(key)
+        if at is None:
+            continue
+        i = bisect_right(headers, at) - 1
+        if i < 0 or (i < last and at >= headers[i + 1]):
             unplaced = True  # (not a storage of this archive as far as can be told: check them all)
             continue
-        data_at[i] = d.storage_at
-        parts.setdefault(i, []).append((d.first, d.nbytes, key, d.unchanged))
+        location, source = job.location, job.source
+        how = None  # (read again)
+        if (type(location) is tuple and len(location) == 2 and location[0] == fd and job.reader is None
+                and source.is_contiguous()):
+            how = WRITTEN if job.dtype == source.dtype else CAST
+        part = (location[1] if how else -1, prod(source.shape) * source.dtype.itemsize, key, how)
+        data_at[i] = at
+        if i in parts:
+            parts[i].append(part)
+        else:
+            parts[i] = [part]
     for i, member in enumerate(storages):
-        if not member.CRC or (i not in parts and not unplaced):
+        if not member.CRC or not member.file_size or (i not in parts and not unplaced):
             continue
         at = data_at.get(i)
-        tiles = _tiles(at, member.file_size, parts[i]) if i in parts else None
-        if tiles is not None:
-            check.tiled.append((member, tiles))
+        tiles = None
+        if at is not None:
+            here = parts[i]
+            if len(here) == 1:  # a tensor that is its whole storage (inline: tens of thousands of them)
+                first, nbytes, key, how = here[0]
+                if how and first == at and nbytes == member.file_size:
+                    tiles = [(key, nbytes, how)]
+            else:
+                tiles = _tiles(at, member.file_size, here)
+        if not full and (tiles is None or any(how == CAST for _, _, how in tiles)):
+            check.skipped += 1  # (a pass over its bytes: verify_checksums=True)
+        elif tiles is not None:
+            check.tiled.append((member, at, tiles))  # type: ignore[arg-type]
         else:
             check.reread.append((member, at if at is not None else archive.data_at(member)))
     return check
 
 
-def _tiles(data_at: int, size: int, parts: list[tuple[int, int, str, bool]]) -> list[tuple[str, int]] | None:
-    """The unchanged parts that tile ``size`` bytes from ``data_at`` exactly, in order (a range written twice, as
-    by tied tensors, taken once), or None."""
-    if len(parts) == 1:  # a tensor that is its whole storage: no sort
-        first, nbytes, key, unchanged = parts[0]
-        return [(key, nbytes)] if unchanged and first == data_at and nbytes == size else None
-    if not all(unchanged for *_, unchanged in parts):
+def _tiles(data_at: int, size: int, parts: list[tuple[int, int, str, str | None]]
+           ) -> list[tuple[str, int, str]] | None:
+    """The parts whose crc32 will be known that tile ``size`` bytes from ``data_at`` exactly, in order (a range two
+    tensors share, as tied ones do, taken once), or None."""
+    if not all(how for *_, how in parts):
         return None
     at, tiles = data_at, []
-    for first, nbytes, key, _ in sorted(parts, key=lambda p: (p[0], -p[1])):
+    for first, nbytes, key, how in sorted(parts, key=lambda p: (p[0], -p[1])):
         if first == at - nbytes and tiles and tiles[-1][1] == nbytes:
             continue  # the same range as the last (a tied tensor)
         if first != at:
             return None
-        tiles.append((key, nbytes))
+        tiles.append((key, nbytes, how))
         at += nbytes
-    return tiles if at == data_at + size else None
-
-
-def drawn_from(jobs: Iterable[Any], fd: int, storage_at: Mapping[str, int]) -> dict[str, Drawn]:
-    """`plan_source_check`'s ``drawn`` of the conversion's ``jobs`` (`write.TensorJob`), given where each one's
-    storage's record starts (``storage_at``; a key absent: not a storage's, such as a numpy array's)."""
-    out: dict[str, Drawn] = {}
-    for job in jobs:
-        if job.key not in storage_at:
-            continue
-        location, source = job.location, job.source
-        nbytes = prod(source.shape) * source.dtype.itemsize
-        one_run = location is not None and type(location) is tuple and len(location) == 2 and location[0] == fd
-        first = location[1] if one_run else -1
-        unchanged = one_run and job.reader is None and job.dtype == source.dtype and source.is_contiguous()
-        out[job.key] = Drawn(storage_at[job.key], first, nbytes, unchanged)
-    return out
+    return tiles if at == data_at + size else None  # type: ignore[return-value]

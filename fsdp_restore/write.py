@@ -216,6 +216,26 @@ def flat_range(t: torch.Tensor, first: int, stop: int) -> list[torch.Tensor]:
     return parts
 
 
+class _SourceCrcs(threading.local):
+    """This thread's record of the crc32s of the source bytes a cast read, as ``(key, first source byte, crc32,
+    length)``, for the check of the source's own crc32s (`source_crc`): taken where the bytes are, in the cast's
+    staging buffer, so that the check need not read them again. None outside a block's fill."""
+
+    sink: list[tuple[str, int, int, int]] | None = None
+
+
+_SOURCE_CRCS = _SourceCrcs()
+
+
+def _record_source(job: TensorJob, first_byte: int, data: Any) -> None:
+    """Record the crc32 of ``data``, bytes ``first_byte`` on of ``job``'s source as they lie in one run of its
+    file (a cast's read); nothing for a source read otherwise (a reader's pieces, ZeRO's runs)."""
+    sink = _SOURCE_CRCS.sink
+    if sink is not None and type(job.location) is tuple:
+        view = memoryview(data).cast("B")
+        sink.append((job.key, first_byte, zlib.crc32(view), len(view)))
+
+
 def _source_elements(job: TensorJob, first: int, stop: int) -> list[torch.Tensor]:
     """The source's elements ``[first, stop)`` of one job (its own dtype), as a few tensors in order."""
     if job.reader is not None:
@@ -299,7 +319,8 @@ class _FileWriter:
     through the page cache. The header's checksums are known only at the end: the page where the header
     ends is kept and written again, patched, before the fsync."""
 
-    def __init__(self, path: Path, jobs: list[TensorJob], metadata: dict[str, str], *, create: bool = True) -> None:
+    def __init__(self, path: Path, jobs: list[TensorJob], metadata: dict[str, str], *, create: bool = True,
+                 record_sources: bool = False) -> None:
         self.path, self.jobs = path, jobs
         self.metadata = dict(metadata)
         self.header, self.offsets = file_header(jobs, self.metadata)
@@ -323,6 +344,10 @@ class _FileWriter:
         self.overflowed: Counter[str] = Counter()  # per key: finite values a narrowing cast made inf or NaN
         self.rounded: set[str] = set()  # keys a cast may have changed as verify fails it (`changed_by_cast`)
         self._segment_crcs: dict[str, dict[int, tuple[int, int]]] = {j.key: {} for j in jobs}
+        # per cast tensor: the crc32s of the source bytes its cast read, {first source byte: (crc, length)}, where
+        # asked (a pass of crc32 over the source: `write_safetensors`' record_sources)
+        self.record_sources = record_sources
+        self._source_segments: dict[str, dict[int, tuple[int, int]]] = {}
 
     def blocks(self) -> list[_Block]:
         """This file cut into blocks, each with the tensor pieces it holds."""
@@ -343,6 +368,8 @@ class _FileWriter:
             data[:len(part)] = part
         pieces = block.pieces
         crcs: list[tuple[str, int, int, int]] = []  # (key, first byte, crc32, length): recorded under one lock
+        sources: list[tuple[str, int, int, int]] = []  # the same of the source bytes the casts read
+        _SOURCE_CRCS.sink = sources if self.record_sources else None
         i = 0
         while i < len(pieces):
             piece = pieces[i]
@@ -362,10 +389,13 @@ class _FileWriter:
                 crcs.append((piece.job.key, piece.first, zlib.crc32(data[piece.at:piece.at + piece.nbytes]),
                              piece.nbytes))
             i = done
+        _SOURCE_CRCS.sink = None
         with self._lock:
             segment_crcs = self._segment_crcs
             for key, first, crc, nbytes in crcs:
                 segment_crcs[key][first] = (crc, nbytes)
+            for key, first, crc, nbytes in sources:
+                self._source_segments.setdefault(key, {})[first] = (crc, nbytes)
         if progress:
             progress(sum(piece.nbytes for piece in pieces))
         if self.direct and block.offset <= self.data_start < block.offset + block.nbytes:
@@ -394,17 +424,42 @@ class _FileWriter:
                 self._retired.append(self.fd)  # closed in `close`: another thread may be writing through it
                 self.fd, self.direct = os.open(self.path, os.O_WRONLY), False
 
-    def segments(self) -> tuple[dict[str, dict[int, tuple[int, int]]], bytes]:
+    def segments(self) -> tuple[dict[str, dict[int, tuple[int, int]]], bytes, dict[str, dict[int, tuple[int, int]]]]:
         """What this process wrote that `finish` needs: the crc32 of each piece (``{key: {first byte: (crc,
-        length)}}``) and, if it wrote the block where the header ends, that page's data bytes."""
-        return {key: dict(pieces) for key, pieces in self._segment_crcs.items() if pieces}, self._head_tail
+        length)}}``), if it wrote the block where the header ends, that page's data bytes, and the crc32s of the
+        source bytes its casts read (`source_checksums`)."""
+        return ({key: dict(pieces) for key, pieces in self._segment_crcs.items() if pieces}, self._head_tail,
+                {key: dict(pieces) for key, pieces in self._source_segments.items()})
 
-    def add_segments(self, segments: tuple[dict[str, dict[int, tuple[int, int]]], bytes]) -> None:
+    def add_segments(self, segments: tuple[dict[str, dict[int, tuple[int, int]]], bytes,
+                                           dict[str, dict[int, tuple[int, int]]]]) -> None:
         """What another rank of the write wrote (its `segments`), for `finish`."""
-        crcs, head_tail = segments
+        crcs, head_tail, sources = segments
         for key, pieces in crcs.items():
             self._segment_crcs[key].update(pieces)
         self._head_tail = self._head_tail or head_tail
+        for key, pieces in sources.items():
+            self._source_segments.setdefault(key, {}).update(pieces)
+
+    def source_checksums(self) -> dict[str, int]:
+        """The crc32 of each cast tensor's source bytes (as they lie in one run of its file), where the casts
+        read them all exactly once; tensors read otherwise are absent (their source is read again to check it)."""
+        out: dict[str, int] = {}
+        for job in self.jobs:
+            pieces = self._source_segments.get(job.key)
+            if not pieces:
+                continue
+            at, ordered = 0, []
+            for first in sorted(pieces):
+                crc, nbytes = pieces[first]
+                if first != at:
+                    break  # a gap or an overlap (a piece cut inside an element): not this way
+                ordered.append((crc, nbytes))
+                at += nbytes
+            else:
+                if at == prod(job.source.shape) * job.source.dtype.itemsize:
+                    out[job.key] = combine_segments(ordered)
+        return out
 
     def finish(self) -> None:
         """Join each tensor's segment checksums, patch them into the header, fsync and close."""
@@ -557,6 +612,11 @@ def _cast_run(pieces: list[_Piece], i: int, memory: mmap.mmap) -> tuple[int, boo
     import numpy as np
 
     preadv_exactly(fd, views, start)
+    at = shift
+    for piece in pieces[i:j]:
+        nbytes = source_nbytes(piece)
+        _record_source(piece.job, 0, _CAST_STAGING.view[at:at + nbytes])
+        at += nbytes
     n = source_bytes // source_size
     source = np.frombuffer(staging, dtype=cast.source_bits, count=n, offset=shift)
     out = np.frombuffer(memory, dtype=cast.target_bits, count=n, offset=pieces[i].at)
@@ -648,6 +708,7 @@ def _cast_without_torch(piece: _Piece, memory: mmap.mmap) -> tuple[int, bool] | 
     for lo in range(first, stop, step):
         n = min(stop, lo + step) - lo
         shift = _stage(job, lo, n, source_size)
+        _record_source(job, lo * source_size, _CAST_STAGING.view[shift:shift + n * source_size])
         source = np.frombuffer(staging, dtype=cast.source_bits, count=n, offset=shift)
         out = np.frombuffer(memory, dtype=cast.target_bits, count=n, offset=piece.at + (lo - first) * size)
         step_rounded = cast(source, out, work)
@@ -697,6 +758,8 @@ def _copy_piece_into(piece: _Piece, buffer: torch.Tensor) -> tuple[int, bool]:
             parts = [read[lo - first:hi - first]]
         else:
             parts = [_staged(job, lo, hi)] if described else _source_elements(job, lo, hi)
+            if described or (len(parts) == 1 and job.source.is_contiguous()):  # its bytes as they lie in the file
+                _record_source(job, lo * source_dtype.itemsize, tensor_bytes(parts[0]))
         out = whole[lo - first:hi - first]
         _copy_elements(out, parts)
         step_overflowed, step_large = cast_screen(source_dtype, out, lambda: torch.cat([p.reshape(-1) for p in parts]))
@@ -982,7 +1045,8 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
                       max_shard_size: int | None = None, threads: int | None = None, force: bool = False,
                       progress: ProgressFn | None = None, metadata: dict[str, str] | None = None,
                       share: Share | None = None,
-                      check_source: Callable[[dict[str, str] | None], None] | None = None) -> WriteResult:
+                      check_source: Callable[[dict[str, str] | None, dict[str, int]], None] | None = None,
+                      record_sources: bool = False) -> WriteResult:
     """Write ``jobs`` to ``dst`` atomically: one file, or (with ``max_shard_size``) a directory of
     ``model-0000k-of-0000n.safetensors`` shards plus ``model.safetensors.index.json``.
 
@@ -997,7 +1061,9 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
 
     ``check_source``: rank 0's check of the source (`source_crc.SourceCheck`: its own crc32s), called with every
     key's checksum before the output is put in place, and with None before a cast's error is raised (damage may be
-    what made the cast overflow); what it raises is the write's error, on every rank."""
+    what made the cast overflow), and each time with the crc32s of the source bytes the casts read
+    (`_FileWriter.source_checksums`, taken with ``record_sources``, on every rank); what it raises is the write's
+    error, on every rank."""
     dst_given, dst = dst, Path(dst)
     one = share or Share(0, 1)
     lead = one.rank == 0
@@ -1029,7 +1095,7 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
             if create and sharded:
                 tmp.mkdir()
             for group, name, fmeta in zip(groups, names, file_meta):
-                writers.append(_FileWriter(root / name, group, fmeta, create=create))
+                writers.append(_FileWriter(root / name, group, fmeta, create=create, record_sources=record_sources))
         except OSError as e:
             if not create:
                 raise
@@ -1068,27 +1134,33 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
         overflowed = sum((rank_counts for rank_counts, _, _ in gathered), Counter())
         changed = {key: change for _, rank_changed, _ in gathered for key, change in rank_changed.items()
                    if key not in overflowed}  # values made infinite: said once, as such
+        if lead:  # every rank's pieces, for the checksums (and the source check) below
+            for _, _, rank_segments in gathered[1:]:
+                for w, segments in zip(writers, rank_segments):
+                    w.add_segments(segments)
+
+        def source_sums() -> dict[str, int]:
+            return {key: crc for w in writers for key, crc in w.source_checksums().items()}
+
         if overflowed or changed:  # every offender at once, from every rank's blocks, before the output is in place
             if check_source is not None or one.world > 1:  # a damaged source is what to say first, if it is damaged
-                one.step("check the source", lambda: check_source(None) if check_source is not None else None)
+                one.step("check the source",
+                         lambda: check_source(None, source_sums()) if check_source is not None else None)
             raise cast_error(overflowed, changed, jobs)
-        others = [segments for _, _, segments in gathered[1:]]
         result = WriteResult(paths=[], nbytes=sum(j.nbytes for j in jobs))
         renamed: list[bool] = []  # set by rank 0's commit once the output is in place
 
         def commit() -> None:
             if not lead:
                 return
-            for i, w in enumerate(writers):
-                for rank_segments in others:
-                    w.add_segments(rank_segments[i])
+            for w in writers:
                 try:
                     w.finish()  # (a network file system may say the space ran out only at the fsync)
                 except OSError as e:
                     raise said_of_space(e, dst, sum(w.size for w in writers)) from None
                 result.checksums.update(w.checksums)
             if check_source is not None:
-                check_source(result.checksums)
+                check_source(result.checksums, source_sums())
             if sharded:
                 _write_small_file(tmp / DEFAULT_INDEX_NAME, index_bytes(files, structure_json=structure_json,
                                                                         metadata=metadata))

@@ -95,11 +95,13 @@ def test_a_clean_checkpoint_converts_with_every_record_checked(tmp_path, how):
     crcs = fsdp_restore.convert(src, dst, **how).source_crcs
     with zipfile.ZipFile(src) as z:
         records = len(z.infolist())
-    assert crcs.checked == crcs.records == records and crcs.unrecorded == 0  # the pickle, the small ones, storages
-    # whole storages, a tied pair and a fused storage whose three views tile it are checked from the written
-    # tensors' checksums; only the storage of a view of part of it is read again
+    # the pickle, the small ones, whole storages, a tied pair and a fused storage whose three views tile it: checked
+    # from the written tensors' checksums, at no cost; the storage of a view of part of it is left (a pass over it)
+    assert crcs.records == records and crcs.unrecorded == 0 and crcs.reread_bytes == 0
+    assert crcs.checked == records - 1 and crcs.skipped == 1
+    crcs = fsdp_restore.convert(src, dst, force=True, verify_checksums=True, **how).source_crcs
     _, size, _ = _record_span(src, _storage_of(src, ["model", "part"]))
-    assert crcs.reread_bytes == size == 40
+    assert crcs.checked == records and crcs.reread_bytes == size == 40  # that one read again
     torch.testing.assert_close(load_file(dst)["model.a.weight"], obj["model"]["a.weight"], rtol=0, atol=0)
 
 
@@ -122,6 +124,10 @@ def test_a_flipped_bit_in_any_record_is_named_and_nothing_is_written(tmp_path, h
         at = 37 if where != "partial view" else 0  # (byte 0 of "part"'s storage lies outside the view)
     _flip(src, suffix, at)
     torch.load(src, weights_only=True)  # torch loads it without a word
+    if where == "partial view":  # a pass over its bytes: checked when asked
+        fsdp_restore.convert(src, dst, **how)
+        os.remove(dst)
+        how = {**how, "verify_checksums": True}
     with pytest.raises(FormatError) as info:
         fsdp_restore.convert(src, dst, **how)
     text = str(info.value)
@@ -132,16 +138,22 @@ def test_a_flipped_bit_in_any_record_is_named_and_nothing_is_written(tmp_path, h
     _nothing_written(dst)
 
 
-def test_a_cast_conversion_reads_the_records_again(tmp_path):
+@pytest.mark.parametrize("how", PATHS)
+def test_a_cast_conversion_checks_the_bytes_its_cast_read(tmp_path, how):
+    """A cast's source bytes are checksummed where the cast reads them: no second read of the source (only the
+    partial view's storage is read again)."""
     src, dst = tmp_path / "c.pt", tmp_path / "c.safetensors"
     _checkpoint(src)
-    crcs = fsdp_restore.convert(src, dst, dtype="bf16").source_crcs
-    _, size, _ = _record_span(src, _storage_of(src, ["model", "a.weight"]))
-    assert crcs.reread_bytes >= size + 40  # cast: its written bytes are not the source's
-    _flip(src, _storage_of(src, ["model", "a.weight"]), 5)
-    with pytest.raises(FormatError, match="differ from the crc32"):
-        fsdp_restore.convert(src, tmp_path / "d.safetensors", dtype="bf16")
-    _nothing_written(tmp_path / "d.safetensors")
+    assert fsdp_restore.convert(src, dst, dtype="bf16", **how).source_crcs.skipped > 1  # casts: when asked
+    crcs = fsdp_restore.convert(src, dst, dtype="bf16", force=True, verify_checksums=True, **how).source_crcs
+    assert crcs.checked == crcs.records and crcs.reread_bytes == 40
+    for where, at in (("a.weight", 5), ("q", 2), ("part", 9)):  # a cast weight, a fused cast view, a partial one
+        copy, record = tmp_path / f"{where}.pt", _storage_of(src, ["model", where])
+        copy.write_bytes(src.read_bytes())
+        _flip(copy, record, at)
+        with pytest.raises(FormatError, match=f"differ from the crc32 .*{record}'"):
+            fsdp_restore.convert(copy, tmp_path / "d.safetensors", dtype="bf16", verify_checksums=True, **how)
+        _nothing_written(tmp_path / "d.safetensors")
 
 
 @pytest.mark.parametrize("how", PATHS)
@@ -151,13 +163,15 @@ def test_a_strided_tensors_storage_is_checked(tmp_path, how):
     src = tmp_path / "t.pt"
     torch.manual_seed(0)
     torch.save({"w": torch.randn(4, 6).t(), "s": torch.randn(20)[::2]}, src)
-    assert fsdp_restore.convert(src, tmp_path / "ok.safetensors", **how).source_crcs.reread_bytes == 96 + 80
+    assert fsdp_restore.convert(src, tmp_path / "ok.safetensors", **how).source_crcs.skipped == 2
+    assert fsdp_restore.convert(src, tmp_path / "ok.safetensors", force=True, verify_checksums=True,
+                                **how).source_crcs.reread_bytes == 96 + 80
     for key in ("w", "s"):
         copy, record = tmp_path / f"{key}.pt", _storage_of(src, [key])
         copy.write_bytes(src.read_bytes())
         _flip(copy, record, 3)
         with pytest.raises(FormatError, match=f"differ from the crc32 .*{record}'"):
-            fsdp_restore.convert(copy, tmp_path / f"{key}.safetensors", **how)
+            fsdp_restore.convert(copy, tmp_path / f"{key}.safetensors", verify_checksums=True, **how)
 
 
 @pytest.mark.parametrize("how", PATHS)
@@ -174,14 +188,16 @@ def test_a_damaged_pickle_is_named_as_damage_not_as_what_it_then_looks_like(tmp_
     assert "trust" not in str(info.value) and "allow" not in str(info.value)
 
 
-def test_damage_that_makes_a_cast_overflow_is_named_as_damage(tmp_path):
+@pytest.mark.parametrize("how", PATHS)
+def test_damage_that_makes_a_cast_overflow_is_named_as_damage(tmp_path, how):
     """A flipped exponent bit makes a finite fp32 value overflow fp16: the damage is what is said, not the cast."""
     src = tmp_path / "c.pt"
     torch.save({"w": torch.full((8,), 0.75)}, src)
     _flip(src, "data/0", 3 * 4 + 3, mask=0x40)  # (the exponent's top bit of element 3: 0.75 becomes 2.6e38)
     assert torch.isfinite(torch.load(src)["w"]).all() and torch.load(src)["w"][3] > 1e38
     with pytest.raises(FormatError, match="differ from the crc32"):
-        fsdp_restore.convert(src, tmp_path / "c.safetensors", dtype="fp16", cast_include=["w"])
+        fsdp_restore.convert(src, tmp_path / "c.safetensors", dtype="fp16", cast_include=["w"], verify_checksums=True,
+                             **how)
 
 
 def test_a_select_checks_only_what_it_converts(tmp_path):
@@ -189,15 +205,19 @@ def test_a_select_checks_only_what_it_converts(tmp_path):
     _checkpoint(src)
     _flip(src, _storage_of(src, ["optim", "state", 0, "exp_avg"]), 9)
     crcs = fsdp_restore.convert(src, tmp_path / "m.safetensors", select="model").source_crcs  # the optimizer's not read
-    from fsdp_restore.source_crc import describe
+    from fsdp_restore.source_crc import describe_rest
 
-    assert 0 < crcs.checked < crcs.records and "(the rest not converted)" in describe(crcs)
+    assert 0 < crcs.checked < crcs.records and crcs.skipped == 1  # (the partial view)
+    assert "1 record(s) of tensors cast or partly viewed not checked" in describe_rest(crcs)
+    crcs = fsdp_restore.convert(src, tmp_path / "m.safetensors", select="model", force=True,
+                                verify_checksums=True).source_crcs
+    assert "the records not converted were not checked" in describe_rest(crcs)
     with pytest.raises(FormatError, match="differ from the crc32"):
         fsdp_restore.convert(src, tmp_path / "all.safetensors")
 
 
 def test_an_archive_saved_without_crc32s_converts_and_says_so(tmp_path):
-    from fsdp_restore.source_crc import describe
+    from fsdp_restore.source_crc import describe_rest
 
     src, dst = tmp_path / "c.pt", tmp_path / "c.safetensors"
     torch.serialization.set_crc32_options(False)
@@ -207,10 +227,10 @@ def test_an_archive_saved_without_crc32s_converts_and_says_so(tmp_path):
         torch.serialization.set_crc32_options(True)
     crcs = fsdp_restore.convert(src, dst).source_crcs
     assert crcs.checked == 0 and crcs.unrecorded > 0
-    assert "set_crc32_options(False)" in describe(crcs)
+    assert "set_crc32_options(False)" in describe_rest(crcs)
     torch.save({"w": torch.ones(3)}, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
     legacy = fsdp_restore.convert(tmp_path / "old.pt", tmp_path / "old.safetensors").source_crcs
-    assert "a legacy torch.save file" in describe(legacy)
+    assert "a legacy torch.save file" in describe_rest(legacy)
 
 
 def test_numpy_arrays_in_the_pickle_are_not_storages_to_read_again(tmp_path):
@@ -235,6 +255,13 @@ def test_the_cli_names_the_damaged_record_without_a_traceback(tmp_path, capsys):
     assert main(["convert", str(src), str(tmp_path / "bad.safetensors")]) != 0
     err = capsys.readouterr().err
     assert "differ from the crc32 torch.save recorded" in err and "Traceback" not in err
+    cast = tmp_path / "cast.pt"  # a cast's source: checked when asked
+    _checkpoint(cast)
+    _flip(cast, _storage_of(cast, ["model", "a.weight"]), 0)
+    assert main(["convert", str(cast), str(tmp_path / "c1.safetensors"), "--dtype", "bf16"]) == 0
+    assert "not checked (a pass over their bytes): --verify-checksums checks them" in capsys.readouterr().out
+    assert main(["convert", str(cast), str(tmp_path / "c2.safetensors"), "--dtype", "bf16", "--verify-checksums"]) == 1
+    assert "differ from the crc32" in capsys.readouterr().err
 
 
 def _convert_on_ranks(rank: int, world_size: int, src: str, dst: str) -> str:
