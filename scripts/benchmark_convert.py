@@ -4,7 +4,7 @@
     python scripts/benchmark_convert.py --cases big --pairs 3 --gb 1
 
 Each case is a ``torch.save`` training checkpoint on the same disk as the outputs. For each case and variant
-(same dtype; ``--dtype bf16``; ``--max-shard-size 1GB``) the two commands run in interleaved pairs (ours, then
+(same dtype; ``--dtype bf16``; ``--max-shard-size 1GB``; ``bf16-verify``: ``--dtype bf16 --verify-checksums``) the two commands run in interleaved pairs (ours, then
 ``sh -c 'cp SRC DST && sync'``), each a whole fresh process, so that a drift in the machine's speed hits both
 sides of a pair alike; the ratio is taken pair by pair and the median reported. Before every run the source's
 pages are dropped from the page cache (``fsync`` + ``POSIX_FADV_DONTNEED``; ``--evict all``: ``drop_caches``) and the last destination is deleted. Per run: wall seconds, the child's user and system CPU seconds
@@ -164,7 +164,7 @@ def main() -> None:
     parser.add_argument("--gb", type=float, default=4.0, help="size of the 'big' case (small and small-weights: a quarter, mix: this)")
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--variants", nargs="+", default=["same", "bf16", "shards"],
-                        choices=["same", "bf16", "shards"])
+                        choices=["same", "bf16", "shards", "bf16-verify"])
     parser.add_argument("--evict", choices=["source", "all"], default="source",
                         help="before each run drop the source's pages (default) or the whole page cache (root)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -176,7 +176,8 @@ def main() -> None:
                                "cases": {},
                                "fixed_costs_s": fixed_costs(5)}
     console.print(f"fixed costs (whole process, warm): {results['fixed_costs_s']}")
-    variants = {"same": [], "bf16": ["--dtype", "bf16"], "shards": ["--max-shard-size", "1GB"]}
+    variants = {"same": [], "bf16": ["--dtype", "bf16"], "shards": ["--max-shard-size", "1GB"],
+                "bf16-verify": ["--dtype", "bf16", "--verify-checksums"]}  # the cast's source crc32s checked too
     for case in args.cases:
         src = args.work / f"{case}.pt"
         gb = args.gb / 4 if case.startswith("small") else args.gb
