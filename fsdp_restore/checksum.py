@@ -10,8 +10,10 @@ segments' crcs are joined with :func:`crc32_combine` (what zlib's ``crc32_combin
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
-from typing import TypeVar
+import os
+import zlib
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -19,6 +21,25 @@ _POLY = 0xEDB88320  # crc32's polynomial, bit-reflected: bit 31 is x^0, bit 0 is
 _ONE = 1 << 31  # the polynomial 1 in that representation
 
 SEGMENT_MIN_BYTES = 64 * 1024 * 1024  # below this a split costs more in task overhead than it gains
+
+
+def _fastest_crc32() -> Callable[..., int]:
+    """zlib's crc32, folded with carry-less multiplication where the optional extension is built and the CPU has
+    PCLMULQDQ (`fsdp_restore/_crc32.c`: several times zlib's table loop, BENCHMARKS.md); else zlib's own.
+    ``FSDP_RESTORE_NATIVE=0`` takes zlib's. The writers checksum what they write with it; the provers (`verify`,
+    the restore's ``verify_checksums``) keep zlib's, so that a fault of this one cannot bless its own output."""
+    if os.environ.get("FSDP_RESTORE_NATIVE", "1") != "0":
+        try:
+            from . import _crc32  # type: ignore[attr-defined]
+
+            if _crc32.has_pclmul():
+                return _crc32.crc32  # type: ignore[no-any-return]
+        except ImportError:
+            pass
+    return zlib.crc32
+
+
+crc32: Callable[[Any, int], int] = _fastest_crc32()  # crc32(data, value=0), as zlib.crc32
 
 
 def _multiply(a: int, b: int) -> int:

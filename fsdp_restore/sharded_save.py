@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import save_plan
-from .checksum import strided_placed_crc, zeros_crc
+from .checksum import crc32, strided_placed_crc, zeros_crc
 from .errors import (FsdpRestoreError, RestoreError, SaveError, flag_argument, objects_argument,
                      on_unsupported_argument, process_group_argument, thread_count_argument)
 from .execute import parts
@@ -211,7 +211,7 @@ def _write_items(plan: WritePlan, fds: list[int], threads: int, crc: _Crc,
         offset, stride_bytes = base + start * size, item.stride * size
         for at in range(0, rows * run_bytes, run_bytes):  # a column block: a row each (kept lean, thousands of them)
             row = data[at:at + run_bytes]
-            crcs.append(zlib.crc32(row))
+            crcs.append(crc32(row))
             _pwrite_all(fd, row, offset)
             offset += stride_bytes
         last = (start + (rows - 1) * item.stride) * size + run_bytes
@@ -254,7 +254,7 @@ def _read_back(paths: Sequence[Path], written: Sequence[_Written], threads: int)
                     preadv_exactly(fd, [row], chunk.offset + r * chunk.stride_bytes)
                 except EOFError:
                     return chunk.key  # the file lost its end
-                crcs.append(zlib.crc32(row))
+                crcs.append(crc32(row))
             return chunk.key if _rows_digest(crcs) != chunk.digest else None
 
         if threads <= 1 or len(written) <= 1:

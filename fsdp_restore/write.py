@@ -42,7 +42,7 @@ from math import prod
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .checksum import combine_segments
+from .checksum import combine_segments, crc32
 from .format import (DEFAULT_INDEX_NAME, FORMAT_VERSION, HEADER_SEAL_PREFIX, META_CAST, META_CHECKSUMS, META_FORMAT,
                      META_SET_ID, META_STRUCTURE, META_VERSION, StoredDtype, as_torch_dtype,
                      build_header, build_index, seal, torch_dtype_name)
@@ -233,7 +233,7 @@ def _record_source(job: TensorJob, first_byte: int, data: Any) -> None:
     sink = _SOURCE_CRCS.sink
     if sink is not None and type(job.location) is tuple:
         view = memoryview(data).cast("B")
-        sink.append((job.key, first_byte, zlib.crc32(view), len(view)))
+        sink.append((job.key, first_byte, crc32(view), len(view)))
 
 
 def _source_elements(job: TensorJob, first: int, stop: int) -> list[torch.Tensor]:
@@ -386,7 +386,7 @@ class _FileWriter:
                             if rounded:
                                 self.rounded.add(piece.job.key)
             for piece in pieces[i:done]:
-                crcs.append((piece.job.key, piece.first, zlib.crc32(data[piece.at:piece.at + piece.nbytes]),
+                crcs.append((piece.job.key, piece.first, crc32(data[piece.at:piece.at + piece.nbytes]),
                              piece.nbytes))
             i = done
         _SOURCE_CRCS.sink = None

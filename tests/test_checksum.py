@@ -145,3 +145,42 @@ def test_powers_are_right_when_threads_ask_first_at_once():
         out = subprocess.run([sys.executable, "-c", _FRESH_THREADS], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == "[]", f"wrong crc32 of zeros for sizes {out.stdout.strip()}"
+
+
+def test_the_folded_crc32_is_zlibs_on_every_length_and_start():
+    """The writers' crc32 (`checksum.crc32`: the folded one where built, `_crc32.c`) against zlib's own, on every
+    length through the folding's thresholds (64 bytes, then 16 at a time, then a byte table for the tail), from
+    starting values that exercise the register, and on large buffers and the buffer types the writers pass."""
+    import os
+    import random
+
+    import numpy as np
+
+    from fsdp_restore import checksum
+
+    native = pytest.importorskip("fsdp_restore._crc32")
+    if not native.has_pclmul():
+        pytest.skip("no PCLMULQDQ on this CPU: the writers use zlib's crc32")
+    rng = random.Random(0)
+    data = os.urandom(4096 + 700)
+    for n in range(0, 700):
+        for value in (0, 1, 0xFFFFFFFF, rng.getrandbits(32)):
+            piece = data[n % 97:n % 97 + n]
+            assert native.crc32(piece, value) == zlib.crc32(piece, value), (n, value)
+    for n in (1 << 16, (1 << 16) + 1, (1 << 20) + 13, 5 << 20):  # (the GIL released from 64 KB)
+        piece = os.urandom(n)
+        assert native.crc32(piece) == zlib.crc32(piece)
+    array = np.frombuffer(data, dtype=np.uint8)[3:4000]
+    assert native.crc32(memoryview(data)[5:3000], 7) == zlib.crc32(memoryview(data)[5:3000], 7)
+    assert native.crc32(array) == zlib.crc32(array)
+    assert checksum.crc32 is native.crc32  # the writers take it
+
+
+def test_the_writers_take_zlibs_crc32_when_told():
+    import subprocess
+    import sys
+
+    code = "import zlib; from fsdp_restore import checksum; print(checksum.crc32 is zlib.crc32)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "FSDP_RESTORE_NATIVE": "0"})
+    assert out.stdout.strip() == "True", out.stderr

@@ -87,7 +87,7 @@ def test_fsdp1_hybrid_shard(ckpts, params):
     run_ranks(_restore_and_compare, 4, ckpts["mlp"], "mlp", f"fsdp1-HYBRID_SHARD-{params}", {})
 
 
-@pytest.mark.parametrize("params", ["orig", "flat"])
+@pytest.mark.parametrize("params", [pytest.param("orig", marks=pytest.mark.slow), "flat"])  # (orig: 3 ranks below)
 def test_fsdp1_world_size_3_llama(ckpts, params):
     run_ranks(_restore_and_compare, 3, ckpts["llama"], "llama", f"fsdp1-FULL_SHARD-{params}", {})
 

@@ -279,3 +279,29 @@ def test_a_damaged_source_fails_every_rank_of_a_shared_conversion(tmp_path):
     texts = run_ranks(_convert_on_ranks, 2, str(src), str(dst))
     assert texts[0] == texts[1] and "differ from the crc32 torch.save recorded" in texts[0], texts
     _nothing_written(dst)
+
+
+def test_a_flipped_byte_anywhere_outside_the_storages_is_an_error_of_ours_or_converts(tmp_path):
+    """Every third byte of a small checkpoint's archive outside its storages' data (local headers, the pickle, the
+    small records, the central directory), flipped in turn: the conversion either converts (a byte no reader acts
+    on: padding, a time) or raises one of our errors, never another exception, and leaves nothing behind."""
+    from fsdp_restore.errors import FsdpRestoreError
+
+    src = tmp_path / "c.pt"
+    torch.save({"w": torch.arange(6.0), "step": 3, "name": "run"}, src)
+    clean = src.read_bytes()
+    first, size, _ = _record_span(src, "data/0")
+    outcomes = {"converted": 0, "refused": 0}
+    for at in [i for i in range(0, len(clean), 3) if not first <= i < first + size]:
+        damaged = bytearray(clean)
+        damaged[at] ^= 0x10
+        src.write_bytes(bytes(damaged))
+        dst = tmp_path / "out.safetensors"
+        try:
+            fsdp_restore.convert(src, dst)
+            outcomes["converted"] += 1
+            os.remove(dst)
+        except FsdpRestoreError:
+            outcomes["refused"] += 1
+            _nothing_written(dst)
+    assert outcomes["refused"] > outcomes["converted"] > 0, outcomes

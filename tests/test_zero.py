@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from dist import run_ranks
+from dist import run_ranks, slow
 from helpers import through_torch
 
 import fsdp_restore
@@ -471,7 +471,7 @@ def _lane(src, dst, select="model", tag=None, max_shard_size=None, dtype=None):
                                               max_shard_size=max_shard_size, force=False, progress=None, dtype=dtype)
 
 
-@pytest.mark.parametrize("world_size,stage,dtype", _params(2) + _params(3))
+@pytest.mark.parametrize("world_size,stage,dtype", _params(2) + slow(_params(3)))  # (3 ranks: the slow suite)
 def test_the_weights_without_torch_are_the_torch_paths_file(zero_root, tmp_path, world_size, stage, dtype):
     """`--select model` read without torch (the ZeRO layout as byte runs of the rank files, written by pread): the
     torch path's file byte for byte, for every stage, both dtypes, even and uneven partitions, in shards too."""
@@ -494,7 +494,7 @@ def test_the_weights_without_torch_are_the_torch_paths_file(zero_root, tmp_path,
         assert Path(a).name == Path(b).name and ours == expected, Path(a).name
 
 
-@pytest.mark.parametrize("world_size,stage,dtype", _params(2) + _params(3))
+@pytest.mark.parametrize("world_size,stage,dtype", _params(2) + slow(_params(3)))  # (3 ranks: the slow suite)
 def test_the_whole_checkpoint_without_torch_is_the_torch_paths_file(zero_root, tmp_path, world_size, stage, dtype):
     """The full conversion (weights, the optimizer's state per parameter, the rest of the run's state) and
     ``--select optim`` read without torch: the torch path's file byte for byte, and the moments DeepSpeed's own."""
