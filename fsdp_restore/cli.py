@@ -508,7 +508,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-pickle", action="store_true", help="execute the file's pickle (trusted files only)")
     p.add_argument("--verify-checksums", action="store_true",
                    help="also check the source's recorded crc32s where that costs a pass over its bytes (tensors"
-                        " cast, views of part of a storage); those the output holds unchanged are always checked")
+                        " cast, views of part of a storage, a ZeRO checkpoint's partitions); those the output"
+                        " holds unchanged are always checked")
     p.add_argument("--allow-global", action="append", metavar="MODULE.NAME",
                    help="let the safe unpickler build this data-only class")
     p.epilog = "Any option of configs/convert.yaml can also be given as key=value, e.g. cast_exclude=[optim.*]"

@@ -28,13 +28,13 @@ from .errors import (ConvertError, FormatError, UnsafePickleError, allow_global_
                      thread_count_argument)
 from .flatten import flatten
 from .format import META_SOURCE, PT_SUFFIXES, SNIFF_BYTES, StoredDtype, is_legacy_torch_save
-from .jobs import (ConvertReport, SourceRecords, cast_groups, cast_target, plan_jobs, shard_size_argument,
+from .jobs import (ConvertReport, SourceFiles, SourceRecords, cast_groups, cast_target, plan_jobs, shard_size_argument,
                    write_converted)
 from .measure import PeakAnonMemory, Stopwatch
 from .provenance import source_identity
 from .share import Share
 from .plain_pt import StoredTensor
-from .source_crc import Archive, SourceCrcs, check_small_records
+from .source_crc import Archive, DamagedRecords, SourceCrcs, check_small_records
 from .write import ProgressFn, check_destination, default_io_threads, through_link, write_safetensors
 from .zero_files import is_zero_checkpoint
 
@@ -487,8 +487,8 @@ def _same_file(src: str | os.PathLike[str], before: os.stat_result, now: os.stat
 def _convert_zero_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, select: str | None,
                         tag: str | None, on_unsupported: str, threads: int, max_shard_size: int | str | None,
                         force: bool, progress: Callable[[int, int], None] | None, dtype: StoredDtype | None = None,
-                        cast_include: Sequence[str] | None = None,
-                        cast_exclude: Sequence[str] = ()) -> ConvertReport | None:
+                        cast_include: Sequence[str] | None = None, cast_exclude: Sequence[str] = (),
+                        verify_checksums: bool = False) -> ConvertReport | None:
     """`convert` of a ZeRO checkpoint (the weights alone where ``select`` is ``model`` or within it) without torch
     (`zero_plain`): the same file, byte for byte, as the conversion through torch writes (the tests compare them).
     None, with nothing written, where `zero_plain` does not read the checkpoint exactly as that path would, or
@@ -503,6 +503,8 @@ def _convert_zero_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str]
         weights = select is not None and (select == "model" or select.startswith("model."))  # no optimizer state
         try:
             read = read_model(src, tag, optimizer=not weights)
+        except DamagedRecords:
+            raise  # (the torch path would load the damaged values without a word)
         except Exception:  # noqa: BLE001 - the torch path reads the checkpoint again and says what is wrong with it
             return None
         label = str(read.tag_dir)
@@ -516,16 +518,19 @@ def _convert_zero_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str]
                                              else (t.storage.fd, t.file_offset) for key, t in tensors.items()}
             except Exception:  # noqa: BLE001 - as above
                 return None
-            result, casts, _ = write_converted(tensors, structure, dst, dtype=dtype, cast_include=cast_include,
-                                               cast_exclude=cast_exclude, max_shard_size=max_shard_size,
-                                               threads=threads, force=force, progress=progress, locations=locations,
-                                               share=Share(0, 1))
+            result, casts, crcs = write_converted(tensors, structure, dst, dtype=dtype, cast_include=cast_include,
+                                                  cast_exclude=cast_exclude, max_shard_size=max_shard_size,
+                                                  threads=threads, force=force, progress=progress,
+                                                  locations=locations, share=Share(0, 1),
+                                                  source=SourceFiles(label, read.files),
+                                                  verify_checksums=verify_checksums)
         except EOFError as e:  # as the torch path says it
             raise _truncated(label, e) from None
         finally:
             read.close()
         del obj, tensors
-    return _report(label, dst, result, casts, seconds=clock.seconds, peak=mem.peak, threads=threads)
+    return _report(label, dst, result, casts, seconds=clock.seconds, peak=mem.peak, threads=threads,
+                   source_crcs=crcs)
 
 
 def _torch_loads_as_plain_pt_reads() -> bool:
@@ -629,8 +634,10 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
     (``torch.load`` does not check them): the pickle and the small records before the pickle is read, and every
     storage the output holds unchanged from the written tensors' own checksums, at no cost. ``verify_checksums=True``
     also checks the storages of tensors cast (their crc32 taken as the cast reads them) and of views of part of a
-    storage (read again). A damaged record is a `FormatError` naming it; ``report.source_crcs`` says what was
-    checked.
+    storage (read again). Of a DeepSpeed ZeRO checkpoint (read without torch), the files' pickles and small records
+    are checked, and with ``verify_checksums=True`` every record read (from the crc32s of its runs as they were
+    read, the padding read again). A damaged record is a `FormatError` naming it; ``report.source_crcs`` says what
+    was checked.
 
     ``threads=``, the old name of ``thread_count``, still works with a `DeprecationWarning`; a
     ``thread_count`` that is not an int >= 1 is a `ValueError` before anything is read (with a
@@ -672,7 +679,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
         if lane:  # a ZeRO checkpoint: without torch, where its files allow (zero_plain)
             report = _convert_zero_plain(src, dst, select=select, tag=tag, on_unsupported=on_unsupported,
                                          threads=thread_count or default_io_threads(), max_shard_size=max_shard_size,
-                                         force=force, progress=progress, **casting)
+                                         force=force, progress=progress, verify_checksums=verify_checksums,
+                                         **casting)
             if report is not None:
                 return report
         return _convert_directory(src, dst, dtype=dtype, cast_include=cast_include, cast_exclude=cast_exclude,

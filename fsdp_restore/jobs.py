@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from .flatten import holds_model_subtree, is_optimizer_state_dict, iter_nodes_with_keys
 from .format import StoredDtype, as_torch_dtype, stored_dtype, torch_dtype_from_string, torch_dtype_name
 from .share import Share
-from .source_crc import Archive, SourceCrcs, plan_source_check
+from .source_crc import Archive, ArchiveFile, SourceCrcs, plan_runs_check, plan_source_check
 from .write import Location, Reader, TensorJob, write_safetensors
 
 if TYPE_CHECKING:
@@ -153,6 +153,15 @@ class SourceRecords:
     unchecked: SourceCrcs | None = None
 
 
+@dataclass
+class SourceFiles:
+    """The ``torch.save`` files of a checkpoint directory a conversion reads in runs of bytes (for
+    `write_converted`: a ZeRO checkpoint's, each tensor runs of several files), named ``label`` in errors."""
+
+    label: str
+    files: list[ArchiveFile]
+
+
 def plan_jobs(tensors: dict[str, torch.Tensor], structure: dict[str, Any], dtype: torch.dtype | StoredDtype | None,
               cast_include: Sequence[str] | None = None, cast_exclude: Sequence[str] = ()) -> list[TensorJob]:
     """One job per stored tensor, with the output dtype chosen by the cast policy.
@@ -232,14 +241,15 @@ def write_converted(tensors: dict[str, torch.Tensor], structure: dict[str, Any],
                     metadata: dict[str, str] | None = None,
                     locations: dict[str, Location] | None = None,
                     share: Share | None = None,
-                    source: SourceRecords | None = None, verify_checksums: bool = False
+                    source: SourceRecords | SourceFiles | None = None, verify_checksums: bool = False
                     ) -> tuple[Any, dict[str, tuple[str, str]], SourceCrcs | None]:
     """Cast (policy above) and write ``tensors`` with ``structure``; ``readers[key]`` supplies the
     elements of a tensor held in pieces (its ``tensors`` entry then only gives shape and dtype); ``locations[key]``
     says where a tensor's bytes lie in open files (`write.TensorJob.location`), read there when it is not cast.
     ``source``: the ``torch.save`` archive the tensors come from, whose storages' recorded crc32s are checked before
-    the output is put in place (`source_crc`); ``verify_checksums``: also those that cost a pass (casts, partial
-    views; given on every rank of a shared write: each takes the crc32s of what its casts read). Returns the writer's result, ``{key: (dtype before, dtype after)}``
+    the output is put in place (`source_crc`), or the files of a directory they are read from in runs;
+    ``verify_checksums``: also those that cost a pass (casts, partial views, runs; given on every rank of a shared
+    write: each takes the crc32s of what its casts read). Returns the writer's result, ``{key: (dtype before, dtype after)}``
     of every cast, and what was checked of the source."""
     jobs = plan_jobs(tensors, structure, dtype, cast_include, cast_exclude)
     for job in jobs:
@@ -255,8 +265,10 @@ def write_converted(tensors: dict[str, torch.Tensor], structure: dict[str, Any],
         if progress:
             progress(done[0], total)
 
-    check = None
-    if source is not None and source.archive is not None:
+    check: Any = None
+    if isinstance(source, SourceFiles):
+        check = plan_runs_check(source.label, source.files, jobs, threads=threads, full=verify_checksums)
+    elif source is not None and source.archive is not None:
         check = plan_source_check(source.src, source.archive, jobs, source.storage_at, threads=threads,
                                   small_checked=source.small_checked, every_storage=source.every_storage,
                                   full=verify_checksums)
@@ -266,4 +278,4 @@ def write_converted(tensors: dict[str, torch.Tensor], structure: dict[str, Any],
                                record_sources=verify_checksums)
     if check is not None:
         return result, casts, check.summary()
-    return result, casts, source.unchecked if source is not None else None
+    return result, casts, source.unchecked if isinstance(source, SourceRecords) else None

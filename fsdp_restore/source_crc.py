@@ -29,6 +29,9 @@ from .errors import FormatError
 from .plain_pt import NotPlain, ZipMember, _Archive
 
 READ_BYTES = 16 * 1024 * 1024  # a record read again in pieces of this size: bounded memory per thread
+# the crc32s of the source bytes a conversion's reads and casts recorded, per tensor: {key: {first byte: (crc32,
+# length)}} (`write._FileWriter.source_segments`)
+Segments = Mapping[str, Mapping[int, tuple[int, int]]]
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,11 @@ class SourceCrcs:
     unrecorded: int = 0  # records saved without a crc32 (``torch.serialization.set_crc32_options(False)``)
     skipped: int = 0  # records of tensors cast or partly viewed, left unchecked without ``verify_checksums``
     note: str = ""  # why nothing was checked, where nothing was
+    skipped_what: str = "of tensors cast or partly viewed"  # what the skipped records are, as the report says it
+
+
+class DamagedRecords(FormatError):
+    """Records of a ``torch.save`` archive whose bytes differ from the crc32s it recorded for them."""
 
 
 def describe(crcs: SourceCrcs | None) -> str:
@@ -62,8 +70,8 @@ def describe_rest(crcs: SourceCrcs | None) -> str | None:
         return "source crc32s: none recorded (saved with torch.serialization.set_crc32_options(False))"
     reread = f"; {crcs.reread_bytes / 1e6:.1f} MB read again to check them" if crcs.reread_bytes >= 1e5 else ""
     if crcs.skipped:
-        return (f"source crc32s: {crcs.skipped} record(s) of tensors cast or partly viewed not checked (a pass over"
-                f" their bytes): --verify-checksums checks them{reread}")
+        return (f"source crc32s: {crcs.skipped} record(s) {crcs.skipped_what} not checked (a pass over their"
+                f" bytes): --verify-checksums checks them{reread}")
     if crcs.checked + crcs.unrecorded < crcs.records:
         return f"source crc32s: the records not converted were not checked{reread}"
     return f"source crc32s: {reread[2:]}" if reread else None
@@ -110,7 +118,7 @@ def check_small_records(src: str | os.PathLike[str], archive: Archive) -> int:
             bad.append((member, got, ()))
         checked += 1
     if bad:
-        raise FormatError(src, damaged_records(bad))
+        raise DamagedRecords(src, damaged_records(bad))
     return checked
 
 
@@ -144,18 +152,19 @@ class SourceCheck:
                           reread_bytes=sum(m.file_size for m, _ in self.reread), unrecorded=self.unrecorded,
                           skipped=self.skipped)
 
-    def __call__(self, checksums: Mapping[str, str] | None, sources: Mapping[str, int]) -> None:
+    def __call__(self, checksums: Mapping[str, str] | None, sources: Segments) -> None:
         """Raise `FormatError` naming every storage whose bytes are not those its crc32 was taken of."""
         done = self._done
         for member, at, tiles in self.tiled:
             if member.filename in done:
                 continue
-            if any(how == CAST and key not in sources for key, _, how in tiles):
+            cast = {key: whole_crc(sources.get(key), nbytes) for key, nbytes, how in tiles if how == CAST}
+            if None in cast.values():
                 self.reread.append((member, at))  # a cast that read its bytes otherwise (torch's, in pieces)
                 continue
             if checksums is None and any(how == WRITTEN for _, _, how in tiles):
                 continue  # (known once the output's are)
-            crcs = [(sources[key] if how == CAST else int(checksums[key], 16), nbytes)  # type: ignore[index]
+            crcs = [(cast[key] if how == CAST else int(checksums[key], 16), nbytes)  # type: ignore[index]
                     for key, nbytes, how in tiles]
             got = crcs[0][0] if len(crcs) == 1 else combine_segments(crcs)
             done[member.filename] = (member, got, [key for key, _, _ in tiles]) if got != member.CRC else None
@@ -167,7 +176,24 @@ class SourceCheck:
                     done[member.filename] = (member, got, ()) if got != member.CRC else None
         bad = [found for found in done.values() if found is not None]
         if bad:
-            raise FormatError(self.src, damaged_records(bad))
+            raise DamagedRecords(self.src, damaged_records(bad))
+
+
+def whole_crc(segments: Mapping[int, tuple[int, int]] | None, nbytes: int) -> int | None:
+    """The crc32 of a source's first ``nbytes`` bytes from its recorded ``segments`` (``{first byte: (crc32,
+    length)}``), where they cover them exactly once in order; else None (a gap, or a piece cut inside another)."""
+    if not segments:
+        return None
+    at, ordered = 0, []
+    for first in sorted(segments):
+        crc, length = segments[first]
+        if first != at:
+            return None
+        ordered.append((crc, length))
+        at += length
+    if at != nbytes:
+        return None
+    return ordered[0][0] if len(ordered) == 1 else combine_segments(ordered)
 
 
 def _crc_of(fd: int, at: int, size: int) -> int:
@@ -277,3 +303,140 @@ def _tiles(data_at: int, size: int, parts: list[tuple[int, int, str, str | None]
         tiles.append((key, nbytes, how))
         at += nbytes
     return tiles if at == data_at + size else None  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class ArchiveFile:
+    """One ``torch.save`` file of a checkpoint directory (a ZeRO checkpoint's) that a conversion reads in runs, with
+    its archive and how many of its small records `check_small_records` checked."""
+
+    path: str
+    archive: Archive
+    small_checked: int
+
+
+@dataclass
+class RunsCheck:
+    """The check of the storages of a directory's files that a conversion reads in runs of bytes (`plan_runs_check`):
+    a ZeRO checkpoint's weights and moments are parts of its files' flat partitions, each tensor runs of several
+    files. Each record read from is checked from the crc32s of its parts as the conversion read them
+    (`write._read_location`, with ``record_sources``), in order, with the bytes no tensor reads (a partition's
+    padding; a record read otherwise, such as a 0-dim step's) read again. Called as `SourceCheck` is."""
+
+    label: str
+    threads: int
+    records: int
+    small_checked: int
+    unrecorded: int
+    # (file, record, where its data starts) of each record a converted tensor reads from
+    used: list[tuple[ArchiveFile, ZipMember, int]] = field(default_factory=list)
+    # per key: (first byte of the tensor, file descriptor, offset, bytes) of each of its runs, in order
+    runs: dict[str, list[tuple[int, int, int, int]]] = field(default_factory=dict)
+    skipped: int = 0
+    reread_bytes: int = 0
+    _done: dict[tuple[int, str], tuple[ZipMember, int, Sequence[str]] | None] = field(default_factory=dict)
+
+    def summary(self) -> SourceCrcs:
+        return SourceCrcs(checked=self.small_checked + len(self._done), records=self.records,
+                          reread_bytes=self.reread_bytes, unrecorded=self.unrecorded, skipped=self.skipped,
+                          skipped_what="of partitions read in runs")
+
+    def __call__(self, checksums: Mapping[str, str] | None, sources: Segments) -> None:
+        """Raise `FormatError` naming every record read from whose bytes are not those its crc32 was taken of."""
+        read: dict[int, list[tuple[int, int, int]]] = {}  # per file: (offset, bytes, crc32) of each part read
+        for key, runs in self.runs.items():
+            starts = [run[0] for run in runs]
+            for first, (crc, nbytes) in (sources.get(key) or {}).items():
+                i = bisect_right(starts, first) - 1
+                start, fd, offset, length = runs[i]
+                if first + nbytes <= start + length:  # (a part is one run's: `_read_location` records them so)
+                    read.setdefault(fd, []).append((offset + first - start, nbytes, crc))
+        for fd, parts in read.items():  # (the same bytes read twice, for two tensors of one run, taken once)
+            read[fd] = sorted(set(parts))
+        todo = [(f, m, at) for f, m, at in self.used if (f.archive.fd, m.filename) not in self._done]
+        if not todo:
+            return self._raise_damaged()
+        with ThreadPoolExecutor(max_workers=max(1, min(self.threads, len(todo)))) as pool:
+            for (f, member, _), (got, reread) in zip(todo, pool.map(
+                    lambda u: self._crc_of_record(u[0].archive.fd, u[2], u[1].file_size,
+                                                  read.get(u[0].archive.fd, [])), todo)):
+                self.reread_bytes += reread
+                self._done[(f.archive.fd, member.filename)] = (
+                    None if got == member.CRC else (member._replace(filename=f"{os.path.basename(f.path)}:"
+                                                                             f"{member.filename}"), got, ()))
+        self._raise_damaged()
+
+    def _raise_damaged(self) -> None:
+        bad = [found for found in self._done.values() if found is not None]
+        if bad:
+            raise DamagedRecords(self.label, damaged_records(bad))
+
+    @staticmethod
+    def _crc_of_record(fd: int, at: int, size: int, parts: list[tuple[int, int, int]]) -> tuple[int, int]:
+        """The crc32 of the record of ``size`` bytes at ``at``, from the ``parts`` read of it (sorted) and the bytes
+        between them read again; returns it and how many bytes were read again. A part that overlaps another
+        (exact repeats taken once already) or runs past the record's end: the whole record read again."""
+        lo = bisect_right(parts, (at, -1, -1))
+        pos, segments, reread, end = at, [], 0, at + size
+        for offset, nbytes, crc in parts[lo:]:
+            if offset >= end:
+                break
+            if offset < pos or offset + nbytes > end:
+                return _crc_of(fd, at, size), size
+            if offset > pos:
+                segments.append((_crc_of(fd, pos, offset - pos), offset - pos))
+                reread += offset - pos
+            segments.append((crc, nbytes))
+            pos = offset + nbytes
+        if pos < end:
+            segments.append((_crc_of(fd, pos, end - pos), end - pos))
+            reread += end - pos
+        return (segments[0][0] if len(segments) == 1 else combine_segments(segments)), reread
+
+
+def plan_runs_check(label: str, files: Sequence[ArchiveFile], jobs: Iterable[Any], *, threads: int,
+                    full: bool = False) -> RunsCheck:
+    """The check of the storage records of ``files`` the conversion's ``jobs`` read from (their ``location``: one
+    run, ``(fd, offset)``, or runs of several files, ``[(fd, offset, bytes), ...]``; jobs of other files are left
+    alone). Only with ``full`` (``verify_checksums``: a pass of crc32 over the bytes read, and the padding read
+    again); without it the records are counted in ``skipped``."""
+    check = RunsCheck(label, threads, records=sum(1 for f in files for m in f.archive.members if m.file_size),
+                      small_checked=sum(f.small_checked for f in files),
+                      unrecorded=sum(1 for f in files for m in f.archive.members if not m.CRC and m.file_size))
+    by_fd = {f.archive.fd: f for f in files}
+    starts: dict[int, tuple[list[int], list[ZipMember]]] = {}  # per file: its storages by where their data starts
+    for f in files:
+        storages = [m for m in f.archive.members if _is_storage(m) and m.file_size]
+        at = [f.archive.data_at(m) for m in storages]
+        order = sorted(range(len(storages)), key=at.__getitem__)
+        starts[f.archive.fd] = ([at[i] for i in order], [storages[i] for i in order])
+    used: dict[tuple[int, str], tuple[ArchiveFile, ZipMember, int]] = {}
+
+    def touch(fd: int, offset: int) -> None:
+        if fd not in starts:
+            return
+        data_at, members = starts[fd]
+        i = bisect_right(data_at, offset) - 1
+        if i >= 0 and offset < data_at[i] + members[i].file_size:
+            used.setdefault((fd, members[i].filename), (by_fd[fd], members[i], data_at[i]))
+
+    for job in jobs:
+        location = job.location
+        if type(location) is tuple:
+            touch(location[0], location[1])
+        elif type(location) is list:
+            runs, first = [], 0
+            for fd, offset, nbytes in location:
+                touch(fd, offset)
+                if nbytes > 1:
+                    touch(fd, offset + nbytes - 1)  # (a run that crossed into the next record: both are read)
+                runs.append((first, fd, offset, nbytes))
+                first += nbytes
+            if any(fd in starts for _, fd, _, _ in runs):
+                check.runs[job.key] = runs
+    checked = [u for u in used.values() if u[1].CRC]
+    if full:
+        check.used = checked
+    else:
+        check.skipped = len(checked)
+    return check

@@ -229,7 +229,8 @@ _SOURCE_CRCS = _SourceCrcs()
 
 def _record_source(job: TensorJob, first_byte: int, data: Any) -> None:
     """Record the crc32 of ``data``, bytes ``first_byte`` on of ``job``'s source as they lie in one run of its
-    file (a cast's read); nothing for a source read otherwise (a reader's pieces, ZeRO's runs)."""
+    file (a cast's read); nothing for a source read otherwise (a reader's pieces; runs of several files record
+    theirs in `_read_location`)."""
     sink = _SOURCE_CRCS.sink
     if sink is not None and type(job.location) is tuple:
         view = memoryview(data).cast("B")
@@ -244,7 +245,7 @@ def _source_elements(job: TensorJob, first: int, stop: int) -> list[torch.Tensor
         import torch
 
         data = bytearray((stop - first) * job.source_dtype.itemsize)
-        _read_location(job.location, memoryview(data), first * job.source_dtype.itemsize)
+        _read_location(job.location, memoryview(data), first * job.source_dtype.itemsize, job.key)
         return [torch.frombuffer(data, dtype=job.source_dtype) if data else torch.empty(0, dtype=job.source_dtype)]
     return flat_range(job.source, first, stop)
 
@@ -427,7 +428,7 @@ class _FileWriter:
     def segments(self) -> tuple[dict[str, dict[int, tuple[int, int]]], bytes, dict[str, dict[int, tuple[int, int]]]]:
         """What this process wrote that `finish` needs: the crc32 of each piece (``{key: {first byte: (crc,
         length)}}``), if it wrote the block where the header ends, that page's data bytes, and the crc32s of the
-        source bytes its casts read (`source_checksums`)."""
+        source bytes its reads and casts recorded (`source_segments`)."""
         return ({key: dict(pieces) for key, pieces in self._segment_crcs.items() if pieces}, self._head_tail,
                 {key: dict(pieces) for key, pieces in self._source_segments.items()})
 
@@ -441,25 +442,10 @@ class _FileWriter:
         for key, pieces in sources.items():
             self._source_segments.setdefault(key, {}).update(pieces)
 
-    def source_checksums(self) -> dict[str, int]:
-        """The crc32 of each cast tensor's source bytes (as they lie in one run of its file), where the casts
-        read them all exactly once; tensors read otherwise are absent (their source is read again to check it)."""
-        out: dict[str, int] = {}
-        for job in self.jobs:
-            pieces = self._source_segments.get(job.key)
-            if not pieces:
-                continue
-            at, ordered = 0, []
-            for first in sorted(pieces):
-                crc, nbytes = pieces[first]
-                if first != at:
-                    break  # a gap or an overlap (a piece cut inside an element): not this way
-                ordered.append((crc, nbytes))
-                at += nbytes
-            else:
-                if at == prod(job.source.shape) * job.source.dtype.itemsize:
-                    out[job.key] = combine_segments(ordered)
-        return out
+    def source_segments(self) -> dict[str, dict[int, tuple[int, int]]]:
+        """The crc32s of the source bytes this file's tensors were read or cast from where they were recorded
+        (``record_sources``): ``{key: {first source byte: (crc32, length)}}``, for `source_crc`'s checks."""
+        return self._source_segments
 
     def finish(self) -> None:
         """Join each tensor's segment checksums, patch them into the header, fsync and close."""
@@ -490,20 +476,28 @@ class _FileWriter:
             self.fd = -1
 
 
-def _read_location(location: Location, out: memoryview, first: int) -> None:
-    """Fill ``out`` with the bytes from ``first`` on of a tensor that lies at ``location`` (`TensorJob.location`)."""
+def _read_location(location: Location, out: memoryview, first: int, key: str | None = None) -> None:
+    """Fill ``out`` with the bytes from ``first`` on of a tensor that lies at ``location`` (`TensorJob.location`).
+    Of a tensor in runs of several files (a ZeRO checkpoint's), the crc32 of each run's part read is recorded as
+    ``key``'s (`_SOURCE_CRCS`, where the source's records are to be checked: `source_crc.RunsCheck`)."""
     if type(location) is tuple:  # one run
         pread_exactly(location[0], out, location[1] + first)
         return
     if not out:
         return
-    at = 0
+    sink = _SOURCE_CRCS.sink if key is not None else None
+    at, skipped = 0, 0
     for fd, offset, nbytes in location:  # type: ignore[misc]
         if first >= nbytes:
             first -= nbytes
+            skipped += nbytes
             continue
         n = min(nbytes - first, len(out) - at)
-        pread_exactly(fd, out[at:at + n], offset + first)
+        part = out[at:at + n]
+        pread_exactly(fd, part, offset + first)
+        if sink is not None:
+            sink.append((key, skipped + first, crc32(part), n))  # type: ignore[arg-type]
+        skipped += first + n
         at, first = at + n, 0
         if at == len(out):
             return
@@ -535,7 +529,8 @@ def _read_run(pieces: list[_Piece], i: int, data: memoryview) -> int:
     piece = pieces[i]
     location = piece.job.location
     if type(location) is not tuple:
-        _read_location(location, data[piece.at:piece.at + piece.nbytes], piece.first)  # type: ignore[arg-type]
+        _read_location(location, data[piece.at:piece.at + piece.nbytes], piece.first,  # type: ignore[arg-type]
+                       piece.job.key)
         return i + 1
     fd, start = location[0], location[1] + piece.first
     views, end, j = [data[piece.at:piece.at + piece.nbytes]], start + piece.nbytes, i + 1
@@ -676,7 +671,8 @@ def _stage(job: TensorJob, first: int, count: int, itemsize: int) -> int:
     _CAST_STAGING.get()
     shift = _placement(job.location, first * itemsize, itemsize)  # type: ignore[arg-type]
     nbytes = count * itemsize
-    _read_location(job.location, _CAST_STAGING.view[shift:shift + nbytes], first * itemsize)  # type: ignore[arg-type]
+    _read_location(job.location, _CAST_STAGING.view[shift:shift + nbytes], first * itemsize,  # type: ignore[arg-type]
+                   job.key)
     return shift
 
 
@@ -1045,7 +1041,8 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
                       max_shard_size: int | None = None, threads: int | None = None, force: bool = False,
                       progress: ProgressFn | None = None, metadata: dict[str, str] | None = None,
                       share: Share | None = None,
-                      check_source: Callable[[dict[str, str] | None, dict[str, int]], None] | None = None,
+                      check_source: Callable[[dict[str, str] | None, dict[str, dict[int, tuple[int, int]]]], None]
+                      | None = None,
                       record_sources: bool = False) -> WriteResult:
     """Write ``jobs`` to ``dst`` atomically: one file, or (with ``max_shard_size``) a directory of
     ``model-0000k-of-0000n.safetensors`` shards plus ``model.safetensors.index.json``.
@@ -1062,7 +1059,7 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
     ``check_source``: rank 0's check of the source (`source_crc.SourceCheck`: its own crc32s), called with every
     key's checksum before the output is put in place, and with None before a cast's error is raised (damage may be
     what made the cast overflow), and each time with the crc32s of the source bytes the casts read
-    (`_FileWriter.source_checksums`, taken with ``record_sources``, on every rank); what it raises is the write's
+    (`_FileWriter.source_segments`, taken with ``record_sources``, on every rank); what it raises is the write's
     error, on every rank."""
     dst_given, dst = dst, Path(dst)
     one = share or Share(0, 1)
@@ -1139,8 +1136,8 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
                 for w, segments in zip(writers, rank_segments):
                     w.add_segments(segments)
 
-        def source_sums() -> dict[str, int]:
-            return {key: crc for w in writers for key, crc in w.source_checksums().items()}
+        def source_sums() -> dict[str, dict[int, tuple[int, int]]]:
+            return {key: segments for w in writers for key, segments in w.source_segments().items()}
 
         if overflowed or changed:  # every offender at once, from every rank's blocks, before the output is in place
             if check_source is not None or one.world > 1:  # a damaged source is what to say first, if it is damaged

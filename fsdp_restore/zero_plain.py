@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .plain_pt import NotPlain, StoredStorage, StoredTensor, StoredZeroStage, load_plain_archive
+from .source_crc import Archive, ArchiveFile, check_small_records
 from .zero_files import MP_RANK, STAGE_1_2_MASTERS, STAGE_3_MASTERS, optim_files, resolve_tag
 from .zero_layout import (INTERNAL, SKIP, group_optimizer_state, model_dict, optim_tree,
                           param_groups_of_sub_groups, stage_1_2_field, stage_1_2_offsets, stage_3_field,
@@ -46,6 +47,7 @@ class ZeroModel:
         self.obj: dict[str, Any] = {}  # with ``optimizer``: all that `zero.read_zero` consolidates
         self.tag_dir: Path | None = None
         self.fds: list[int] = []
+        self.files: list[ArchiveFile] = []  # each file read, for the check of its records' crc32s (`source_crc`)
 
     def load(self, path: Path) -> dict[str, Any]:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO in a file's place opens at once (and is declined)
@@ -53,7 +55,13 @@ class ZeroModel:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise NotPlain(f"{path.name}: not a regular file")
         os.set_blocking(fd, True)  # (Lustre reads O_NONBLOCK on each read as "do not wait for a lock")
-        obj, _ = load_plain_archive(fd, deepspeed=True)
+        archive = Archive.open(fd)
+        if archive is None:
+            raise NotPlain(f"{path.name}: not laid out as torch.save lays out its archive")
+        # its pickle and small records against their crc32s first: damage said as damage (`FormatError`), not as
+        # whatever the damaged pickle then looks like
+        self.files.append(ArchiveFile(str(path), archive, check_small_records(path, archive)))
+        obj, _ = load_plain_archive(fd, deepspeed=True, archive=archive.parsed)
         if type(obj) is not dict:
             raise NotPlain(f"{path.name}: no dict at the top")
         return obj

@@ -157,6 +157,12 @@ def main() -> None:
             "ours --select model (weights only)": [py, "-m", "fsdp_restore", "convert", str(ckpt),
                                                    str(work / "ours-model.safetensors"), "--force", "--select", "model"],
             "cp -r + sync (the floor of a full conversion)": ["sh", "-c", f"cp -r '{ckpt}' '{work / 'copy'}' && sync"],
+            # every record read checked against its recorded crc32 (from the runs as read; the padding read again)
+            "ours, --verify-checksums": [py, "-m", "fsdp_restore", "convert", str(ckpt),
+                                         str(work / "ours.safetensors"), "--force", "--verify-checksums"],
+            "ours --select model, --verify-checksums": [py, "-m", "fsdp_restore", "convert", str(ckpt),
+                                                        str(work / "ours-model.safetensors"), "--force", "--select",
+                                                        "model", "--verify-checksums"],
         }
         durable = {"zero_to_fp32.py --safe_serialization, then sync (its output on disk, as ours)":
                    methods["zero_to_fp32.py --safe_serialization"]}

@@ -13,6 +13,8 @@ import zlib
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.distributed as dist
 from dist import run_ranks
 from safetensors.torch import load_file
@@ -20,6 +22,7 @@ from safetensors.torch import load_file
 import fsdp_restore
 from fsdp_restore import FormatError
 from fsdp_restore.errors import ConvertError
+from fsdp_restore.source_crc import RunsCheck
 
 # what the conversions here are told (the fused views stored apart; trust_pickle; a legacy file loaded whole)
 pytestmark = [pytest.mark.filterwarnings("ignore:tensors at model.q, model.k, model.v share storage"),
@@ -305,3 +308,29 @@ def test_a_flipped_byte_anywhere_outside_the_storages_is_an_error_of_ours_or_con
             outcomes["refused"] += 1
             _nothing_written(dst)
     assert outcomes["refused"] > outcomes["converted"] > 0, outcomes
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_a_records_crc32_from_the_parts_read_and_the_rest_read_again(tmp_path_factory, data):
+    """`RunsCheck`'s crc32 of one record (a ZeRO partition) from the crc32s of the parts a conversion read of it,
+    the bytes between them read again: always the record's own (zlib of its bytes), whatever the parts (gaps,
+    parts of other records before and after it, a part across its ends, overlapping parts), and only the bytes no
+    part covers read again where the parts lie apart inside it."""
+    path = tmp_path_factory.mktemp("runs") / "file"
+    content = os.urandom(300)
+    path.write_bytes(content)
+    at = data.draw(st.integers(0, 200), "at")
+    size = data.draw(st.integers(1, 300 - at), "size")
+    spans = data.draw(st.lists(st.tuples(st.integers(0, 299), st.integers(1, 60)), max_size=8), "parts")
+    parts = sorted({(o, min(n, 300 - o), zlib.crc32(content[o:o + n])) for o, n in spans})
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        crc, reread = RunsCheck._crc_of_record(fd, at, size, parts)
+    finally:
+        os.close(fd)
+    assert crc == zlib.crc32(content[at:at + size])
+    inside = [(o, n) for o, n, _ in parts if at <= o and o + n <= at + size]
+    apart = all(a[0] + a[1] <= b[0] for a, b in zip(inside, inside[1:]))
+    if apart and len(inside) == sum(1 for o, _, _ in parts if at <= o < at + size):
+        assert reread == size - sum(n for _, n in inside)

@@ -19,6 +19,7 @@ from helpers import through_torch
 
 import fsdp_restore
 from fsdp_restore import FormatError
+from fsdp_restore.source_crc import describe_rest
 
 deepspeed = pytest.importorskip("deepspeed")
 
@@ -462,13 +463,96 @@ def test_the_cli_reads_ahead_what_the_conversion_reads(wide_root, stage, select)
                 assert not any(inner[1:-1]), f"{f.name}: {sum(inner)} pages of Adam's moments read ahead"
 
 
-def _lane(src, dst, select="model", tag=None, max_shard_size=None, dtype=None):
+def _lane(src, dst, select="model", tag=None, max_shard_size=None, dtype=None, verify_checksums=False):
     """The conversion of a ZeRO checkpoint without torch (`zero_plain`; by default its weights), as the CLI runs it."""
     import importlib
 
     convert_module = importlib.import_module("fsdp_restore.convert")
     return convert_module._convert_zero_plain(src, dst, select=select, tag=tag, on_unsupported="error", threads=3,
-                                              max_shard_size=max_shard_size, force=False, progress=None, dtype=dtype)
+                                              max_shard_size=max_shard_size, force=False, progress=None, dtype=dtype,
+                                              verify_checksums=verify_checksums)
+
+
+def _found_in(path, tensor):
+    """Where ``tensor``'s bytes start in ``path``, found by the bytes themselves (no reader of ours)."""
+    data, probe = path.read_bytes(), tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()[:64]
+    at = data.find(probe)
+    assert at >= 0 and data.find(probe, at + 1) < 0
+    return at
+
+
+def _flip(path, at):
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def _first(obj, key):
+    """The first value under ``key`` anywhere in a nested dict/list."""
+    if isinstance(obj, dict):
+        if key in obj:
+            return obj[key]
+        values = obj.values()
+    elif isinstance(obj, (list, tuple)):
+        values = obj
+    else:
+        return None
+    for v in values:
+        found = _first(v, key)
+        if found is not None:
+            return found
+    return None
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_damaged_partitions_of_a_zero_checkpoint_are_named_with_verify_checksums(zero_root, tmp_path, stage):
+    """Each file of a ZeRO checkpoint is a torch.save archive with a crc32 per record, which neither DeepSpeed nor
+    torch.load checks. `verify_checksums=True` checks every record the conversion reads (the fp32 partitions,
+    from the crc32s of the runs as they were read, the padding read again); a flipped bit is a `FormatError`
+    naming the file and the record, with nothing written. Records the conversion does not read (the moments,
+    under ``--select model``) are left alone; a damaged pickle is caught by default. Oracles: `torch.load` for
+    where the tensors lie, DeepSpeed's own files for what is damaged."""
+    import shutil
+
+    src = tmp_path / "ckpt"
+    shutil.copytree(_checkpoint(zero_root, 2, stage, "bf16"), src)
+    tag = next(p for p in src.iterdir() if p.is_dir())
+    optim = sorted(tag.glob("*optim_states.pt"))[1]  # rank 1's
+    state = torch.load(optim, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+    master = state["single_partition_of_fp32_groups" if stage < 3 else "fp32_flat_groups"][0]
+    moment = _first(state, "exp_avg")
+    master_at, moment_at = _found_in(optim, master), _found_in(optim, moment)
+
+    clean = _lane(src, tmp_path / "clean.safetensors", verify_checksums=True)
+    crcs = clean.source_crcs
+    assert crcs.skipped == 0 and crcs.checked > 2 * 2  # (small records and partitions)
+    assert crcs.reread_bytes < master.numel() * 4  # the partitions' crc32s from the bytes as read, not read again
+    by_default = _lane(src, tmp_path / "default.safetensors")
+    assert by_default.source_crcs.skipped > 0
+    assert "partitions read in runs not checked" in describe_rest(by_default.source_crcs)
+    assert (tmp_path / "clean.safetensors").read_bytes() == (tmp_path / "default.safetensors").read_bytes()
+
+    _flip(optim, master_at + master.numel() * 2)  # a weight in the middle of rank 1's partition
+    assert _lane(src, tmp_path / "unchecked.safetensors") is not None  # (said in the report: not checked)
+    with pytest.raises(FormatError, match=rf"{optim.name}:.*data/.*differ|differ.*{optim.name}:[^ ]*data/"):
+        _lane(src, tmp_path / "out.safetensors", verify_checksums=True)
+    assert not (tmp_path / "out.safetensors").exists()
+    _flip(optim, master_at + master.numel() * 2)  # (undone)
+
+    _flip(optim, moment_at + 8)
+    assert _lane(src, tmp_path / "weights.safetensors", verify_checksums=True) is not None  # not read: not checked
+    with pytest.raises(FormatError, match=optim.name):
+        _lane(src, tmp_path / "all.safetensors", select=None, verify_checksums=True)
+    assert not (tmp_path / "all.safetensors").exists()
+    _flip(optim, moment_at + 8)
+
+    data = optim.read_bytes()
+    pickle_at = data.index(b"data.pkl") + len(b"data.pkl")  # the pickle's bytes follow its local header's name
+    pickle_at = data.index(b"\x80", pickle_at)  # (its first opcode, PROTO, after the header's extra field)
+    _flip(optim, pickle_at + 40)
+    with pytest.raises(FormatError, match=r"data\.pkl.*differ|differ.*data\.pkl"):
+        _lane(src, tmp_path / "pickle.safetensors")
+    assert not (tmp_path / "pickle.safetensors").exists()
 
 
 @pytest.mark.parametrize("world_size,stage,dtype", _params(2) + slow(_params(3)))  # (3 ranks: the slow suite)
