@@ -343,7 +343,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
                         ("threads", str(report.threads))]:
         table.add_row(name, value)
     rest = None
-    if os.path.isfile(args.src):  # (a directory's files are not checked this way)
+    if os.path.isfile(args.src) or report.source_crcs is not None:  # (of a directory: a ZeRO checkpoint's files)
         from .source_crc import describe, describe_rest
 
         table.add_row("source crc32s checked", describe(report.source_crcs))

@@ -227,6 +227,8 @@ def test_verify_against_the_zero_directory(zero_root, tmp_path, stage):
     fsdp_restore.convert(src, tmp_path / "c.safetensors")
     report = fsdp_restore.verify(tmp_path / "c.safetensors", against=src)
     assert report.verdict == "identical", report.problems
+    whole = fsdp_restore.verify(tmp_path / "c.safetensors", against=src, select="model")  # the whole file, a subtree
+    assert any("it was converted without --select. Drop --select" in m for _, m in whole.problems), whole.problems
     fsdp_restore.convert(src, tmp_path / "b.safetensors", dtype="bf16")
     assert fsdp_restore.verify(tmp_path / "b.safetensors", against=src).verdict == "identical up to the declared cast"
 
@@ -553,6 +555,10 @@ def test_damaged_partitions_of_a_zero_checkpoint_are_named_with_verify_checksums
     with pytest.raises(FormatError, match=r"data\.pkl.*differ|differ.*data\.pkl"):
         _lane(src, tmp_path / "pickle.safetensors")
     assert not (tmp_path / "pickle.safetensors").exists()
+    cli = subprocess.run([sys.executable, "-m", "fsdp_restore", "convert", str(src), str(tmp_path / "cli.safetensors")],
+                         capture_output=True, text=True, timeout=120)
+    assert cli.returncode != 0 and "data.pkl" in cli.stderr and "Traceback" not in cli.stderr, cli.stderr
+    assert not (tmp_path / "cli.safetensors").exists()
 
 
 @pytest.mark.parametrize("world_size,stage,dtype", _params(2) + slow(_params(3)))  # (3 ranks: the slow suite)
