@@ -307,6 +307,13 @@ def _stored_names(structure: dict[str, Any]) -> dict[str, tuple[str, dict[str, A
     return {path: (node["key"], node.get("view")) for path, node in iter_nodes_with_keys(structure["root"])}
 
 
+def _whole_file_hint(select: str) -> str:
+    """What to say where ``select`` was given but the checkpoint holds the whole source, the selected subtree in it."""
+    return (f"no name in common with the source's '{select}', and the checkpoint holds '{select.split('.')[0]}'"
+            " itself: it was converted without --select. Drop --select to compare the whole file (or convert again"
+            f" with --select {select})")
+
+
 def _match_by_name(ckpt: Checkpoint, src_tensors: dict[str, torch.Tensor], src_structure: dict[str, Any],
                    report: VerifyReport, select: str | None) -> dict[str, torch.Tensor]:
     """The source tensor of every stored key, matched by *name* (the path in the nested object), so that
@@ -317,9 +324,13 @@ def _match_by_name(ckpt: Checkpoint, src_tensors: dict[str, torch.Tensor], src_s
     ck_names = _stored_names(ckpt.structure)
     for dropped, kept in ckpt.tied_aliases().items():
         ck_names.setdefault(dropped, (kept, None))
-    if not select and src_names and not (src_names.keys() & ck_names.keys()):
-        report.problems.append(("<structure>", "no tensor name in common with the source; if the checkpoint"
-                                " was converted with --select, pass the same --select to verify"))
+    if src_names and not (src_names.keys() & ck_names.keys()):
+        head = (select or "").split(".")[0]
+        if not select:
+            report.problems.append(("<structure>", "no tensor name in common with the source; if the checkpoint"
+                                    " was converted with --select, pass the same --select to verify"))
+        elif any(name == head or name.startswith(f"{head}.") for name in ck_names):
+            report.problems.append(("<structure>", _whole_file_hint(select)))
     for name in sorted(src_names.keys() - ck_names.keys()):
         report.problems.append((name, "in the source but missing from the checkpoint"))
     for name in sorted(ck_names.keys() - src_names.keys()):
@@ -576,9 +587,12 @@ class _Comparer:
         """Keys as (type, value) pairs, so that 1, 1.0 and True stay apart; values walked by key."""
         out_by_key = {(type(k), k): v for k, v in out}
         src_keys = [(type(k), k) for k, _ in src]
-        if path == "" and not self.select and src and out and not out_by_key.keys() & set(src_keys):
-            self.problems.append(("<structure>", "no name in common with the source; if the checkpoint was"
-                                  " converted with --select, pass the same --select to verify"))
+        if path == "" and src and out and not out_by_key.keys() & set(src_keys):
+            if not self.select:
+                self.problems.append(("<structure>", "no name in common with the source; if the checkpoint was"
+                                      " converted with --select, pass the same --select to verify"))
+            elif (str, self.select.split(".")[0]) in out_by_key:
+                self.problems.append(("<structure>", _whole_file_hint(self.select)))
         for (kt, k), (_, v) in zip(src_keys, src):
             if (kt, k) in out_by_key:
                 self.walk(v, out_by_key[(kt, k)], _join(path, k), (*parts, ("key", kt, k)))

@@ -120,6 +120,11 @@ def test_selected_subtree_against_source(good, tmp_path):
     torch.save(state, src)
     changed = verify(tmp_path / "model.safetensors", against=src, select="model")
     assert [k for k, _ in changed.problems] == ["a"]
+    fsdp_restore.convert(src, tmp_path / "whole.safetensors")  # the other way round: the whole file, a subtree
+    whole = verify(tmp_path / "whole.safetensors", against=src, select="model")
+    assert whole.problems[0] == ("<structure>", "no name in common with the source's 'model', and the checkpoint"
+                                 " holds 'model' itself: it was converted without --select. Drop --select to compare"
+                                 " the whole file (or convert again with --select model)"), whole.problems
     wrong = verify(tmp_path / "model.safetensors", against=src, select="nope")
     assert not wrong.ok, wrong.problems
     assert "no key 'nope' at '<root>' (keys there: model, step)" in wrong.problems[0][1], wrong.problems
