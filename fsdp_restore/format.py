@@ -355,6 +355,10 @@ def _validate_header(path: Path, header: dict[str, Any], data_start: int, file_s
         name = info.get("dtype")
         dtype = name_to_dtype.get(name) if type(name) is str else None
         if dtype is None:
+            if len(key) == len("__metadata__") and sum(a != b for a, b in zip(key, "__metadata__")) <= 2:
+                raise FormatError(path, f"the header is damaged: it holds '{key}' where safetensors writes"
+                                  " '__metadata__' (a flipped bit in a copy or on a disk); copy the file again from"
+                                  " where it was written")
             raise FormatError(path, f"tensor '{key}': unknown dtype {str(name)[:40]!r}")
         shape, offsets = info.get("shape"), info.get("data_offsets")
         if type(shape) is not list:

@@ -150,6 +150,20 @@ def test_a_header_whose_checksum_field_was_renamed_is_refused(tmp_path, sharded)
     assert not fsdp_restore.verify(dst).ok
 
 
+@pytest.mark.parametrize("new", [b"__metadatb__", b"_-metadatA__"], ids=["one-bit", "two-bytes"])
+def test_a_damaged_metadata_key_is_named_as_damage(tmp_path, new):
+    """A bit flipped in the header's '__metadata__' key hides the metadata (and its crc32) and leaves an entry that
+    is no tensor: said as damage to the header, not as a tensor of unknown dtype."""
+    import fsdp_restore
+
+    _, dst = _convert(tmp_path)
+    _edit(dst, b"__metadata__", new)
+    with pytest.raises(FormatError, match=r"header is damaged: it holds '_.metadat.__' where safetensors writes"
+                                           r" '__metadata__'.*copy the file again"):
+        fsdp_restore.load(dst)
+    assert not fsdp_restore.verify(dst).ok
+
+
 def test_files_without_a_header_checksum_still_open(tmp_path):
     import torch
     from safetensors.torch import load_file, save_file
