@@ -121,25 +121,35 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def pairs(src: Path, work: Path, extra: list[str], n: int, how: str) -> dict[str, Any]:
+def pairs(src: Path, work: Path, extra: list[str], n: int, how: str, direct: bool = False) -> dict[str, Any]:
     ours_dst, copy_dst = work / "out.safetensors", work / "out.copy"
     ours_cmd = CLI + ["convert", str(src), str(ours_dst), "--force", *extra]
     copy_cmd = ["sh", "-c", f"cp '{src}' '{copy_dst}' && sync"]
+    commands = [("ours", ours_cmd, ours_dst), ("cp+sync", copy_cmd, copy_dst)]
+    if direct:  # the same copy with the page cache bypassed on the write side, as ours writes (O_DIRECT), then fsync
+        commands.append(("dd direct", ["dd", f"if={src}", f"of={copy_dst}", "bs=16M", "oflag=direct", "conv=fsync",
+                                       "status=none"], copy_dst))
     rows = []
     for _ in range(n):
         pair = {}
-        for name, cmd, dst in (("ours", ours_cmd, ours_dst), ("cp+sync", copy_cmd, copy_dst)):
+        for name, cmd, dst in commands:
             _remove(dst)
             evict(src, how)
             pair[name] = run(cmd)
         _remove(copy_dst)
         pair["ratio"] = pair["ours"]["wall"] / pair["cp+sync"]["wall"]
+        if direct:
+            pair["ratio_dd"] = pair["ours"]["wall"] / pair["dd direct"]["wall"]
         rows.append(pair)
+        dd = (f"  dd direct {pair['dd direct']['wall']:.2f} s (sys {pair['dd direct']['sys']:.1f})  ratio to it "
+              f"{pair['ratio_dd']:.2f}" if direct else "")
         console.print(f"  ours {pair['ours']['wall']:.2f} s (user {pair['ours']['user']:.1f} sys "
                       f"{pair['ours']['sys']:.1f})  cp+sync {pair['cp+sync']['wall']:.2f} s (sys "
-                      f"{pair['cp+sync']['sys']:.1f})  ratio {pair['ratio']:.2f}")
+                      f"{pair['cp+sync']['sys']:.1f})  ratio {pair['ratio']:.2f}{dd}")
     _remove(ours_dst)
     return {"pairs": rows, "median_ratio": statistics.median(p["ratio"] for p in rows),
+            **({"median_ratio_dd": statistics.median(p["ratio_dd"] for p in rows),
+                "median_dd": statistics.median(p["dd direct"]["wall"] for p in rows)} if direct else {}),
             "median_ours": statistics.median(p["ours"]["wall"] for p in rows),
             "median_copy": statistics.median(p["cp+sync"]["wall"] for p in rows),
             "peak_anon_max": max(p["ours"]["peak_anon"] for p in rows),
@@ -167,6 +177,10 @@ def main() -> None:
                         choices=["same", "bf16", "shards", "bf16-verify"])
     parser.add_argument("--evict", choices=["source", "all"], default="source",
                         help="before each run drop the source's pages (default) or the whole page cache (root)")
+    parser.add_argument("--direct", action="store_true",
+                        help="also time `dd bs=16M oflag=direct conv=fsync` of the same file in each round: the copy"
+                             " with the page cache bypassed on the write side, as ours writes (where `cp`'s writes"
+                             " through the page cache cost more system time than the disk's own time)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -185,18 +199,20 @@ def main() -> None:
         make_case(src, case, gb)
         for variant in args.variants:
             console.print(f"[bold]{case} / {variant}[/] ({src.stat().st_size / 1e9:.2f} GB)")
-            res = pairs(src, args.work, variants[variant], args.pairs, args.evict)
+            res = pairs(src, args.work, variants[variant], args.pairs, args.evict, args.direct)
             res["source_bytes"] = src.stat().st_size
             results["cases"][f"{case}/{variant}"] = res
         src.unlink()
     table = Table(title=f"convert vs cp + sync (whole process, evicted: {args.evict}, interleaved pairs)")
     for col in ("case", "source GB", "ours s (median)", "cp+sync s (median)", "ratio (median of pairs)",
-                "ratio range", "read / source", "peak anon MB"):
+                "ratio range", *(("dd direct s (median)", "x dd direct (median)") if args.direct else ()),
+                "read / source", "peak anon MB"):
         table.add_column(col)
     for name, r in results["cases"].items():
         ratios = [p["ratio"] for p in r["pairs"]]
+        dd = (f"{r['median_dd']:.2f}", f"{r['median_ratio_dd']:.2f}x") if args.direct else ()
         table.add_row(name, f"{r['source_bytes'] / 1e9:.2f}", f"{r['median_ours']:.2f}", f"{r['median_copy']:.2f}",
-                      f"{r['median_ratio']:.2f}x", f"{min(ratios):.2f}-{max(ratios):.2f}",
+                      f"{r['median_ratio']:.2f}x", f"{min(ratios):.2f}-{max(ratios):.2f}", *dd,
                       f"{r['read_bytes_median'] / r['source_bytes']:.2f}", f"{r['peak_anon_max'] / 1e6:.0f}")
     console.print(table)
     if args.out:
