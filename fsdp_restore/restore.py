@@ -40,7 +40,7 @@ from .plan import ReadPlan, RestoreReport, build_plan, default_prefix
 from .read import Checkpoint, open_checkpoint
 from .restored_sums import ChecksumVerdict, joined_verdict, local_sums
 from .shards import module_walk, state_dict_code
-from .stored import extras
+from .stored import default_optim_prefix, extras
 from .stored import value as stored_value
 from .verdict import agree, new_problems
 
@@ -167,7 +167,8 @@ def _run(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint, **op
 
 
 def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint, *, weights: bool,
-         optimizer: torch.optim.Optimizer | None, prefix: str | None, optim_prefix: str, strict: bool, check: bool,
+         optimizer: torch.optim.Optimizer | None, prefix: str | None, optim_prefix: str | None, strict: bool,
+         check: bool,
          check_buffers: bool, method: str, threads: int | None, dtype_policy: str,
          group: dist.ProcessGroup | None, extra_keys: tuple[str, ...] | None = None, key_map: KeyMap | None = None,
          verify_checksums: bool = False) -> tuple[ReadPlan, dict[str, Any]]:
@@ -188,6 +189,7 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
     label = "restore" if weights else "optimizer restore"
     what, check_what = _headline(label, checkpoint), _headline(f"{label} check", checkpoint)
     planned: dict[str, str] | None = None  # the plan's names, once planned (compared between the ranks)
+    resolved_optim_prefix = optim_prefix  # (None: found in the checkpoint once it is open)
     try:
         # -- phase 1: open, plan, validate the plan against the model's memory (nothing is modified) --------
         problems = new_problems()
@@ -197,13 +199,16 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
             if verify_checksums and method != "read":
                 raise ValueError("verify_checksums=True checks what the read route restored: use method='read'")
             ckpt = open_checkpoint(checkpoint)
+            if resolved_optim_prefix is None:  # not given: where the checkpoint holds its optimizer state
+                resolved_optim_prefix = default_optim_prefix(ckpt)
             modules = module_walk(model)  # one walk of the module tree for every step below
             if weights:
                 _warn_of_load_code(modules, group)
             _reshard_fsdp2(model, modules)
             _refuse_unsharded_fsdp1(model, modules)
             plan = build_plan(model, ckpt, prefix=prefix, strict=strict, dtype_policy=dtype_policy, weights=weights,
-                              optimizer=optimizer, optim_prefix=optim_prefix, key_map=key_map, modules=modules)
+                              optimizer=optimizer, optim_prefix=resolved_optim_prefix, key_map=key_map,
+                              modules=modules)
             planned = plan.stored_as
             problems.update(plan.problems)
             if "missing" in plan.problems or "unexpected" in plan.problems:
@@ -226,8 +231,10 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
                 # the rest of the checkpoint (small values), read now: a failure here leaves the model untouched;
                 # a plain weights file (prefix "") has nothing but its weights
                 weights_at = plan.model_report.prefix
-                extra = extras(ckpt, (weights_at, *extra_keys)) if weights_at else extras(
-                    ckpt, extra_keys, tensors=False)  # weights at the top level (torchtitan): its other values
+                # (None in extra_keys: the optimizer's subtree, where it was found)
+                others = tuple(resolved_optim_prefix if k is None else k for k in extra_keys)
+                extra = extras(ckpt, (weights_at, *others)) if weights_at else extras(
+                    ckpt, others, tensors=False)  # weights at the top level (torchtitan): its other values
         with problems.guard():  # whatever failed above: what this rank learnt (a rank given another file fails on
             if dist.is_initialized() and dist.get_world_size(group) > 1:  # what differs in it; the verdict says why)
                 called = {"prefix": prefix, "optim_prefix": optim_prefix, "weights": weights, "optimizer": optimizer,
@@ -337,7 +344,7 @@ _PARTLY_WRITTEN = {  # by whether the model's weights were restored too
 }
 
 
-def _same_on_every_rank(ckpt: Checkpoint | None, *, prefix: str | None, optim_prefix: str, weights: bool,
+def _same_on_every_rank(ckpt: Checkpoint | None, *, prefix: str | None, optim_prefix: str | None, weights: bool,
                         optimizer: torch.optim.Optimizer | None, strict: bool, check: bool, check_buffers: bool,
                         method: str, dtype_policy: str, stored_as: dict[str, str] | None, verify_checksums: bool
                         ) -> list[tuple[str | None, str]]:
@@ -497,7 +504,9 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
                       threads: int | None = None, prefix: str | None = None, strict: bool = True,
                       verify_checksums: bool = False) -> RestoreReport:
     """Restore ``optimizer`` (built over the sharded ``model``) from the checkpoint subtree ``optim_prefix``
-    (default ``"optim"``; ``prefix=``, its old name, still works with a `DeprecationWarning`).
+    (by default, None: the one optimizer state dict the checkpoint holds, wherever it is, such as nanoGPT's
+    ``optimizer`` or the top level of a Hugging Face Trainer's ``optimizer.pt``; else ``"optim"``; ``prefix=``, its
+    old name, still works with a `DeprecationWarning`).
 
     Per-parameter state tensors are read slice by slice into tensors laid out like each parameter's
     local shard (DTensors for FSDP2): the optimizer's existing state tensors when they have that
@@ -505,8 +514,7 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
     param-group hyperparameters are restored. Saved parameters are matched to the optimizer's as
     ``Optimizer.load_state_dict`` matches them: saved group ``g`` to group ``g``, torch's integer ids by
     position within their group (or by name where ``param_names`` were saved), so the optimizer's groups
-    must hold the parameters in the order the saved run's did; an optimizer file saved alone (a Hugging
-    Face Trainer's ``optimizer.pt``, converted) needs ``optim_prefix=""``. ``model_prefix`` is no longer needed
+    must hold the parameters in the order the saved run's did. ``model_prefix`` is no longer needed
     for that and is accepted for compatibility. Every rank
     raises the same `RestoreError` when the optimizer does not match the checkpoint (nothing is
     modified then) or when a read or its check fails (the state is then not installed). ``strict=False``:
@@ -521,7 +529,6 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
         _options_argument(strict=strict, check=check, optim_prefix=optim_prefix)
     except (TypeError, ValueError) as e:
         _refuse_on_every_rank(e, "optimizer restore", checkpoint, process_group)
-    optim_prefix = "optim" if optim_prefix is None else optim_prefix
     plan, _ = _run(model, checkpoint, weights=False, optimizer=optimizer, prefix=model_prefix,
                    optim_prefix=optim_prefix, strict=strict, check=check, check_buffers=False, method="read",
                    threads=thread_count, dtype_policy="cast", group=process_group, key_map=key_map,
@@ -544,8 +551,8 @@ def restore(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint,
     ``.optimizer`` reports (``strict=False`` losses are in ``result.model.missing``). ``model_prefix``: the
     subtree holding the weights, by default (None) ``"model"`` when the top level holds a ``model`` subtree
     (a training checkpoint), else ``""`` (a plain weights file, such as a Hugging Face file or a weights-only
-    `save_sharded`; nothing else is returned then); ``optim_prefix``: the optimizer's subtree (default
-    ``"optim"``). ``model_key=`` and
+    `save_sharded`; nothing else is returned then); ``optim_prefix``: the optimizer's subtree (by default, None: the
+    one the checkpoint holds, else ``"optim"``; it is not among the entries returned). ``model_key=`` and
     ``optim_key=``, their old names, still work with a `DeprecationWarning`. ``key_map``, ``thread_count`` and
     ``verify_checksums``: as `restore_model`."""
     process_group_argument(process_group)  # raised alone: a group that is not one cannot carry it to the others
@@ -558,7 +565,6 @@ def restore(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoint,
                           optim_prefix=optim_prefix)
     except (TypeError, ValueError) as e:
         _refuse_on_every_rank(e, "restore", checkpoint, process_group)
-    optim_prefix = "optim" if optim_prefix is None else optim_prefix
     plan, extra = _run(model, checkpoint, weights=True, optimizer=optimizer, prefix=model_prefix,
                        optim_prefix=optim_prefix, strict=strict, check=check, check_buffers=check_buffers,
                        method="read", threads=thread_count, dtype_policy="cast", group=process_group,

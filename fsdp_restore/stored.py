@@ -207,6 +207,15 @@ def _child(node: Any, name: str, prefix: str, ckpt: Checkpoint) -> Any:
     raise FsdpRestoreError(f"{where} is not an optimizer state dict (no '{name}'; it holds {held}): {fix}")
 
 
+def default_optim_prefix(ckpt: Checkpoint) -> str:
+    """Where a restore looks for the optimizer's state when not told (``optim_prefix=None``): the one optimizer state
+    dict the checkpoint holds, wherever it is (``optimizer`` in nanoGPT's, the root of a Hugging Face Trainer's
+    ``optimizer.pt``); else ``optim``, where our conversions and saves put it (and where none or several are held,
+    the error names them)."""
+    found = optimizer_prefixes(ckpt)
+    return found[0] if len(found) == 1 else "optim"
+
+
 def optimizer_prefixes(ckpt: Checkpoint) -> list[str]:
     """Where the checkpoint holds an optimizer state dict (a node with ``state`` and ``param_groups``): its root
     (a file of ``torch.save(opt.state_dict())``), a top-level entry (``optimizer`` in nanoGPT's checkpoints) or an

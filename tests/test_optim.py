@@ -414,10 +414,11 @@ def test_state_not_shaped_like_its_parameter(tmp_path, how):
         assert len(set(results)) == 1 and "optimizer state 'row' of inp.weight" in results[0]
 
 
-@pytest.mark.parametrize("layout,expected", [("alone", "optim_prefix=''"), ("nanogpt", "optim_prefix='optimizer'")])
-def test_a_missing_optimizer_prefix_names_where_the_state_is(tmp_path, layout, expected):
-    """An optimizer.pt saved alone (Hugging Face Trainer) holds its state at the root; nanoGPT's under
-    'optimizer': without optim_prefix the error says which to pass."""
+@pytest.mark.parametrize("layout", ["alone", "nanogpt"])
+def test_the_optimizer_state_is_found_where_the_checkpoint_holds_it(tmp_path, layout):
+    """An optimizer.pt saved alone (Hugging Face Trainer) holds its state at the root, nanoGPT's under 'optimizer':
+    without optim_prefix the restore finds the one the file holds (it said which prefix to pass); a file holding
+    none, or two, still says where it looked and what it found. Oracle: torch's Optimizer.load_state_dict."""
     model = build("mlp", seed=0)
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, model.inp.in_features)).sum().backward()
@@ -425,8 +426,28 @@ def test_a_missing_optimizer_prefix_names_where_the_state_is(tmp_path, layout, e
     obj = opt.state_dict() if layout == "alone" else {"model": model.state_dict(), "optimizer": opt.state_dict()}
     torch.save(obj, tmp_path / "ck.pt")
     fsdp_restore.convert(tmp_path / "ck.pt", tmp_path / "ck.safetensors")
-    with pytest.raises(RestoreError, match=f"no optimizer state under 'optim': it holds one under .*pass {expected}"):
-        fsdp_restore.restore_optimizer(torch.optim.AdamW(model.parameters()), model, tmp_path / "ck.safetensors")
+    restored = torch.optim.AdamW(model.parameters())
+    report = fsdp_restore.restore_optimizer(restored, model, tmp_path / "ck.safetensors")
+    assert report.prefix == ("" if layout == "alone" else "optimizer")
+    oracle = torch.optim.AdamW(model.parameters())
+    oracle.load_state_dict(torch.load(tmp_path / "ck.pt")["optimizer"] if layout == "nanogpt" else
+                           torch.load(tmp_path / "ck.pt"))
+    for got, want in zip(restored.state.values(), oracle.state.values()):
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    if layout == "nanogpt":  # restore() too, and the optimizer's subtree is not handed back among the other entries
+        fresh = build("mlp", seed=1)
+        result = fsdp_restore.restore(fresh, tmp_path / "ck.safetensors", optimizer=torch.optim.AdamW(fresh.parameters()))
+        assert result.optimizer.prefix == "optimizer" and "optimizer" not in result
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "ema": opt.state_dict()},
+                   tmp_path / "two.pt")
+        fsdp_restore.convert(tmp_path / "two.pt", tmp_path / "two.safetensors")
+        with pytest.raises(RestoreError, match="no optimizer state under 'optim': it holds one under 'optimizer' and"
+                                               " 'ema', pass optim_prefix='optimizer'"):
+            fsdp_restore.restore_optimizer(torch.optim.AdamW(model.parameters()), model, tmp_path / "two.safetensors")
+    torch.save({"model": model.state_dict()}, tmp_path / "none.pt")
+    fsdp_restore.convert(tmp_path / "none.pt", tmp_path / "none.safetensors")
+    with pytest.raises(RestoreError, match="no optimizer state under 'optim' \\(pass optim_prefix="):
+        fsdp_restore.restore_optimizer(torch.optim.AdamW(model.parameters()), model, tmp_path / "none.safetensors")
 
 
 def test_the_state_is_installed_in_the_order_the_file_holds_it(tmp_path):

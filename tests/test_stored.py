@@ -69,8 +69,8 @@ def test_a_top_level_list_is_a_value_not_pairs(tmp_path, top):
     model(torch.ones(1, 2)).sum().backward()
     opt.step()
     save({"model": model.state_dict(), "opt": opt.state_dict(), "milestones": top, "step": 10}, tmp_path / "c.safetensors")
-    with pytest.raises(RestoreError, match="holds one under 'opt', pass optim_prefix='opt'"):
-        fsdp_restore.restore(model, tmp_path / "c.safetensors", optimizer=opt)
+    result = fsdp_restore.restore(model, tmp_path / "c.safetensors", optimizer=opt)  # found under 'opt'
+    assert result.optimizer.prefix == "opt" and result["milestones"] == top and result["step"] == 10
     save({"weights": model.state_dict(), "history": top}, tmp_path / "w.safetensors")
     with pytest.raises(RestoreError, match="(?s)unexpected in the checkpoint .*weights.bias.*hint: check model_prefix="):
         fsdp_restore.restore_model(model, tmp_path / "w.safetensors")
@@ -189,8 +189,9 @@ def test_a_subtree_within_an_entry_is_neither_read_nor_handed_back(tmp_path):
     assert dict(result) == rest
     assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), model.state_dict().values()))
     assert torch.equal(ours_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
-    with pytest.raises(RestoreError, match=r"pass optim_prefix='optimizer_states\.0'"):  # found where it lies
-        fsdp_restore.restore(ours, tmp_path / "l.safetensors", optimizer=ours_opt, model_prefix="state_dict.model")
+    found = fsdp_restore.restore(ours, tmp_path / "l.safetensors", optimizer=ours_opt,  # found where it lies
+                                 model_prefix="state_dict.model")
+    assert found.optimizer.prefix == "optimizer_states.0" and dict(found) == rest
 
 
 def test_a_config_with_state_and_param_groups_keys_is_not_an_optimizer(tmp_path):
