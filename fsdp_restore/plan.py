@@ -231,7 +231,20 @@ def _plan_weights(plan: ReadPlan, targets: Sequence[Target], aliases: dict[str, 
         below = tuple(f"{top}." for top in top_level_subtrees(ckpt) if top not in used)
         unexpected = [name for name in unexpected if not name.startswith(below)] if below else unexpected
     if strict:
+        # a stored name the key map sent elsewhere, to a name the file does not hold (a tied tensor's, read under its
+        # other name, is not missing, so this is where it shows): said with the name it was sent to
+        renamed = {name: key for name, key in stored_as.items() if key != name and key not in sources}
         for name in unexpected:
-            plan.add_problem("unexpected", name)
+            key = renamed.get(name)
+            if key is None:
+                plan.add_problem("unexpected", name)
+                continue
+            clean = clean_name(key).removeprefix("module.")
+            wrapped = (f"; the restore reads the file's names without wrappers such as '_orig_mod.': give key_map"
+                       f" '{clean}'" if clean != key and clean in sources else "")
+            partner = aliases.get(name) or ", ".join(tied_names.get(name, []))
+            tie = f"; the model ties it to {partner}, read from there" if partner else ""
+            plan.add_problem("unexpected", f"{name} (key_map reads the model's {name} as '{key}', which the file"
+                                           f" does not hold{tie}{wrapped})")
     else:
         report.unexpected.extend(unexpected)
