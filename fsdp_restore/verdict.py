@@ -40,9 +40,9 @@ _LABELS = {
     "looked_in": "names looked for in",
 }
 _CONTEXT = {"looked_in"}  # kinds that say where, beside the problems: one line, not a count of items
-_NAMES_HINT = ("check model_prefix= (CLI: --model-prefix; the subtree holding the weights), pass key_map= when the"
-               " model names its tensors differently, or strict=False to restore the keys that match (in the restore"
-               " calls: check-restore proves a strict restore)")
+_NAMES_HINT = ("check model_prefix= (CLI: --model-prefix; the subtree holding the weights), pass key_map= (CLI:"
+               " --key-map) when the model names its tensors differently, or strict=False (CLI: --no-strict) to"
+               " restore the keys that match")
 _HINTS = {
     "shape": "a stored tensor of another shape: the model is configured otherwise (vocabulary, widths, heads), or a"
              " key_map sends a stored tensor to a parameter that fuses or splits several (q, k and v into one qkv): a"
