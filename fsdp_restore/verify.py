@@ -402,6 +402,17 @@ class _NoPickle(Exception):
     """torch's weights-only unpickler met a byte that is no pickle opcode (it raises KeyError for it)."""
 
 
+def _truncated_zip(path: Any) -> bool:
+    """A file that starts as a zip archive but that Python's `zipfile` cannot open (no end of central directory)."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"PK\x03\x04":
+                return False
+        return not zipfile.is_zipfile(path)
+    except OSError:
+        return False
+
+
 def _load_failure(e: Exception, path: Any, trust_pickle: bool) -> str:
     """One line for torch.load's refusal of the source, and what to do."""
     from .convert import weights_only_refusal_hint
@@ -413,6 +424,9 @@ def _load_failure(e: Exception, path: Any, trust_pickle: bool) -> str:
         # weights-only, nothing of the file's runs: any failure is the file's; trusted, its own code may fail too
         damaged = (not trust_pickle or isinstance(e, (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, _NoPickle))
                    or not _whole_torch_zip(path))
+        if damaged and _truncated_zip(path):
+            return ("a zip archive (torch.save's format) without its central directory: truncated or damaged"
+                    f" (torch.load: {type(e).__name__}: {first[:120]}); copy it again from where it was saved")
         return (f"torch.load cannot read it ({type(e).__name__}: {first[:200]})"
                 + (": not a torch.save file, or a damaged one" if damaged else ""))
     why = re.search(r"WeightsUnpickler error:\s*([^\n]+)", text)

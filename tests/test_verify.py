@@ -551,9 +551,12 @@ def test_a_truncated_or_foreign_source_is_called_damaged(tmp_path, trust_pickle)
     (tmp_path / "trunc.pt").write_bytes(whole[:len(whole) // 2])
     with zipfile.ZipFile(tmp_path / "other.pt", "w") as z:
         z.writestr("readme.txt", "hi")
-    for name in ("trunc.pt", "other.pt"):
-        report = fsdp_restore.verify(tmp_path / "ck.safetensors", against=tmp_path / name, trust_pickle=trust_pickle)
-        assert "not a torch.save file, or a damaged one" in report.problems[0][1], (name, report.problems)
+    report = fsdp_restore.verify(tmp_path / "ck.safetensors", against=tmp_path / "other.pt", trust_pickle=trust_pickle)
+    assert "not a torch.save file, or a damaged one" in report.problems[0][1], report.problems
+    report = fsdp_restore.verify(tmp_path / "ck.safetensors", against=tmp_path / "trunc.pt", trust_pickle=trust_pickle)
+    assert report.problems[0][1].startswith("a zip archive (torch.save's format) without its central directory:"
+                                            " truncated or damaged (torch.load: "), report.problems
+    assert report.problems[0][1].endswith("copy it again from where it was saved"), report.problems
 
 
 def test_a_source_whose_own_code_fails_is_not_called_damaged(tmp_path, monkeypatch):
