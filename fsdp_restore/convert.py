@@ -34,9 +34,9 @@ from .measure import PeakAnonMemory, Stopwatch
 from .provenance import source_identity
 from .share import Share
 from .plain_pt import StoredTensor
-from .source_crc import Archive, DamagedRecords, SourceCrcs, check_small_records
+from .source_crc import Archive, DamagedRecords, SourceCrcs, check_files, check_small_records
 from .write import ProgressFn, check_destination, default_io_threads, through_link, write_safetensors
-from .zero_files import is_zero_checkpoint
+from .zero_files import is_zero_checkpoint, resolve_tag
 
 if TYPE_CHECKING:  # imported where used: a plain checkpoint converts without torch (plain_pt)
     import torch
@@ -337,7 +337,8 @@ def _convert_directory(src: str | os.PathLike[str], dst: str | os.PathLike[str],
                        cast_include: Sequence[str] | None, cast_exclude: Sequence[str], max_shard_size: int | str | None,
                        select: str | None, threads: int | None, force: bool, on_unsupported: str,
                        progress: Callable[[int, int], None] | None, tag: str | None, share: Share,
-                       trust_pickle: bool = False, allow_globals: Sequence[str] = ()) -> ConvertReport:
+                       trust_pickle: bool = False, allow_globals: Sequence[str] = (),
+                       verify_checksums: bool = False) -> ConvertReport:
     """A sharded checkpoint directory in (DeepSpeed ZeRO: `zero.read_zero`; DCP: `dcp_in.read_dcp`), streamed
     out: each tensor held in pieces is assembled range by range as it is written."""
     from .dcp_in import is_dcp_checkpoint, read_dcp
@@ -362,13 +363,20 @@ def _convert_directory(src: str | os.PathLike[str], dst: str | os.PathLike[str],
         if is_dcp_checkpoint(src):
             obj, pieces = read_dcp(src, **safe)
             label = str(src)
+            crcs[0] = SourceCrcs(0, 0, note="a DCP checkpoint's files record no crc32s")
         else:
+            # its rank files' recorded crc32s first, as the torch-free read checks them (torch.load checks none):
+            # damage said as damage, not as what torch's unpickler makes of it
+            tag_dir = resolve_tag(src, tag)
+            crcs[0] = check_files(str(tag_dir), sorted(str(p) for p in tag_dir.glob("*.pt")), threads=threads,
+                                  full=verify_checksums)
             obj, pieces, layout = read_zero(src, tag=tag, **safe)
             label = str(layout.tag_dir)
         tensors, structure = flatten(select_subtree(obj, select, source=label),
                                      on_unsupported=on_unsupported)  # type: ignore[arg-type]
         return label, obj, tensors, structure, pieces
 
+    crcs: list[SourceCrcs | None] = [None]
     with PeakAnonMemory() as mem, Stopwatch() as clock:
         label, obj, tensors, structure, pieces = share.step("read the source", read_source)  # type: ignore[misc]
         if share.world > 1:  # the files each rank read: the same directory as it is, on every rank
@@ -386,7 +394,7 @@ def _convert_directory(src: str | os.PathLike[str], dst: str | os.PathLike[str],
     return ConvertReport(src=label, dst=str(dst), files=[str(p) for p in result.paths],
                          tensors=len(result.checksums), nbytes=result.nbytes, cast_tensors=len(casts),
                          cast=cast_groups(casts), seconds=clock.seconds, peak_anon_bytes=mem.peak, threads=threads,
-                         checksums=result.checksums)
+                         checksums=result.checksums, source_crcs=crcs[0])
 
 
 def _truncated(src: str | os.PathLike[str], e: EOFError) -> FormatError:
@@ -686,7 +694,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
         return _convert_directory(src, dst, dtype=dtype, cast_include=cast_include, cast_exclude=cast_exclude,
                                   max_shard_size=max_shard_size, select=select, threads=thread_count, force=force,
                                   on_unsupported=on_unsupported, progress=progress, tag=tag, share=one,
-                                  trust_pickle=trust_pickle, allow_globals=allow_globals)
+                                  trust_pickle=trust_pickle, allow_globals=allow_globals,
+                                  verify_checksums=verify_checksums)
     threads = thread_count or default_io_threads()
     if lane:  # without torch, where the file allows (plain_pt)
         report = _convert_plain(src, dst, select=select, on_unsupported=on_unsupported, threads=threads,

@@ -17,6 +17,7 @@ converted tensor draws on (views of part of a storage, strided tensors) read aga
 from __future__ import annotations
 
 import os
+import stat
 from bisect import bisect_right
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -332,6 +333,8 @@ class RunsCheck:
     used: list[tuple[ArchiveFile, ZipMember, int]] = field(default_factory=list)
     # per key: (first byte of the tensor, file descriptor, offset, bytes) of each of its runs, in order
     runs: dict[str, list[tuple[int, int, int, int]]] = field(default_factory=dict)
+    # (file, record, key) of each record that one tensor written unchanged is exactly: checked from its checksum
+    written: list[tuple[ArchiveFile, ZipMember, str]] = field(default_factory=list)
     skipped: int = 0
     reread_bytes: int = 0
     _done: dict[tuple[int, str], tuple[ZipMember, int, Sequence[str]] | None] = field(default_factory=dict)
@@ -343,6 +346,10 @@ class RunsCheck:
 
     def __call__(self, checksums: Mapping[str, str] | None, sources: Segments) -> None:
         """Raise `FormatError` naming every record read from whose bytes are not those its crc32 was taken of."""
+        for f, member, key in self.written if checksums is not None else ():
+            got = int(checksums[key], 16)
+            self._done[(f.archive.fd, member.filename)] = None if got == member.CRC else (
+                member._replace(filename=f"{os.path.basename(f.path)}:{member.filename}"), got, (key,))
         read: dict[int, list[tuple[int, int, int]]] = {}  # per file: (offset, bytes, crc32) of each part read
         for key, runs in self.runs.items():
             starts = [run[0] for run in runs]
@@ -420,10 +427,15 @@ def plan_runs_check(label: str, files: Sequence[ArchiveFile], jobs: Iterable[Any
         if i >= 0 and offset < data_at[i] + members[i].file_size:
             used.setdefault((fd, members[i].filename), (by_fd[fd], members[i], data_at[i]))
 
+    whole: dict[tuple[int, str], str] = {}  # records a tensor written unchanged is exactly: key of that tensor
     for job in jobs:
         location = job.location
         if type(location) is tuple:
             touch(location[0], location[1])
+            found = used.get((location[0], _record_name(starts, location[0], location[1])))
+            if (found is not None and found[2] == location[1] and job.dtype == job.source.dtype and job.reader is None
+                    and job.nbytes == found[1].file_size):
+                whole.setdefault((location[0], found[1].filename), job.key)
         elif type(location) is list:
             runs, first = [], 0
             for fd, offset, nbytes in location:
@@ -435,8 +447,65 @@ def plan_runs_check(label: str, files: Sequence[ArchiveFile], jobs: Iterable[Any
             if any(fd in starts for _, fd, _, _ in runs):
                 check.runs[job.key] = runs
     checked = [u for u in used.values() if u[1].CRC]
+    # a record written unchanged as one tensor: its crc32 is that tensor's checksum, at no cost (as for a .pt)
+    check.written = [(f, m, whole[(f.archive.fd, m.filename)]) for f, m, _ in checked
+                     if (f.archive.fd, m.filename) in whole]
+    rest = [u for u in checked if (u[0].archive.fd, u[1].filename) not in whole]
     if full:
-        check.used = checked
+        check.used = rest
     else:
-        check.skipped = len(checked)
+        check.skipped = len(rest)
     return check
+
+
+def _record_name(starts: Mapping[int, tuple[list[int], list[ZipMember]]], fd: int, offset: int) -> str:
+    """The name of the storage record of file ``fd`` whose data holds byte ``offset`` ("" if none)."""
+    if fd not in starts:
+        return ""
+    data_at, members = starts[fd]
+    i = bisect_right(data_at, offset) - 1
+    return members[i].filename if i >= 0 and offset < data_at[i] + members[i].file_size else ""
+
+
+def check_files(label: str, paths: Sequence[str | os.PathLike[str]], *, threads: int, full: bool) -> SourceCrcs:
+    """The records of a directory's ``torch.save`` files read through torch (a ZeRO checkpoint converted through
+    torch's unpickler): every file's pickle and small records, and with ``full`` (``verify_checksums``) every storage
+    record read again whole (a pass over the checkpoint: where the bytes were read is torch's business);
+    `DamagedRecords` naming each damaged one."""
+    checked = records = unrecorded = skipped = reread = 0
+    bad: list[tuple[ZipMember, int, Sequence[str]]] = []
+    notes = []
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO in a file's place opens at once (torch's path says it)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                continue
+            os.set_blocking(fd, True)
+            archive = Archive.open(fd)
+            if archive is None:
+                notes.append(os.path.basename(path))
+                continue
+            members = [m for m in archive.members if m.file_size]
+            records += len(members)
+            unrecorded += sum(1 for m in members if not m.CRC)
+            checked += check_small_records(path, archive)
+            storages = [m for m in members if _is_storage(m) and m.CRC]
+            if not full:
+                skipped += len(storages)
+                continue
+            starts = [archive.data_at(m) for m in storages]
+            with ThreadPoolExecutor(max_workers=max(1, min(threads, len(storages) or 1))) as pool:
+                for member, got in zip(storages, pool.map(lambda a: _crc_of(fd, a[0], a[1].file_size),
+                                                          zip(starts, storages))):
+                    checked += 1
+                    reread += member.file_size
+                    if got != member.CRC:
+                        bad.append((member._replace(filename=f"{os.path.basename(path)}:{member.filename}"), got, ()))
+        finally:
+            os.close(fd)
+    if bad:
+        raise DamagedRecords(label, damaged_records(bad))
+    return SourceCrcs(checked=checked, records=records, reread_bytes=reread, unrecorded=unrecorded, skipped=skipped,
+                      skipped_what="of the rank files (read through torch)",
+                      note=f"not laid out as torch.save lays it out: {', '.join(notes)}" if notes and not checked
+                      else "")

@@ -221,6 +221,46 @@ def test_a_runs_own_state_converts_as_from_a_pt(zero_root, tmp_path):
         fsdp_restore.convert(ck, tmp_path / "t.safetensors")
 
 
+def test_damage_is_caught_through_torchs_path_too(zero_root, tmp_path):
+    """A ZeRO checkpoint the torch-free read declines, or converted with trust_pickle / allow_globals / on several
+    ranks, goes through torch's loader, which checks no crc32: its rank files' pickles are checked before it, and
+    with verify_checksums every record read again (verify_checksums was dropped there, and the damage converted
+    without a word). Found by an independent review."""
+    import shutil
+
+    src = tmp_path / "ckpt"
+    shutil.copytree(_checkpoint(zero_root, 2, 2, "bf16"), src)
+    tag = next(p for p in src.iterdir() if p.is_dir())
+    optim = sorted(tag.glob("*optim_states.pt"))[1]
+    state = torch.load(optim, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+    master = state["single_partition_of_fp32_groups"][0]
+    _flip(optim, _found_in(optim, master) + master.numel() * 2)
+    with pytest.raises(FormatError, match=rf"{optim.name}:[^ ]*data/"):
+        fsdp_restore.convert(src, tmp_path / "t.safetensors", verify_checksums=True)  # (through torch: the fixture)
+    assert not (tmp_path / "t.safetensors").exists()
+    report = fsdp_restore.convert(src, tmp_path / "u.safetensors")  # without: its storages not checked, and said
+    assert report.source_crcs.skipped > 0 and "rank files (read through torch) not checked" in describe_rest(
+        report.source_crcs)
+
+
+def test_a_record_written_unchanged_is_checked_by_default(zero_root, tmp_path):
+    """A record the output holds unchanged as one tensor (a buffer in the model states file) is checked from that
+    tensor's checksum without --verify-checksums, as a .pt's are (it was counted among the partitions to check at
+    the cost of a pass, and its damage converted silently). Found by an independent review."""
+    import shutil
+
+    src = tmp_path / "ckpt"
+    shutil.copytree(_checkpoint(zero_root, 2, 2, "bf16"), src)
+    states = next(p for p in src.iterdir() if p.is_dir()) / "mp_rank_00_model_states.pt"
+    scale = torch.load(states, map_location="cpu", weights_only=False)["module"]["scale"]
+    clean = _lane(src, tmp_path / "clean.safetensors")
+    assert clean.source_crcs.checked > 0
+    _flip(states, _found_in(states, scale) + 2)
+    with pytest.raises(FormatError, match=r"mp_rank_00_model_states\.pt:[^ ]*data/.*scale"):
+        _lane(src, tmp_path / "o.safetensors")
+    assert not (tmp_path / "o.safetensors").exists()
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_verify_against_the_zero_directory(zero_root, tmp_path, stage):
     src = _checkpoint(zero_root, 2, stage, "bf16")
