@@ -212,8 +212,8 @@ class Checkpoint:
     def _as_sibling(e: FormatError, given: str | os.PathLike[str], resolved: Path) -> FormatError:
         """A fault of the converted sibling read in place of the ``.pt`` the caller named, said so (the caller
         named another file than the one at fault)."""
-        if Path(given) == resolved:
-            return e
+        if Path(given) == resolved or "was not converted from " in e.problem:
+            return e  # (a stale sibling's message says already which file was read for which)
         fix = "" if "fsdp-restore convert" in e.problem else (f": convert it again with fsdp-restore convert {given}"
                                                               f" {resolved} --force")  # (not twice: a stale one's)
         return FormatError(e.path, f"{e.problem} (read in place of {Path(given).name}, as its converted sibling{fix})")

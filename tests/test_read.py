@@ -228,9 +228,10 @@ def test_a_fault_of_the_sibling_read_in_place_of_a_pt_says_so(tmp_path):
     assert "truncated?): copy the file again, or convert or save it again" in str(direct.value)  # (no fix was said)
     fsdp_restore.convert(tmp_path / "x.pt", tmp_path / "x.safetensors", force=True)
     torch.save({"w": torch.zeros(1000)}, tmp_path / "x.pt")  # changed since: stale, whose error gives the fix once
-    with pytest.raises(FormatError, match="as its converted sibling") as stale:
+    with pytest.raises(FormatError, match=r"x\.safetensors: was not converted from \S*x\.pt as it is now") as stale:
         fsdp_restore.open_checkpoint(tmp_path / "x.pt")
     assert str(stale.value).count("fsdp-restore convert") == 1, stale.value
+    assert "in place of" not in str(stale.value), stale.value  # (said once: which file was read for which)
 
 
 def test_an_index_of_torch_shards_reads_their_conversions(tmp_path, monkeypatch):
