@@ -348,8 +348,8 @@ class RunsCheck:
         """Raise `FormatError` naming every record read from whose bytes are not those its crc32 was taken of."""
         for f, member, key in self.written if checksums is not None else ():
             got = int(checksums[key], 16)
-            self._done[(f.archive.fd, member.filename)] = None if got == member.CRC else (
-                member._replace(filename=f"{os.path.basename(f.path)}:{member.filename}"), got, (key,))
+            self._done[(f.archive.fd, member.filename)] = (None if got == member.CRC else
+                                                           (_in_file(f.path, member), got, (key,)))
         read: dict[int, list[tuple[int, int, int]]] = {}  # per file: (offset, bytes, crc32) of each part read
         for key, runs in self.runs.items():
             starts = [run[0] for run in runs]
@@ -368,9 +368,8 @@ class RunsCheck:
                     lambda u: self._crc_of_record(u[0].archive.fd, u[2], u[1].file_size,
                                                   read.get(u[0].archive.fd, [])), todo)):
                 self.reread_bytes += reread
-                self._done[(f.archive.fd, member.filename)] = (
-                    None if got == member.CRC else (member._replace(filename=f"{os.path.basename(f.path)}:"
-                                                                             f"{member.filename}"), got, ()))
+                self._done[(f.archive.fd, member.filename)] = (None if got == member.CRC else
+                                                               (_in_file(f.path, member), got, ()))
         self._raise_damaged()
 
     def _raise_damaged(self) -> None:
@@ -419,23 +418,25 @@ def plan_runs_check(label: str, files: Sequence[ArchiveFile], jobs: Iterable[Any
         starts[f.archive.fd] = ([at[i] for i in order], [storages[i] for i in order])
     used: dict[tuple[int, str], tuple[ArchiveFile, ZipMember, int]] = {}
 
-    def touch(fd: int, offset: int) -> None:
+    def touch(fd: int, offset: int) -> tuple[ZipMember, int] | None:
+        """The record (and where its data starts) of file ``fd`` whose data holds byte ``offset``, noted as used."""
         if fd not in starts:
-            return
+            return None
         data_at, members = starts[fd]
         i = bisect_right(data_at, offset) - 1
-        if i >= 0 and offset < data_at[i] + members[i].file_size:
-            used.setdefault((fd, members[i].filename), (by_fd[fd], members[i], data_at[i]))
+        if i < 0 or offset >= data_at[i] + members[i].file_size:
+            return None
+        used.setdefault((fd, members[i].filename), (by_fd[fd], members[i], data_at[i]))
+        return members[i], data_at[i]
 
     whole: dict[tuple[int, str], str] = {}  # records a tensor written unchanged is exactly: key of that tensor
     for job in jobs:
         location = job.location
         if type(location) is tuple:
-            touch(location[0], location[1])
-            found = used.get((location[0], _record_name(starts, location[0], location[1])))
-            if (found is not None and found[2] == location[1] and job.dtype == job.source.dtype and job.reader is None
-                    and job.nbytes == found[1].file_size):
-                whole.setdefault((location[0], found[1].filename), job.key)
+            found = touch(location[0], location[1])
+            if (found is not None and found[1] == location[1] and job.dtype == job.source.dtype and job.reader is None
+                    and job.nbytes == found[0].file_size):
+                whole.setdefault((location[0], found[0].filename), job.key)
         elif type(location) is list:
             runs, first = [], 0
             for fd, offset, nbytes in location:
@@ -458,13 +459,9 @@ def plan_runs_check(label: str, files: Sequence[ArchiveFile], jobs: Iterable[Any
     return check
 
 
-def _record_name(starts: Mapping[int, tuple[list[int], list[ZipMember]]], fd: int, offset: int) -> str:
-    """The name of the storage record of file ``fd`` whose data holds byte ``offset`` ("" if none)."""
-    if fd not in starts:
-        return ""
-    data_at, members = starts[fd]
-    i = bisect_right(data_at, offset) - 1
-    return members[i].filename if i >= 0 and offset < data_at[i] + members[i].file_size else ""
+def _in_file(path: str | os.PathLike[str], member: ZipMember) -> ZipMember:
+    """``member`` named with its file, for an error about the records of several files: ``file.pt:archive/data/3``."""
+    return member._replace(filename=f"{os.path.basename(path)}:{member.filename}")
 
 
 def check_files(label: str, paths: Sequence[str | os.PathLike[str]], *, threads: int, full: bool) -> SourceCrcs:
@@ -500,7 +497,7 @@ def check_files(label: str, paths: Sequence[str | os.PathLike[str]], *, threads:
                     checked += 1
                     reread += member.file_size
                     if got != member.CRC:
-                        bad.append((member._replace(filename=f"{os.path.basename(path)}:{member.filename}"), got, ()))
+                        bad.append((_in_file(path, member), got, ()))
         finally:
             os.close(fd)
     if bad:
