@@ -33,7 +33,7 @@ from .jobs import (ConvertReport, SourceFiles, SourceRecords, cast_groups, cast_
 from .measure import PeakAnonMemory, Stopwatch
 from .provenance import source_identity
 from .share import Share
-from .plain_pt import NotPlain, StoredTensor
+from .plain_pt import StoredTensor
 from .source_crc import Archive, DamagedRecords, SourceCrcs, check_files, check_small_records
 from .write import ProgressFn, check_destination, default_io_threads, through_link, write_safetensors
 from .zero_files import is_zero_checkpoint, resolve_tag
@@ -444,9 +444,7 @@ def _convert_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, 
                 return None  # not laid out as torch.save lays it out: the torch path decides
             small_checked = check_small_records(src, archive)  # damage said as such, before the pickle is read
             try:
-                # where each storage's data starts taken from the central directory alone; proven by the source
-                # check (`source_crc.SourceCheck`) before the output is put in place, else the torch path converts
-                loaded, members = load_plain_archive(fd, archive=archive.parsed, assume_layout=True)
+                loaded, members = load_plain_archive(fd, archive=archive.parsed)
                 st = os.fstat(fd)
                 if (st.st_size, st.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
                     return None  # rewritten while it was read: the torch path reads it again
@@ -469,8 +467,6 @@ def _convert_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, 
                 verify_checksums=verify_checksums)
         except EOFError as e:  # as the torch path says it
             raise _truncated(src, e) from None
-        except NotPlain:  # a storage's data not where torch's writer puts it (`prove_assumed`): nothing is in place
-            return None
         finally:
             os.close(fd)
         del obj, tensors

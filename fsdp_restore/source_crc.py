@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import stat
 from bisect import bisect_right
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from math import prod
@@ -145,9 +145,6 @@ class SourceCheck:
     tiled: list[tuple[ZipMember, int, list[tuple[str, int, str]]]] = field(default_factory=list)
     reread: list[tuple[ZipMember, int]] = field(default_factory=list)  # (record, where its data starts)
     skipped: int = 0  # records that would cost a pass over their bytes, without verify_checksums
-    # proves where the storages' data was taken to start (`plain_pt._Archive.prove_assumed`; NotPlain if not there),
-    # before anything is judged of the bytes read there
-    prove_layout: Callable[[], None] | None = None
     # by record name, once checked: None where it matched, else (record, crc32 found, its tensors)
     _done: dict[str, tuple[ZipMember, int, Sequence[str]] | None] = field(default_factory=dict)
 
@@ -158,8 +155,6 @@ class SourceCheck:
 
     def __call__(self, checksums: Mapping[str, str] | None, sources: Segments) -> None:
         """Raise `FormatError` naming every storage whose bytes are not those its crc32 was taken of."""
-        if self.prove_layout is not None:
-            self.prove_layout()
         done = self._done
         for member, at, tiles in self.tiled:
             if member.filename in done:
@@ -240,8 +235,7 @@ def plan_source_check(src: str | os.PathLike[str], archive: Archive, jobs: Itera
     # (an empty record's crc32 is 0, as an unrecorded one's: nothing to check, and not counted)
     check = SourceCheck(str(src), archive.fd, threads, records=sum(1 for m in archive.members if m.file_size),
                         small_checked=small_checked,
-                        unrecorded=sum(1 for m in archive.members if not m.CRC and m.file_size),
-                        prove_layout=archive.parsed.prove_assumed)
+                        unrecorded=sum(1 for m in archive.members if not m.CRC and m.file_size))
     headers = [m.header_offset for m in storages]
     last = len(headers) - 1
     fd = archive.fd
