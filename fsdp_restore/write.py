@@ -1215,12 +1215,17 @@ def check_destination(dst: str | os.PathLike[str], *, force: bool, sources: Sequ
     directory holding anything but a sharded checkpoint (shards and their index), since replacing a directory
     removes all of it (``force`` or not: forcing would not help); then any existing ``dst`` without ``force``.
     `FileExistsError` naming the path and what to do. ``one_file``: the write makes one file, so a ``dst`` written
-    as a directory (ending with a separator) is a `ValueError` (it would become a file of that name)."""
+    as a directory (ending with a separator) is a `ValueError` (it would become a file of that name); else it makes
+    a directory of shards, so a ``dst`` named as a file (``.safetensors``) is one."""
     if one_file and str(os.fspath(dst)).endswith(("/", os.sep)):
         raise ValueError(f"{os.fspath(dst)} names a directory (it ends with a separator), but this writes one file:"
                          " give the file's name (e.g. model.safetensors inside it), or max_shard_size= (CLI:"
                          " --max-shard-size) for a directory of shards")
     dst = Path(dst)
+    if not one_file and dst.suffix == ".safetensors":  # a directory under a file's name: what no loader opens
+        raise ValueError(f"{os.fspath(dst)} names a file, but this writes a directory of shards (max_shard_size, CLI:"
+                         f" --max-shard-size: model-0000k-of-0000n.safetensors and {DEFAULT_INDEX_NAME}): give the"
+                         f" directory's name (e.g. {dst.with_suffix('')}), or drop max_shard_size for one file")
     _refuse_long_name(dst)
     if not (dst.exists() or dst.is_symlink()):
         return

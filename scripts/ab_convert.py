@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -49,8 +50,9 @@ def main() -> None:
         for r in range(args.rounds):
             order = list(trees) if r % 2 == 0 else list(reversed(trees))
             for name in (*order, "cp+sync"):
-                dst = args.work / "out.safetensors"
-                dst.unlink(missing_ok=True)
+                # (a set of shards is a directory: `convert` refuses a file's name for one)
+                dst = args.work / ("out" if "--max-shard-size" in args.args and name != "cp+sync" else "out.safetensors")
+                shutil.rmtree(dst) if dst.is_dir() else dst.unlink(missing_ok=True)
                 evict(src, "source")
                 t = time.perf_counter()
                 if name == "cp+sync":

@@ -122,7 +122,9 @@ def _remove(path: Path) -> None:
 
 
 def pairs(src: Path, work: Path, extra: list[str], n: int, how: str, direct: bool = False) -> dict[str, Any]:
-    ours_dst, copy_dst = work / "out.safetensors", work / "out.copy"
+    # (a set of shards is a directory: `convert` refuses a file's name for one)
+    ours_dst = work / ("out" if "--max-shard-size" in extra else "out.safetensors")
+    copy_dst = work / "out.copy"
     ours_cmd = CLI + ["convert", str(src), str(ours_dst), "--force", *extra]
     copy_cmd = ["sh", "-c", f"cp '{src}' '{copy_dst}' && sync"]
     commands = [("ours", ours_cmd, ours_dst), ("cp+sync", copy_cmd, copy_dst)]

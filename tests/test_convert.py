@@ -952,15 +952,32 @@ def test_a_destination_written_as_a_directory_is_not_made_a_file(tmp_path):
     assert sorted(os.listdir(tmp_path / "out")) == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
 
 
+def test_a_set_of_shards_is_not_made_under_a_files_name(tmp_path):
+    """`convert ckpt.pt out.safetensors --max-shard-size 5GB` made a directory named out.safetensors, which every
+    loader given that name fails to open as a file; now refused at the door, with the name to give instead."""
+    torch.save({"w": torch.ones(3)}, tmp_path / "c.pt")
+    for call in (lambda d: convert(tmp_path / "c.pt", d, max_shard_size="1MB"),
+                 lambda d: fsdp_restore.save({"w": torch.ones(3)}, d, max_shard_size="1MB")):
+        with pytest.raises(ValueError, match=r"out.safetensors names a file, but this writes a directory of shards"
+                                             rf" .*give the directory's name \(e.g. {tmp_path / 'out'}\)"):
+            call(tmp_path / "out.safetensors")
+    assert sorted(os.listdir(tmp_path)) == ["c.pt"]
+    res = subprocess.run([sys.executable, "-m", "fsdp_restore", "convert", str(tmp_path / "c.pt"),
+                          str(tmp_path / "out.safetensors"), "--max-shard-size", "1MB"], capture_output=True, text=True)
+    assert res.returncode != 0 and "names a file, but this writes a directory of shards" in res.stderr
+    assert "Traceback" not in res.stderr and sorted(os.listdir(tmp_path)) == ["c.pt"]
+
+
 @pytest.mark.skipif(not os.path.isdir("/sys/kernel"), reason="needs Linux's sysfs: a directory no one may create in")
 @pytest.mark.parametrize("max_shard_size", [None, "1MB"])
 def test_a_destination_directory_that_refuses_files_is_named(tmp_path, max_shard_size):
     """Said of the directory the user named ("Permission denied: '/sys/.x.safetensors.tmp-8508-...'" named a
     temporary they never heard of, and no fix)."""
     torch.save({"a": torch.ones(2)}, tmp_path / "a.pt")
-    with pytest.raises(OSError, match=r"cannot create files in /sys \(.*\): .*renamed to x.safetensors; give a"
+    name = "x.safetensors" if max_shard_size is None else "x"  # (shards: a directory)
+    with pytest.raises(OSError, match=rf"cannot create files in /sys \(.*\): .*renamed to {name}; give a"
                                       " destination in a directory you can write to"):
-        convert(tmp_path / "a.pt", "/sys/x.safetensors", max_shard_size=max_shard_size)
+        convert(tmp_path / "a.pt", f"/sys/{name}", max_shard_size=max_shard_size)
 
 
 def test_a_full_disk_is_said_of_the_destination(tmp_path, monkeypatch):
@@ -985,22 +1002,23 @@ def test_missing_directories_are_created_and_a_file_in_the_way_is_named(tmp_path
     """``run/step1000/`` needs no mkdir first (as DCP's writer and ``save_pretrained``); where a file stands on the
     path, the error names it (it was "[Errno 17] File exists: '.../a.pt'", no fix)."""
     torch.save({"a": torch.ones(2)}, tmp_path / "a.pt")
-    convert(tmp_path / "a.pt", tmp_path / "run" / "step1" / "x.safetensors", max_shard_size=max_shard_size)
+    name = "x.safetensors" if max_shard_size is None else "x"  # (shards: a directory)
+    convert(tmp_path / "a.pt", tmp_path / "run" / "step1" / name, max_shard_size=max_shard_size)
     assert (tmp_path / "run" / "step1").is_dir()
-    for dst in (tmp_path / "a.pt" / "x.safetensors", tmp_path / "a.pt" / "deeper" / "x.safetensors"):
+    for dst in (tmp_path / "a.pt" / name, tmp_path / "a.pt" / "deeper" / name):
         with pytest.raises(OSError, match=rf"cannot create the directory {dst.parent}: {tmp_path / 'a.pt'} is a file,"
                                           " not a directory"):
             convert(tmp_path / "a.pt", dst, max_shard_size=max_shard_size)
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")  # it was "... .: . is a file, not a directory"
     with pytest.raises(OSError, match=rf"{tmp_path / 'dangling'} is a symbolic link that leads nowhere"):
-        convert(tmp_path / "a.pt", tmp_path / "dangling" / "x.safetensors", max_shard_size=max_shard_size)
+        convert(tmp_path / "a.pt", tmp_path / "dangling" / name, max_shard_size=max_shard_size)
     (tmp_path / "dangling").unlink()
     if os.path.isdir("/sys/kernel"):  # a directory no one may create in
         with pytest.raises(OSError, match=r"cannot create the directory /sys/new \(.*\): give a destination"):
-            convert(tmp_path / "a.pt", "/sys/new/x.safetensors", max_shard_size=max_shard_size)
+            convert(tmp_path / "a.pt", f"/sys/new/{name}", max_shard_size=max_shard_size)
     if os.path.isdir("/proc/self"):  # (ENOENT there: it was the bare "[Errno 2] No such file or directory: '/proc/x'")
         with pytest.raises(OSError, match=r"cannot create the directory /proc/x \(.*\): give a destination"):
-            convert(tmp_path / "a.pt", "/proc/x/y.safetensors", max_shard_size=max_shard_size)
+            convert(tmp_path / "a.pt", f"/proc/x/{name}", max_shard_size=max_shard_size)
 
 
 @pytest.mark.parametrize("bad,error,expected", [
@@ -1044,7 +1062,7 @@ def test_sizes_and_names_given_as_other_types_are_taken(tmp_path):
     from omegaconf import OmegaConf
 
     torch.save({"model": {"w": torch.ones(3), "b": torch.zeros(2)}}, tmp_path / "c.pt")
-    assert len(fsdp_restore.convert(tmp_path / "c.pt", tmp_path / "a.safetensors", max_shard_size=5e9).files) == 1
+    assert len(fsdp_restore.convert(tmp_path / "c.pt", tmp_path / "a", max_shard_size=5e9).files) == 1
     assert len(fsdp_restore.convert(tmp_path / "c.pt", tmp_path / "b", max_shard_size=np.int64(8)).files) == 2
     loaded = fsdp_restore.load_pt(tmp_path / "c.pt", allow_globals=OmegaConf.create(["datetime.timedelta"]))
     assert torch.equal(loaded["model"]["w"], torch.ones(3))

@@ -181,12 +181,10 @@ def test_a_training_checkpoint_with_select_and_skip(tmp_path):
     _same_output(tmp_path, ckpt, select="model")
     _same_output(tmp_path, ckpt, on_unsupported="skip")
     torch.save(ckpt, tmp_path / "src.pt")
-    for name in ("lane.safetensors", "torch.safetensors"):
-        (tmp_path / name).unlink(missing_ok=True)
-    _lane(tmp_path / "src.pt", tmp_path / "lane.safetensors", max_shard_size="200B")
-    convert(tmp_path / "src.pt", tmp_path / "torch.safetensors", max_shard_size="200B")
-    lane = sorted(p.name for p in (tmp_path / "lane.safetensors").iterdir())
-    assert lane == sorted(p.name for p in (tmp_path / "torch.safetensors").iterdir()) and len(lane) > 2
+    _lane(tmp_path / "src.pt", tmp_path / "lane", max_shard_size="200B")  # (shards: a directory)
+    convert(tmp_path / "src.pt", tmp_path / "torch", max_shard_size="200B")
+    lane = sorted(p.name for p in (tmp_path / "lane").iterdir())
+    assert lane == sorted(p.name for p in (tmp_path / "torch").iterdir()) and len(lane) > 2
 
 
 class Custom:  # a class torch's weights-only loader refuses
