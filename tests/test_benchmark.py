@@ -122,4 +122,4 @@ def test_the_alignment_and_read_benchmarks_run_every_method(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     ranks = json.loads(out.read_text())["world_sizes"]["2"]
-    assert all(set(r["seconds"]) == {"bare", "bare-model", "ours-nocheck", "ours"} for r in ranks)
+    assert all(set(r["seconds"]) == {"bare", "bare-pieces", "bare-model", "ours-nocheck", "ours"} for r in ranks)
