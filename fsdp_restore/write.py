@@ -1188,8 +1188,9 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
         if lead:  # the temporary is rank 0's; after its rename nothing is left under that name
             if tmp.is_dir():
                 shutil.rmtree(tmp, ignore_errors=True)
-            else:
-                tmp.unlink(missing_ok=True)
+            else:  # (a read-only file system refuses even the unlink of a name it never made: the error is above)
+                with contextlib.suppress(OSError):
+                    tmp.unlink(missing_ok=True)
         raise
 
 
@@ -1414,8 +1415,10 @@ def said_of_space(e: OSError, dst: Path, needed: int) -> OSError:
 
 def said_of_the_directory(e: OSError, dst: Path) -> OSError:
     """A refusal to create the temporary beside ``dst`` (permissions, a read-only filesystem), said of the directory
-    the user named, not of a temporary they never heard of; any other error as it is."""
-    if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+    the user named, not of a temporary they never heard of; any other error as it is. (/proc says ENOENT of a name
+    in a directory that exists: a refusal too.)"""
+    if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS) and not (e.errno == errno.ENOENT
+                                                                        and dst.parent.is_dir()):
         return e
     return type(e)(e.errno, f"cannot create files in {dst.parent} ({e.strerror}): the checkpoint is written there"
                    f" under a temporary name, then renamed to {dst.name}; give a destination in a directory you can"

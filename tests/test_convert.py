@@ -980,6 +980,40 @@ def test_a_destination_directory_that_refuses_files_is_named(tmp_path, max_shard
         convert(tmp_path / "a.pt", f"/sys/{name}", max_shard_size=max_shard_size)
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's procfs: a directory no one may create in")
+@pytest.mark.parametrize("max_shard_size", [None, "1MB"])
+def test_a_destination_directory_that_says_no_such_file_is_named(tmp_path, max_shard_size):
+    """/proc answers the creation of a name in it with ENOENT: it was "[Errno 2] No such file or directory:
+    '/proc/.x.safetensors.tmp-19006-...'", a temporary the user never named."""
+    torch.save({"a": torch.ones(2)}, tmp_path / "a.pt")
+    name = "x.safetensors" if max_shard_size is None else "x"
+    with pytest.raises(OSError, match=rf"cannot create files in /proc \(.*\): .*renamed to {name}; give a"):
+        convert(tmp_path / "a.pt", f"/proc/{name}", max_shard_size=max_shard_size)
+
+
+@pytest.mark.skipif(not os.path.isdir("/sys/kernel"), reason="needs Linux's sysfs: a directory no one may create in")
+@pytest.mark.parametrize("max_shard_size", [None, "1MB"])
+def test_a_cleanup_that_fails_too_does_not_hide_the_error(tmp_path, monkeypatch, max_shard_size):
+    """On a read-only file system the unlink of the temporary that was never made fails too (EROFS, not ENOENT):
+    that error replaced the one naming the directory ("[Errno 30] Read-only file system: 'ro/.x.safetensors.tmp-...'").
+    The unlink is made to fail so here."""
+    import errno
+    import pathlib
+
+    real = pathlib.Path.unlink
+
+    def read_only(self, *args, **kwargs):
+        if ".tmp-" in self.name:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+        return real(self, *args, **kwargs)
+
+    torch.save({"a": torch.ones(2)}, tmp_path / "a.pt")
+    monkeypatch.setattr(pathlib.Path, "unlink", read_only)
+    name = "x.safetensors" if max_shard_size is None else "x"
+    with pytest.raises(OSError, match=rf"cannot create files in /sys \(.*\): .*renamed to {name}; give a"):
+        convert(tmp_path / "a.pt", f"/sys/{name}", max_shard_size=max_shard_size)
+
+
 def test_a_full_disk_is_said_of_the_destination(tmp_path, monkeypatch):
     """It was "[Errno 28] No space left on device": no path, no size."""
     import errno
