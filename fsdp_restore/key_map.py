@@ -42,7 +42,7 @@ def as_function(key_map: KeyMap | None) -> Callable[[str], object] | None:
         try:
             pairs.append((re.compile(pair[0]), pair[1]))
         except re.error as e:
-            raise ValueError(f"key_map: bad regex {pair[0]!r}: {e}") from None
+            raise ValueError(f"key_map: bad regex '{pair[0]}' (entry {len(pairs) + 1}): {e}") from None
 
     def rewrite(name: str) -> str:
         for pattern, replacement in pairs:
@@ -52,6 +52,20 @@ def as_function(key_map: KeyMap | None) -> Callable[[str], object] | None:
         return name
 
     return rewrite
+
+
+def unused_entries(key_map: KeyMap | None, names: Iterable[str]) -> list[str]:
+    """The entries of a dict or (regex, replacement) map that no name of ``names`` meets (a dict's key that is no
+    such name, a pattern that matches none), as they are written: a typo in a map restores nothing under it, and
+    with ``strict=False`` says so nowhere else. A function's cannot be told."""
+    if key_map is None or callable(key_map):
+        return []
+    names = list(names)
+    if isinstance(key_map, Mapping):
+        present = set(names)
+        return [f"'{k}'" for k in key_map if k not in present]
+    return [f"'{pattern}'" for pattern, _ in key_map  # (checked already by `as_function`)
+            if not any(re.search(pattern, name) for name in names)]
 
 
 def apply(key_map: KeyMap | None, names: Iterable[str], *, same: Mapping[str, str] | None = None
@@ -101,7 +115,10 @@ def parse_spec(spec: str) -> KeyMap:
             raise ValueError(f"--key-map {spec}: not a JSON/YAML file ({e})") from None
         if isinstance(value, list):
             pairs = [tuple(p) if isinstance(p, list) else p for p in value]
-            as_function(pairs)  # a bad regex fails here, naming it
+            try:
+                as_function(pairs)  # a bad regex fails here, naming it
+            except ValueError as e:
+                raise ValueError(f"--key-map {spec}: {e}") from None
             return pairs
         if isinstance(value, dict):
             return {str(k): str(v) for k, v in value.items()}

@@ -68,11 +68,36 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, prefix: str | None, strict
         _plan_weights(plan, targets, aliases, ckpt, prefix, stored_as, strict=strict, dtype_policy=dtype_policy)
         _plan_extra_states(plan, extra_state_modules(model, "set_extra_state", modules), ckpt, prefix, key_map,
                            strict=strict)
+        if key_map is not None:
+            _judge_key_map(plan, key_map, [t.name for t in targets] + list(aliases), strict=strict)
     if optimizer is not None:
         plan.optim_report = RestoreReport(prefix=optim_prefix, method="optimizer")
         plan.optim = OptimizerPlan(optimizer)
         plan_optimizer(plan, model, targets, aliases, ckpt, optim_prefix, stored_as, strict=strict)
     return plan
+
+
+def _judge_key_map(plan: ReadPlan, key_map: KeyMap, names: list[str], *, strict: bool) -> None:
+    """Where names were not restored (missing, unexpected), what of ``key_map`` may be why: its entries that meet no
+    model name (a typo renames nothing) and, with ``strict=False``, the names it sent to keys the file does not hold.
+    Said with the problems under ``strict``; a warning without it (the names are left as built, as asked)."""
+    report = plan.model_report
+    assert report is not None
+    unused = key_maps.unused_entries(key_map, names)
+    shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+    if strict:
+        if unused and ("missing" in plan.problems or "unexpected" in plan.problems):
+            plan.add_problem("key_map", f"its entries {shown} match no model name, so they rename nothing")
+        return
+    sent = [f"{name} -> '{plan.stored_as[name]}'" for name in report.missing
+            if plan.stored_as.get(name, name) != name]
+    if not report.missing or not (unused or sent):
+        return
+    said = ([f"it sent {', '.join(sent[:5])}{f' and {len(sent) - 5} more' if len(sent) > 5 else ''} to names the"
+             " file does not hold"] if sent else []) + ([f"its entries {shown} match no model name"] if unused else [])
+    plan.warnings.append(f"strict=False left {len(report.missing)} of the model's tensors as built"
+                         f" ({', '.join(report.missing[:3])}{', ...' if len(report.missing) > 3 else ''}), and key_map"
+                         f" may be why: {'; '.join(said)}")
 
 
 def _plan_extra_states(plan: ReadPlan, modules: dict[str, nn.Module], ckpt: Checkpoint, prefix: str,
@@ -221,6 +246,18 @@ def _plan_weights(plan: ReadPlan, targets: Sequence[Target], aliases: dict[str, 
         for piece in target.pieces:
             plan.items.append(ReadItem(src.key, src.start + piece.start, piece.dest, target.name, piece.start, numel,
                                        piece.rows, piece.stride))
+    if not strict and not report.tensors and report.missing and sources and not plan.problems:
+        # strict=False restores a part (a LoRA model from its base's file, adapters from theirs): none of it is a
+        # wrong prefix or key_map, which restored nothing and said so only in report.missing
+        model_names = ", ".join(report.missing[:3]) + (", ..." if len(report.missing) > 3 else "")
+        file_names = ", ".join(sorted(sources)[:3]) + (", ..." if len(sources) > 3 else "")
+        plan.add_problem("error", f"none of the model's {len(report.missing)} tensors is in the file under the name"
+                                  f" the restore looks for, so strict=False would restore nothing (the model: "
+                                  f"{model_names}; the file, under prefix '{prefix}': {file_names}); check"
+                                  " model_prefix and key_map (CLI: --model-prefix, --key-map)")
+        plan.refused.update(report.missing)
+        report.missing.clear()
+        return
     known = {stored_as.get(n, n) for n in [t.name for t in targets] + list(aliases)}
     unexpected = sorted((set(sources) | set(unsupported)) - known)
     if unexpected and not prefix and not plan.problems.get("missing") and not report.missing:

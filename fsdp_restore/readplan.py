@@ -113,6 +113,8 @@ class ReadPlan:
     stored_as: dict[str, str] = field(default_factory=dict)
     # (entry name, module, the stored node) of each module's extra state (``set_extra_state``), set after the reads
     extra_states: list[tuple[str, nn.Module, Any]] = field(default_factory=list)
+    # what the restore warns of (rank 0) without failing: a key_map that left names of a strict=False restore unread
+    warnings: list[str] = field(default_factory=list)
 
     def add_problem(self, kind: str, text: str) -> None:
         self.problems.setdefault(kind, []).append(text)

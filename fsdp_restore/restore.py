@@ -211,6 +211,9 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
                               modules=modules)
             planned = plan.stored_as
             problems.update(plan.problems)
+            if plan.warnings and not plan.problems and (not dist.is_initialized() or dist.get_rank(group) == 0):
+                for text in plan.warnings:
+                    warnings.warn(text, stacklevel=4)
             if "missing" in plan.problems or "unexpected" in plan.problems:
                 problems.add("looked_in", _subtrees_read(plan))
             # the modules' extra states, read now (small values): a failure here leaves the model untouched

@@ -14,7 +14,7 @@ from models import build, full_state, wrap
 
 import fsdp_restore
 from fsdp_restore import RestoreError
-from fsdp_restore.key_map import apply, as_function, parse_spec
+from fsdp_restore.key_map import apply, as_function, parse_spec, unused_entries
 
 ROOT = Path(__file__).resolve().parent.parent
 TITAN_MAP = ROOT / "configs" / "key_maps" / "torchtitan_llama_from_hf.yaml"
@@ -350,3 +350,68 @@ def test_a_map_loaded_with_omegaconf_is_taken_as_it_is_loaded_by_the_cli():
              "output.weight", "something.else"]
     assert [loaded(n) for n in names] == [parsed(n) for n in names]
     assert loaded("tok_embeddings.weight") != "tok_embeddings.weight"
+
+
+def test_a_maps_entries_that_meet_no_name_are_told_apart():
+    assert unused_entries({"a": "x", "typo": "y"}, ["a", "b"]) == ["'typo'"]
+    assert unused_entries([(r"^a\.", "x."), (r"^layres\.", "layers.")], ["a.w", "layers.0.w"]) == [r"'^layres\.'"]
+    assert unused_entries(str.upper, ["a"]) == [] and unused_entries(None, ["a"]) == []
+
+
+class _LoRA(torch.nn.Module):
+    """A base Linear with its adapters, as LoRA wraps one: the base's names gain `.base`, the adapters are new."""
+
+    def __init__(self, base: torch.nn.Linear) -> None:
+        super().__init__()
+        self.base = base
+        self.lora_A = torch.nn.Parameter(torch.full((2, base.in_features), 0.5))
+        self.lora_B = torch.nn.Parameter(torch.zeros(base.out_features, 2))
+
+
+def _lora_model() -> torch.nn.Module:
+    torch.manual_seed(1)
+    return torch.nn.Sequential(_LoRA(torch.nn.Linear(4, 4)), _LoRA(torch.nn.Linear(4, 3)))
+
+
+def test_a_non_strict_restore_that_would_restore_nothing_is_an_error(tmp_path):
+    """strict=False with a wrong prefix or map restored 0 tensors, said only in report.missing: the model kept its
+    random init and training went on from it."""
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3))
+    fsdp_restore.save({"model": base.state_dict()}, tmp_path / "base.safetensors")
+    model = _lora_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RestoreError, match=r"none of the model's 8 tensors is in the file under the name the restore"
+                                           r" looks for, so strict=False would restore nothing .*key_map"):
+        fsdp_restore.restore_model(model, tmp_path / "base.safetensors", strict=False)  # (no key_map for `.base`)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # untouched
+    report = fsdp_restore.restore_model(model, tmp_path / "base.safetensors", strict=False,
+                                        key_map=[(r"^(\d+)\.base\.(weight|bias)$", r"\1.\2")])
+    assert report.tensors == 4 and sorted(report.missing) == ["0.lora_A", "0.lora_B", "1.lora_A", "1.lora_B"]
+    full = base.state_dict()  # the oracle: the source model itself
+    assert all(torch.equal(model.state_dict()[f"{i}.base.{w}"], full[f"{i}.{w}"]) for i in (0, 1) for w in ("weight", "bias"))
+    assert torch.equal(model[0].lora_A, before["0.lora_A"])  # the adapters as built
+
+
+@pytest.mark.parametrize("key_map, said", [
+    ([(r"^(\d+)\.bsae\.(weight|bias)$", r"\1.\2"), (r"^(\d+)\.base\.weight$", r"\1.weight")],
+     r"its entries '\^\(\\d\+\)\\.bsae\\.\(weight\|bias\)\$' match no model name"),
+    ({"0.base.weight": "0.weight", "1.base.weight": "1.wieght"}, r"it sent 1.base.weight -> '1.wieght' to names the file"),
+])
+def test_a_map_that_leaves_names_of_a_non_strict_restore_unread_is_warned_of(tmp_path, key_map, said):
+    """A typo in a key_map under strict=False restored part of the model, silently."""
+    import warnings
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3))
+    fsdp_restore.save({"model": base.state_dict()}, tmp_path / "base.safetensors")
+    with pytest.warns(UserWarning, match=rf"strict=False left \d+ of the model's tensors as built .*key_map may be"
+                                         rf" why: .*{said}"):
+        fsdp_restore.restore_model(_lora_model(), tmp_path / "base.safetensors", strict=False, key_map=key_map)
+    with pytest.raises(RestoreError, match="match no model name, so they rename nothing" if isinstance(key_map, list)
+                       else r"1.base.weight \(as '1.wieght'\)"):
+        fsdp_restore.restore_model(_lora_model(), tmp_path / "base.safetensors", key_map=key_map)
+    good = [(r"^(\d+)\.base\.(weight|bias)$", r"\1.\2")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # adapters left as built, as asked, and every entry used: nothing to say
+        fsdp_restore.restore_model(_lora_model(), tmp_path / "base.safetensors", strict=False, key_map=good)
