@@ -15,6 +15,7 @@ import json
 import os
 import pathlib
 import pickle
+import re
 import stat
 import warnings
 import zipfile
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import (ConvertError, FormatError, UnsafePickleError, allow_global_hint, allowed_global, first_line,
-                     allow_globals_argument, flag_argument, not_a_file, on_unsupported_argument,
+                     allow_globals_argument, flag_argument, main_hint, not_a_file, on_unsupported_argument,
                      thread_count_argument)
 from .flatten import flatten
 from .format import META_SOURCE, PT_SUFFIXES, SNIFF_BYTES, StoredDtype, is_legacy_torch_save
@@ -67,7 +68,8 @@ def _import_global(name: str) -> Any:
     try:
         found = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"cannot import allowed global '{name}': {e}") from None
+        main = f" ({main_hint(name)})" if module == "__main__" else ""
+        raise ValueError(f"cannot import allowed global '{name}': {e}{main}") from None
     return allowed_global(name, found)
 
 
@@ -259,6 +261,13 @@ def _load_error(path: Path, e: Exception) -> Exception:
     if "Unsupported global" in str(e) or "weights_only" in str(e):
         return UnsafePickleError(f"{path}: refused by the safe unpickler ({text}); pass --trust-pickle if you"
                                  " trust this file")
+    if isinstance(e, (AttributeError, ModuleNotFoundError)) and ("Can't get attribute" in text
+                                                                  or isinstance(e, ModuleNotFoundError)):
+        # (trust_pickle: the unpickler looked a class up and this process has none of that name)
+        found = re.search(r"Can't get attribute '([\w.]+)' on <module '[\w.]*__main__'", text)
+        main = f" {main_hint('__main__.' + found.group(1))}" if found else ""
+        return FormatError(path, f"the pickle names a class or module this process cannot find ({text}): load it"
+                                 f" where the code that saved it is importable.{main}")
     return FormatError(path, f"cannot load ({type(e).__name__}: {text}); truncated or corrupt?")
 
 

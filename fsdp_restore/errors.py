@@ -86,6 +86,24 @@ def allow_global_hint(names: list[str]) -> str:
     a class with the pickle's arguments (so only a data class may be allowed: a function, or a class of a module
     whose classes act, is refused at the door, `allowed_global`, and is not offered), ``--trust-pickle`` runs the
     whole pickle."""
+    main = [n for n in names if n.startswith("__main__.")]
+    if main:
+        return (f"{main_hint(main[0])} Allowed, a class is called with the pickle's arguments: allow only a data class"
+                " (a config, a dataclass). Such a value is not stored (only plain types are): on_unsupported='skip'"
+                " drops it")
+    return _allow_or_trust(names)
+
+
+def main_hint(name: str) -> str:
+    """Where a class the saving script defined itself (pickled under ``__main__``, which in any other process is
+    that process's own) can be loaded: from Python, where it is defined again."""
+    return (f"{name} is a class the script that saved the file defined itself: the fsdp-restore command cannot"
+            " import it (its __main__ is another), so convert from Python, in a script that defines or imports it"
+            f" under that name as the saving script did: fsdp_restore.convert(src, dst, allow_globals=['{name}'],"
+            " on_unsupported='skip').")
+
+
+def _allow_or_trust(names: list[str]) -> str:
     functions = [n for n in names if _imported_non_class(n)]
     allowable = [n for n in names if n.split(".", 1)[0] not in _ACTING_MODULES and n not in _ACTING_CLASSES
                  and n not in functions]

@@ -1100,3 +1100,27 @@ def test_sizes_and_names_given_as_other_types_are_taken(tmp_path):
     assert len(fsdp_restore.convert(tmp_path / "c.pt", tmp_path / "b", max_shard_size=np.int64(8)).files) == 2
     loaded = fsdp_restore.load_pt(tmp_path / "c.pt", allow_globals=OmegaConf.create(["datetime.timedelta"]))
     assert torch.equal(loaded["model"]["w"], torch.ones(3))
+
+
+def test_a_class_of_the_saving_script_is_said_to_need_that_script(tmp_path):
+    """A training script's own config class is pickled as __main__.Cfg. The CLI's hints (--allow-global, then
+    --trust-pickle, which said "truncated or corrupt?") could not work: the command's __main__ is another. Each
+    error now gives the route that does, which is then taken: from Python, where the class is defined again."""
+    saving = ("import torch\nclass Cfg:\n    def __init__(self):\n        self.lr = 0.5\n"
+              f"torch.save({{'model': {{'w': torch.arange(3.0)}}, 'cfg': Cfg()}}, {str(tmp_path / 'c.pt')!r})\n")
+    subprocess.run([sys.executable, "-c", saving], check=True)
+    for extra in ([], ["--allow-global", "__main__.Cfg"], ["--trust-pickle"]):
+        res = subprocess.run([sys.executable, "-m", "fsdp_restore", "convert", str(tmp_path / "c.pt"),
+                              str(tmp_path / "o.safetensors"), *extra], capture_output=True, text=True)
+        assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr
+        assert "__main__.Cfg is a class the script that saved the file defined itself" in res.stderr, res.stderr
+        assert "allow_globals=['__main__.Cfg'], on_unsupported='skip'" in res.stderr
+        assert "truncated or corrupt" not in res.stderr
+    loading = saving.split("torch.save")[0] + (
+        "import fsdp_restore\n"
+        f"fsdp_restore.convert({str(tmp_path / 'c.pt')!r}, {str(tmp_path / 'o.safetensors')!r},"
+        " allow_globals=['__main__.Cfg'], on_unsupported='skip')\n")
+    subprocess.run([sys.executable, "-c", loading], check=True, capture_output=True)
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(tmp_path / "o.safetensors")["model.w"], torch.arange(3.0))
