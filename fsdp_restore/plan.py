@@ -12,7 +12,7 @@ checked against the model's own storage before any byte is read (`check.validate
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -79,7 +79,8 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, prefix: str | None, strict
 
 def _judge_key_map(plan: ReadPlan, key_map: KeyMap, names: list[str], *, strict: bool) -> None:
     """Where names were not restored (missing, unexpected), what of ``key_map`` may be why: its entries that meet no
-    model name (a typo renames nothing) and, with ``strict=False``, the names it sent to keys the file does not hold.
+    model name (a typo renames nothing) and, with ``strict=False``, the names a dict sent to keys the file does not
+    hold.
     Said with the problems under ``strict``; a warning without it (the names are left as built, as asked)."""
     report = plan.model_report
     assert report is not None
@@ -89,8 +90,10 @@ def _judge_key_map(plan: ReadPlan, key_map: KeyMap, names: list[str], *, strict:
         if unused and ("missing" in plan.problems or "unexpected" in plan.problems):
             plan.add_problem("key_map", f"its entries {shown} match no model name, so they rename nothing")
         return
+    # (a dict's entries are names one by one; a pattern's or a function's renaming of a name left out on purpose,
+    # such as an adapter's under a prefix a LoRA wrapper adds, is not a sign of a typo)
     sent = [f"{name} -> '{plan.stored_as[name]}'" for name in report.missing
-            if plan.stored_as.get(name, name) != name]
+            if plan.stored_as.get(name, name) != name] if isinstance(key_map, Mapping) else []
     if not report.missing or not (unused or sent):
         return
     said = ([f"it sent {', '.join(sent[:5])}{f' and {len(sent) - 5} more' if len(sent) > 5 else ''} to names the"
