@@ -565,8 +565,14 @@ class _Comparer:
                                        and isinstance(out, dict)):
             hint = ("; if the checkpoint was converted with --select, pass the same --select to verify"
                     if path == "" and not self.select else "")
+            both_mappings = isinstance(src, dict) and isinstance(out, dict)
+            if both_mappings:  # (a dict for an OrderedDict: what they hold is compared too, below)
+                hint += ("; a file save_sharded wrote holds plain dicts, where torch.save(model.state_dict()) holds"
+                         " an OrderedDict: the items are compared all the same")
             self.problems.append((path or "<root>",
                                   f"{type(out).__qualname__} but the source has {t.__qualname__}{hint}"))
+            if both_mappings:
+                self._mapping(path, parts, list(src.items()), list(out.items()))
         elif isinstance(src, torch.Tensor):
             self._tensor(path, src, out)
         elif t is np.ndarray:

@@ -618,3 +618,21 @@ def test_a_changed_0_dim_value_of_a_source_held_in_pieces_is_named(tmp_path):
     _judge_cast(report, "step", Checkpoint(path), source, _CastStats(changed=True))
     ((key, text),) = report.problems
     assert key == "step" and "changed this 0-dim value (3.0999999046325684 -> 3.09375)" in text
+
+
+def test_a_dict_for_an_ordered_dict_is_named_and_what_they_hold_still_compared(tmp_path):
+    """save_sharded writes plain dicts; torch.save(model.state_dict()) holds an OrderedDict. verify said only
+    "dict but the source has OrderedDict", and compared nothing under it: a value that differed went unsaid."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    torch.save({"model": model.state_dict(), "step": 2}, tmp_path / "ref.pt")
+    fsdp_restore.save_sharded(model, tmp_path / "saved.safetensors", extra={"step": 2})
+    report = verify(tmp_path / "saved.safetensors", against=tmp_path / "ref.pt")
+    assert report.compared == 4 and len(report.problems) == 1, report.problems
+    where, what = report.problems[0]
+    assert where == "model" and what.startswith("dict but the source has OrderedDict") and "save_sharded" in what
+    with torch.no_grad():
+        model[1].bias[0] += 1
+    torch.save({"model": model.state_dict(), "step": 2}, tmp_path / "ref.pt")
+    report = verify(tmp_path / "saved.safetensors", against=tmp_path / "ref.pt")
+    assert [where for where, _ in report.problems] == ["model", "model.1.bias"], report.problems
