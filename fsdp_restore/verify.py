@@ -565,7 +565,8 @@ class _Comparer:
                                        and isinstance(out, dict)):
             hint = ("; if the checkpoint was converted with --select, pass the same --select to verify"
                     if path == "" and not self.select else "")
-            both_mappings = isinstance(src, dict) and isinstance(out, dict)
+            # (at the root without --select, a subtree converted alone is the likelier cause: said above)
+            both_mappings = isinstance(src, dict) and isinstance(out, dict) and not hint
             if both_mappings:  # (a dict for an OrderedDict: what they hold is compared too, below)
                 hint += ("; a file save_sharded wrote holds plain dicts, where torch.save(model.state_dict()) holds"
                          " an OrderedDict: the items are compared all the same")
