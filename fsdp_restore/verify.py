@@ -563,13 +563,17 @@ class _Comparer:
             return
         if t is not type(out) and not (path == "" and not self.structured and isinstance(src, dict)
                                        and isinstance(out, dict)):
-            hint = ("; if the checkpoint was converted with --select, pass the same --select to verify"
-                    if path == "" and not self.select else "")
-            # (at the root without --select, a subtree converted alone is the likelier cause: said above)
-            both_mappings = isinstance(src, dict) and isinstance(out, dict) and not hint
-            if both_mappings:  # (a dict for an OrderedDict: what they hold is compared too, below)
-                hint += ("; a file save_sharded wrote holds plain dicts, where torch.save(model.state_dict()) holds"
-                         " an OrderedDict: the items are compared all the same")
+            # a dict for an OrderedDict under the same names (what they hold is compared too, below); at the root,
+            # other names mean a subtree converted alone, or a --select that does not fit the file (said elsewhere)
+            both_mappings = (isinstance(src, dict) and isinstance(out, dict)
+                             and (path != "" or list(src) == list(out)))
+            hint = ("; a file save_sharded wrote holds plain dicts, where torch.save(model.state_dict()) holds an"
+                    " OrderedDict: what they hold is compared all the same" if both_mappings else
+                    "; if the checkpoint was converted with --select, pass the same --select to verify"
+                    if path == "" and not self.select else
+                    f"; the checkpoint holds '{self.select}' itself: it was converted without --select. Drop --select"
+                    " to compare the whole file" if path == "" and isinstance(out, dict)
+                    and self.select.split(".", 1)[0] in out else "")
             self.problems.append((path or "<root>",
                                   f"{type(out).__qualname__} but the source has {t.__qualname__}{hint}"))
             if both_mappings:

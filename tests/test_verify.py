@@ -630,9 +630,14 @@ def test_a_dict_for_an_ordered_dict_is_named_and_what_they_hold_still_compared(t
     report = verify(tmp_path / "saved.safetensors", against=tmp_path / "ref.pt")
     assert report.compared == 4 and len(report.problems) == 1, report.problems
     where, what = report.problems[0]
-    assert where == "model" and what.startswith("dict but the source has OrderedDict") and "save_sharded" in what
+    assert where == "model" and what.startswith("dict but the source has OrderedDict") and "save_sharded" in what and "--select" not in what
     with torch.no_grad():
         model[1].bias[0] += 1
     torch.save({"model": model.state_dict(), "step": 2}, tmp_path / "ref.pt")
     report = verify(tmp_path / "saved.safetensors", against=tmp_path / "ref.pt")
     assert [where for where, _ in report.problems] == ["model", "model.1.bias"], report.problems
+    # the whole file against a --select of its source: said as what it is, not "dict but the source has OrderedDict"
+    torch.save({"model": model.state_dict(), "step": 2}, tmp_path / "whole.pt")
+    fsdp_restore.convert(tmp_path / "whole.pt", tmp_path / "whole.safetensors")
+    report = verify(tmp_path / "whole.safetensors", against=tmp_path / "whole.pt", select="model")
+    assert len(report.problems) == 1 and "it was converted without --select. Drop --select" in report.problems[0][1]
