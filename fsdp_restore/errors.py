@@ -87,11 +87,12 @@ def allow_global_hint(names: list[str]) -> str:
     whose classes act, is refused at the door, `allowed_global`, and is not offered), ``--trust-pickle`` runs the
     whole pickle."""
     main = [n for n in names if n.startswith("__main__.")]
-    if main:
-        return (f"{main_hint(main[0])} Allowed, a class is called with the pickle's arguments: allow only a data class"
-                " (a config, a dataclass). Such a value is not stored (only plain types are): on_unsupported='skip'"
-                " drops it")
-    return _allow_or_trust(names)
+    if not main:
+        return _allow_or_trust(names)
+    rest = [n for n in names if not n.startswith("__main__.")]
+    return (f"{main_hint(main[0])} Allowed, a class is called with the pickle's arguments: allow only a data class"
+            " (a config, a dataclass). Such a value is not stored (only plain types are): on_unsupported='skip'"
+            " drops it" + (f". Of {', '.join(rest)}: {_allow_or_trust(rest)}" if rest else ""))
 
 
 def main_hint(name: str) -> str:

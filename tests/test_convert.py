@@ -1124,3 +1124,12 @@ def test_a_class_of_the_saving_script_is_said_to_need_that_script(tmp_path):
     from safetensors.torch import load_file
 
     assert torch.equal(load_file(tmp_path / "o.safetensors")["model.w"], torch.arange(3.0))
+
+
+def test_a_class_of_the_saving_script_beside_other_globals_keeps_their_hint():
+    from fsdp_restore.errors import allow_global_hint
+
+    text = allow_global_hint(["__main__.Cfg", "mylib.Config"])
+    assert text.startswith("__main__.Cfg is a class the script that saved the file defined itself")
+    assert "Of mylib.Config: If it is a data class you know" in text and "--allow-global mylib.Config" in text
+    assert "--allow-global __main__" not in text  # (the command cannot import it: not offered)
