@@ -261,8 +261,7 @@ def _load_error(path: Path, e: Exception) -> Exception:
     if "Unsupported global" in str(e) or "weights_only" in str(e):
         return UnsafePickleError(f"{path}: refused by the safe unpickler ({text}); pass --trust-pickle if you"
                                  " trust this file")
-    if isinstance(e, (AttributeError, ModuleNotFoundError)) and ("Can't get attribute" in text
-                                                                  or isinstance(e, ModuleNotFoundError)):
+    if isinstance(e, ModuleNotFoundError) or (isinstance(e, AttributeError) and "Can't get attribute" in text):
         # (trust_pickle: the unpickler looked a class up and this process has none of that name)
         found = re.search(r"Can't get attribute '([\w.]+)' on <module '[\w.]*__main__'", text)
         main = f" {main_hint('__main__.' + found.group(1))}" if found else ""

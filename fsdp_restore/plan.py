@@ -59,7 +59,8 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, prefix: str | None, strict
         raise FsdpRestoreError(f"parameters on the meta device ({', '.join(on_meta[:5])}...): materialize the model"
                                " with model.to_empty(device=...) before restoring (then fsdp_restore."
                                "init_non_persistent_buffers(model) for buffers that no checkpoint holds)")
-    stored_as, map_problems = key_maps.apply(key_map, [t.name for t in targets] + list(aliases), same=aliases)
+    names = [t.name for t in targets] + list(aliases)
+    stored_as, map_problems = key_maps.apply(key_map, names, same=aliases)
     plan.stored_as = stored_as
     for text in map_problems:
         plan.add_problem("key_map", text)
@@ -69,7 +70,7 @@ def build_plan(model: nn.Module, ckpt: Checkpoint, *, prefix: str | None, strict
         _plan_extra_states(plan, extra_state_modules(model, "set_extra_state", modules), ckpt, prefix, key_map,
                            strict=strict)
         if key_map is not None:
-            _judge_key_map(plan, key_map, [t.name for t in targets] + list(aliases), strict=strict)
+            _judge_key_map(plan, key_map, names, strict=strict)
     if optimizer is not None:
         plan.optim_report = RestoreReport(prefix=optim_prefix, method="optimizer")
         plan.optim = OptimizerPlan(optimizer)
@@ -84,23 +85,29 @@ def _judge_key_map(plan: ReadPlan, key_map: KeyMap, names: list[str], *, strict:
     Said with the problems under ``strict``; a warning without it (the names are left as built, as asked)."""
     report = plan.model_report
     assert report is not None
+    unrestored = ("missing" in plan.problems or "unexpected" in plan.problems) if strict else bool(report.missing)
+    if not unrestored:
+        return  # every name restored: nothing for the map to explain (and no pass of its patterns over the names)
     unused = key_maps.unused_entries(key_map, names)
-    shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
     if strict:
-        if unused and ("missing" in plan.problems or "unexpected" in plan.problems):
-            plan.add_problem("key_map", f"its entries {shown} match no model name, so they rename nothing")
+        if unused:
+            plan.add_problem("key_map", f"its entries {_first(unused, 5)} match no model name, so they rename nothing")
         return
     # (a dict's entries are names one by one; a pattern's or a function's renaming of a name left out on purpose,
     # such as an adapter's under a prefix a LoRA wrapper adds, is not a sign of a typo)
     sent = [f"{name} -> '{plan.stored_as[name]}'" for name in report.missing
             if plan.stored_as.get(name, name) != name] if isinstance(key_map, Mapping) else []
-    if not report.missing or not (unused or sent):
+    if not (unused or sent):
         return
-    said = ([f"it sent {', '.join(sent[:5])}{f' and {len(sent) - 5} more' if len(sent) > 5 else ''} to names the"
-             " file does not hold"] if sent else []) + ([f"its entries {shown} match no model name"] if unused else [])
+    said = ([f"it sent {_first(sent, 5)} to names the file does not hold"] if sent else []) + (
+        [f"its entries {_first(unused, 5)} match no model name"] if unused else [])
     plan.warnings.append(f"strict=False left {len(report.missing)} of the model's tensors as built"
                          f" ({', '.join(report.missing[:3])}{', ...' if len(report.missing) > 3 else ''}), and key_map"
                          f" may be why: {'; '.join(said)}")
+
+
+def _first(items: Sequence[str], n: int) -> str:
+    return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
 
 
 def _plan_extra_states(plan: ReadPlan, modules: dict[str, nn.Module], ckpt: Checkpoint, prefix: str,

@@ -564,18 +564,11 @@ class _Comparer:
         if t is not type(out) and not (path == "" and not self.structured and isinstance(src, dict)
                                        and isinstance(out, dict)):
             # a dict for an OrderedDict under the same names (what they hold is compared too, below); at the root,
-            # other names mean a subtree converted alone, or a --select that does not fit the file (said elsewhere)
+            # other names mean a subtree converted alone, or a --select that does not fit the file
             both_mappings = (isinstance(src, dict) and isinstance(out, dict)
                              and (path != "" or list(src) == list(out)))
-            hint = ("; a file save_sharded wrote holds plain dicts, where torch.save(model.state_dict()) holds an"
-                    " OrderedDict: what they hold is compared all the same" if both_mappings else
-                    "; if the checkpoint was converted with --select, pass the same --select to verify"
-                    if path == "" and not self.select else
-                    f"; the checkpoint holds '{self.select}' itself: it was converted without --select. Drop --select"
-                    " to compare the whole file" if path == "" and isinstance(out, dict)
-                    and self.select.split(".", 1)[0] in out else "")
-            self.problems.append((path or "<root>",
-                                  f"{type(out).__qualname__} but the source has {t.__qualname__}{hint}"))
+            self.problems.append((path or "<root>", f"{type(out).__qualname__} but the source has {t.__qualname__}"
+                                                    f"{self._kind_hint(path, out, both_mappings)}"))
             if both_mappings:
                 self._mapping(path, parts, list(src.items()), list(out.items()))
         elif isinstance(src, torch.Tensor):
@@ -593,6 +586,20 @@ class _Comparer:
                 self.walk(a, b, _join(path, i), (*parts, ("item", i)))
         elif not self._same_value(src, out):
             self.problems.append((path or "<root>", f"value {out!r:.60} but the source has {src!r:.60}"))
+
+    def _kind_hint(self, path: str, out: Any, both_mappings: bool) -> str:
+        """What a value of another kind than the source's at ``path`` likely means."""
+        if both_mappings:
+            return ("; a file save_sharded wrote holds plain dicts, where torch.save(model.state_dict()) holds an"
+                    " OrderedDict: what they hold is compared all the same")
+        if path:
+            return ""
+        if not self.select:
+            return "; if the checkpoint was converted with --select, pass the same --select to verify"
+        if isinstance(out, dict) and self.select.split(".", 1)[0] in out:
+            return (f"; the checkpoint holds '{self.select}' itself: it was converted without --select. Drop --select"
+                    " to compare the whole file")
+        return ""
 
     @staticmethod
     def _same_value(a: Any, b: Any) -> bool:
