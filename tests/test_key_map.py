@@ -415,3 +415,27 @@ def test_a_map_that_leaves_names_of_a_non_strict_restore_unread_is_warned_of(tmp
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # adapters left as built, as asked, and every entry used: nothing to say
         fsdp_restore.restore_model(_lora_model(), tmp_path / "base.safetensors", strict=False, key_map=good)
+
+
+def _restore_nothing_sharded(rank, world_size, path):
+    from torch.distributed.fsdp import fully_shard
+
+    model = _lora_model()
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    before = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RestoreError) as info:
+        fsdp_restore.restore_model(model, path, strict=False)
+    untouched = all(torch.equal(v.full_tensor(), before[k]) for k, v in model.state_dict().items())
+    return str(info.value), untouched
+
+
+def test_a_non_strict_restore_that_would_restore_nothing_fails_on_every_rank_alike(tmp_path):
+    """The same error on both ranks of an FSDP2 model, the model untouched on each."""
+    torch.manual_seed(0)
+    fsdp_restore.save({"model": torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3)).state_dict()},
+                      tmp_path / "base.safetensors")
+    results = run_ranks(_restore_nothing_sharded, 2, str(tmp_path / "base.safetensors"))
+    assert all(untouched for _, untouched in results)
+    assert results[0][0] == results[1][0] and "strict=False would restore nothing" in results[0][0]
