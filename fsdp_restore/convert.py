@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import (ConvertError, FormatError, UnsafePickleError, allow_global_hint, allowed_global, first_line,
+from .errors import (ConvertError, FormatError, RefusedGlobalsError, UnsafePickleError, allow_global_hint, allowed_global, first_line,
                      allow_globals_argument, flag_argument, main_hint, not_a_file, on_unsupported_argument,
                      thread_count_argument)
 from .flatten import flatten
@@ -144,14 +144,62 @@ def load_pt(path: str | os.PathLike[str], *, trust_pickle: bool = False, allow_g
     ``trust_pickle=True`` runs the pickle as plain ``torch.load`` would: only for files you trust. Legacy
     (non-zip) files cannot be memory-mapped and load fully, with a warning.
     """
-    from . import torch_zip
-    import torch
-
     flag_argument("trust_pickle", trust_pickle)
     flag_argument("mmap", mmap)
     allow_globals = _listed(allow_globals)
     allow_globals_argument(allow_globals)
+    return _load_pt(Path(path), trust_pickle=trust_pickle, extra=[_import_global(n) for n in allow_globals], mmap=mmap)
+
+
+def load_selected(path: str | os.PathLike[str], select: str | None, *, trust_pickle: bool = False,
+                  allow_globals: Sequence[str] = ()) -> Any:
+    """The part ``select`` of a ``torch.save`` file (`load_pt`, then `select_subtree`; all of it where ``select``
+    is None). Where the pickle names globals outside the allowlist, a part that holds none of them is still
+    loaded, without trusting the file: the file is built again by torch's weights-only unpickler with each of those
+    globals an inert stand-in (`inert`), and the part is returned if no stand-in is inside it. Else (or without
+    ``select``) `UnsafePickleError` names the globals, and, where some top-level parts of the file hold tensors and
+    none of them, says that ``select`` of one of those would load."""
+    flag_argument("trust_pickle", trust_pickle)
+    allow_globals = _listed(allow_globals)
+    allow_globals_argument(allow_globals)
     path = Path(path)
+    extra = [_import_global(n) for n in allow_globals]
+    try:
+        return select_subtree(_load_pt(path, trust_pickle=trust_pickle, extra=extra), select, source=path)
+    except RefusedGlobalsError as e:
+        if trust_pickle:
+            raise
+        refused, refusal = e.names, e
+    from .inert import holds_tensor, inert_aliases, inert_within
+
+    if select is None:  # which parts would load: a hint, never a second failure
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                root = _load_pt(path, trust_pickle=False, extra=extra + inert_aliases(refused))
+        except Exception:  # noqa: BLE001 - no hint then
+            raise refusal from None
+        clean = [k for k, v in root.items() if isinstance(k, str) and holds_tensor(v) and not inert_within(v)] if (
+            isinstance(root, dict)) else []
+        if not clean:
+            raise refusal from None
+        raise RefusedGlobalsError(_refused_message(path, refused, clean), refused) from None
+    part = select_subtree(_load_pt(path, trust_pickle=False, extra=extra + inert_aliases(refused)), select,
+                          source=path)
+    inside = inert_within(part)
+    if inside:
+        raise RefusedGlobalsError(
+            f"{path}: the part '{select}' holds objects of {', '.join(inside)}, which loading would import and may"
+            f" call (arbitrary code execution). {allow_global_hint(inside)}", inside)
+    return part
+
+
+def _load_pt(path: Path, *, trust_pickle: bool, extra: list[Any], mmap: bool = True) -> Any:
+    """`load_pt` of arguments already checked (``extra``: the allowed globals beyond `_allowlist`, objects or
+    ``(object, "module.Name")`` aliases)."""
+    from . import torch_zip
+    import torch
+
     if not path.is_file():
         raise not_a_file(path)
     with open(path, "rb") as f:
@@ -175,7 +223,6 @@ def load_pt(path: str | os.PathLike[str], *, trust_pickle: bool = False, allow_g
         # neither torch.save's zip nor its legacy pickle (torch's magic number first): not a "legacy file"
         raise FormatError(path, f"not a torch.save file (it starts with {magic!r}: neither a zip archive nor a"
                                 " legacy torch.save pickle); is it the file you meant?")
-    extra = [_import_global(n) for n in allow_globals]
     if is_zip and mmap and not trust_pickle:
         try:  # the common case, without torch.load's cost per tensor; the same result and the same refusals
             with _gc_paused():
@@ -186,7 +233,7 @@ def load_pt(path: str | os.PathLike[str], *, trust_pickle: bool = False, allow_g
     if is_zip and not stored:
         # torch's mmap path would take the compressed bytes as tensor data: read (and inflate) it whole instead
         warnings.warn(f"{path}: its zip members are DEFLATE-compressed, which cannot be memory-mapped; loading it"
-                      " fully into memory (torch.save writes them uncompressed: re-save it to stream)", stacklevel=2)
+                      " fully into memory (torch.save writes them uncompressed: re-save it to stream)", stacklevel=3)
     if not trust_pickle:
         hint = weights_only_refusal_hint(path)
         if hint:
@@ -236,22 +283,41 @@ def _load_stored_zip(path: Path, extra: list[Any]) -> Any:
         raise _load_error(path, e) from None
 
 
-def _refuse_unsafe_globals(path: Path, extra: list[Any]) -> None:
-    """`UnsafePickleError` listing the globals the pickle names outside torch's and our allowlists (read without
-    unpickling); `FormatError` if the archive or its pickle cannot be read."""
+def refused_globals(path: str | os.PathLike[str], extra: Sequence[Any] = ()) -> list[str]:
+    """The globals the pickle of zip-format ``path`` names outside torch's and our allowlists and ``extra``
+    (objects, or ``(object, "module.Name")`` aliases), sorted, found by torch's own scan of the pickle (nothing is
+    unpickled); `FormatError` if the archive or its pickle cannot be read."""
     import torch
 
     try:
         needed = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
     except Exception as e:  # a corrupt zip or pickle stream
         raise FormatError(path, f"cannot read the torch.save archive ({type(e).__name__}: {e})") from None
-    allowed = {_global_name(o) for o in _allowlist() + extra}
+    allowed = {o[1] if isinstance(o, tuple) else _global_name(o) for o in [*_allowlist(), *extra]}
     # numpy moved numpy.core to numpy._core; pickles name either.
-    refused = [g for g in needed if g not in allowed and g.replace("numpy.core.", "numpy._core.") not in allowed]
+    return sorted(g for g in needed if g not in allowed and g.replace("numpy.core.", "numpy._core.") not in allowed)
+
+
+def _refuse_unsafe_globals(path: Path, extra: list[Any]) -> None:
+    """`RefusedGlobalsError` listing the globals the pickle names outside torch's and our allowlists
+    (`refused_globals`); `FormatError` if the archive or its pickle cannot be read."""
+    refused = refused_globals(path, extra)
     if refused:
-        raise UnsafePickleError(
-            f"{path}: the pickle references {', '.join(sorted(refused))}, which loading would import and"
-            f" may call (arbitrary code execution). {allow_global_hint(sorted(refused))}")
+        raise RefusedGlobalsError(_refused_message(path, refused), refused)
+
+
+def _refused_message(path: Path, refused: list[str], clean: Sequence[str] = ()) -> str:
+    """The refusal of ``refused`` globals; ``clean``: the top-level parts of the file that hold tensors and none of
+    them (`load_selected`), offered first."""
+    parts = ""
+    if clean:
+        listed = ", ".join(f"'{k}'" for k in clean[:6]) + (f" and {len(clean) - 6} more" if len(clean) > 6 else "")
+        one = len(clean) == 1
+        parts = (f" The file's {listed} hold{'s' if one else ''} tensors and none of them: select {'it' if one else 'one'}"
+                 f" (--select {clean[0]}, select='{clean[0]}') and the rest is left unloaded, nothing of it imported"
+                 " or run. Or:")
+    return (f"{path}: the pickle references {', '.join(refused)}, which loading would import and may call (arbitrary"
+            f" code execution).{parts} {allow_global_hint(refused)}")
 
 
 def _load_error(path: Path, e: Exception) -> Exception:
@@ -628,7 +694,9 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
     per thread at a time (``thread_count``, default: every core, at least 4 and at most 16), cast if asked and
     written with ``O_DIRECT`` where the file system allows it, so anonymous memory stays near
     ``thread_count x 32 MB``. ``select`` keeps one subtree (``"model"`` writes the weights with plain keys a
-    ``load_state_dict`` accepts). ``progress(done_bytes, total_bytes)`` is called as data is written.
+    ``load_state_dict`` accepts); of a ``.pt``, it loads even where the rest of the file holds objects the safe
+    unpickler refuses, as inert stand-ins that run nothing (`load_selected`). ``progress(done_bytes, total_bytes)``
+    is called as data is written.
 
     ``src`` may also be a DeepSpeed ZeRO checkpoint directory (stages 1-3; ``tag`` picks a tag, default:
     ``latest``), consolidated into the same format: the fp32 master weights, frozen parameters and buffers
@@ -730,8 +798,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: 
                 source = SourceRecords(src, archive, unchecked=None if archive else _why_unchecked(src))
                 if archive is not None:
                     source.small_checked = check_small_records(src, archive)
-            obj = select_subtree(load_pt(src, trust_pickle=trust_pickle, allow_globals=allow_globals), select,
-                                 source=src)
+            obj = load_selected(src, select, trust_pickle=trust_pickle, allow_globals=allow_globals)
             tensors, structure = flatten(obj, on_unsupported=on_unsupported)  # type: ignore[arg-type]
             _same_file(src, before, os.stat(src))  # what torch.load read by its path is the file of ``fd``
             mapping = mapped.MappedFile(src, fd)

@@ -64,6 +64,14 @@ class UnsafePickleError(FsdpRestoreError):
     """A .pt file needs pickle globals outside the allowlist; loading it could execute code."""
 
 
+class RefusedGlobalsError(UnsafePickleError):
+    """An `UnsafePickleError` that knows which globals were refused (``names``: "module.Name" each)."""
+
+    def __init__(self, message: str, names: list[str]) -> None:
+        self.names = names
+        super().__init__(message)
+
+
 def first_line(e: BaseException) -> str:
     """The first line of an exception's message (torch's run to paragraphs), or its type's name when it has none."""
     text = str(e).strip()

@@ -385,6 +385,38 @@ def _load_pt_as_torch_does(path: str | os.PathLike[str], trust_pickle: bool, all
         return torch.load(path, **kwargs)
 
 
+def _source_part(path: Any, select: str | None, trust_pickle: bool, allowed: Sequence[Any]) -> Any:
+    """The part ``select`` of the source as ``torch.load`` returns it (`_load_pt_as_torch_does`). Where torch's
+    weights-only unpickler refuses a global and a part is selected, the file is loaded again by it with each refused
+    global an inert stand-in (`inert`, as convert's `load_selected` does, so that a part converted without
+    the globals around it verifies the same way), and the part is compared if no stand-in is inside it."""
+    try:
+        try:
+            return _select(_load_pt_as_torch_does(path, trust_pickle, allowed), select)
+        except KeyError as e:
+            if trust_pickle:  # the file's own code raised it
+                raise RuntimeError(f"KeyError: {e}") from None
+            raise _NoPickle(f"unknown pickle opcode {e}") from None  # weights-only: bytes that are no pickle
+    except Exception as e:
+        if select is None or trust_pickle or "Unsupported global" not in str(e) or not zipfile.is_zipfile(path):
+            raise
+        refusal = e
+    from .convert import refused_globals
+    from .inert import inert_aliases, inert_within
+
+    refused = refused_globals(path, allowed)
+    if not refused:
+        raise refusal
+    part = _select(_load_pt_as_torch_does(path, False, [*allowed, *inert_aliases(refused)]), select)
+    inside = inert_within(part)
+    if inside:
+        raise FsdpRestoreError(f"the part '{select}' holds objects of {', '.join(inside)}, which torch.load's"
+                               " weights-only unpickler refuses; pass the classes convert was allowed with"
+                               " --allow-global (allow_globals=), or, if you trust the file, --trust-pickle"
+                               " (trust_pickle=True)")
+    return part
+
+
 def _whole_torch_zip(path: Any) -> bool:
     """A zip archive with its directory and a pickle record, as torch.save writes one (or a legacy file, which is
     no zip: its failures are the pickle's, not the container's)."""
@@ -833,13 +865,7 @@ def _verify_open(ckpt: Checkpoint, report: VerifyReport, against: Any, select: s
             if _is_sharded_source(against):
                 src_tensors, src_structure = _sharded_source(against, select, tag, (trust_pickle, allowed))
             else:
-                try:
-                    src_whole = _load_pt_as_torch_does(against, trust_pickle, allowed)
-                except KeyError as e:
-                    if trust_pickle:  # the file's own code raised it
-                        raise RuntimeError(f"KeyError: {e}") from None
-                    raise _NoPickle(f"unknown pickle opcode {e}") from None  # weights-only: bytes that are no pickle
-                src_obj = _select(src_whole, select)
+                src_obj = _source_part(against, select, trust_pickle, allowed)
         except FsdpRestoreError as e:
             report.problems.append((str(against), str(e)))
             return

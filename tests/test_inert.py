@@ -1,0 +1,140 @@
+"""A part of a torch.save file (``select``) loaded while the rest of the file names globals the weights-only unpickler
+refuses: a training script's own config class, an omegaconf DictConfig, an enum, and a call that would leave a
+marker file behind if anything ran it. The weights are compared bit for bit with what the saving script wrote
+through safetensors' own writer, read with safetensors' own reader."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import fsdp_restore
+from fsdp_restore.errors import UnsafePickleError
+from fsdp_restore.inert import inert_aliases, inert_within
+
+DEFINITIONS = """
+import dataclasses, enum, sys
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import save_file
+
+out, marker = sys.argv[1], sys.argv[2]
+
+@dataclasses.dataclass
+class Cfg:
+    lr: float = 3e-4
+    layers: int = 2
+
+class Stage(enum.Enum):
+    PRETRAIN = 1
+
+def touch(path):  # what a hostile pickle would run
+    open(path, "w").write("ran")
+
+class Trap:
+    def __reduce__(self):
+        return (touch, (marker,))
+"""
+SAVING = DEFINITIONS + """
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.LayerNorm(3))
+model = net.state_dict()  # an OrderedDict with its _metadata, as people save it
+model["emb"] = torch.randn(7, 4).to(torch.bfloat16)
+model["steps"] = torch.tensor(12, dtype=torch.int64)
+torch.save({"model": model, "optimizer": {"state": {0: {"exp_avg": torch.randn(3, 5)}}, "param_groups": [{"lr": 0.1}]},
+            "config": Cfg(), "hydra": OmegaConf.create({"model": {"dim": 8, "sizes": [1, 2]}}),
+            "stage": Stage.PRETRAIN, "trap": Trap(), "epoch": 3}, out)
+save_file({k: v.contiguous() for k, v in model.items()}, out + ".oracle.safetensors")
+"""
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    d = tmp_path_factory.mktemp("inert")
+    src, marker = d / "run.pt", d / "marker"
+    subprocess.run([sys.executable, "-c", SAVING, str(src), str(marker)], check=True)
+    assert not marker.exists()
+    return src, marker, load_file(f"{src}.oracle.safetensors")
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1).view(torch.uint8),
+                                                                     b.view(-1).view(torch.uint8))
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fsdp_restore", *args], capture_output=True, text=True)
+
+
+def test_the_weights_convert_while_the_rest_names_refused_globals_and_nothing_of_it_runs(saved, tmp_path):
+    src, marker, oracle = saved
+    fsdp_restore.convert(src, tmp_path / "py.safetensors", select="model")
+    res = _cli("convert", str(src), str(tmp_path / "cli.safetensors"), "--select", "model")
+    assert res.returncode == 0, res.stderr
+    for name in ("py", "cli"):
+        out = load_file(tmp_path / f"{name}.safetensors")
+        assert sorted(out) == sorted(oracle)
+        assert all(_same_bits(out[k], oracle[k]) for k in oracle)
+    res = _cli("verify", str(tmp_path / "cli.safetensors"), "--against", str(src), "--select", "model")
+    assert res.returncode == 0 and "identical" in res.stdout, res.stdout + res.stderr
+    fsdp_restore.convert(src, tmp_path / "optim.safetensors", select="optimizer")  # another part, the same way
+    assert not marker.exists()  # nothing the pickle names outside the part was imported or called
+    # the trap is live: loading the file trusted, where its classes are defined, runs it (so the check above can fail)
+    subprocess.run([sys.executable, "-c", DEFINITIONS + "torch.load(out, weights_only=False)\n", str(src), str(marker)],
+                   check=True)
+    assert marker.read_text() == "ran"
+    marker.unlink()
+
+
+@pytest.mark.parametrize("on_unsupported", ["error", "skip"])
+def test_a_part_that_holds_a_refused_global_is_refused_naming_each_inside_it(saved, tmp_path, on_unsupported):
+    """Even with on_unsupported='skip': a stand-in is not the value (a DictConfig would have been stored as the
+    mapping it is, with the class allowed), so dropping it would write another file than the allowed load does."""
+    src, marker, _ = saved
+    with pytest.raises(UnsafePickleError) as e:
+        fsdp_restore.convert(src, tmp_path / "o.safetensors", select="hydra", on_unsupported=on_unsupported)
+    text = str(e.value)
+    assert "the part 'hydra' holds objects of" in text
+    # the config's own class and the ones its state names, nested in it; not those of the other parts
+    assert "omegaconf.dictconfig.DictConfig" in text and "omegaconf.nodes.AnyNode" in text
+    assert "__main__.Cfg" not in text and "__main__.touch" not in text
+    assert "--allow-global " in text and "--trust-pickle" in text
+    assert not (tmp_path / "o.safetensors").exists() and not marker.exists()
+    res = _cli("convert", str(src), str(tmp_path / "o.safetensors"), "--select", "trap")
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert "the part 'trap' holds objects of __main__.touch" in res.stderr
+    res = _cli("verify", str(tmp_path / "o.safetensors"), "--against", str(src), "--select", "config")
+    assert res.returncode != 0
+    assert not marker.exists()
+
+
+def test_the_refusal_of_the_whole_file_offers_the_parts_that_would_load(saved, tmp_path):
+    src, marker, _ = saved
+    res = _cli("convert", str(src), str(tmp_path / "o.safetensors"))
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    text = " ".join(res.stderr.split())
+    assert "the pickle references __main__.Cfg, __main__.Stage, __main__.touch" in text
+    assert "The file's 'model', 'optimizer' hold tensors and none of them: select one (--select model" in text
+    assert "'hydra'" not in text and "'epoch'" not in text  # (a part with a refused global, or without tensors)
+    assert not (tmp_path / "o.safetensors").exists() and not marker.exists()
+
+
+def test_stand_ins_are_found_wherever_they_are_kept():
+    (cls, name), = inert_aliases(["mylib.Config"])
+    assert name == "mylib.Config"
+    inner = cls(1, key="x")
+    outer = cls()
+    outer.__setstate__({"inner": [inner]})
+    objects = np.empty(2, dtype=object)
+    objects[0] = cls()
+    assert inert_within({"a": [torch.ones(1), {"b": (outer,)}]}) == ["mylib.Config"]
+    assert inert_within({"a": {1, 2}, "t": torch.ones(2), "s": "mylib.Config"}) == []
+    assert inert_within([cls]) == ["mylib.Config"]  # the class itself, as a value
+    assert inert_within({"arr": objects}) == ["mylib.Config"]
+    other, = inert_aliases(["x.Y"])
+    held = other[0]()
+    held["k"] = inner  # an item given to a stand-in (a dict subclass's pickle)
+    assert inert_within(held) == ["mylib.Config", "x.Y"]
