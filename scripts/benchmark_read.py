@@ -3,6 +3,8 @@
     python scripts/benchmark_read.py                       # 2.1 GB stack of 1022 tensors, world sizes 1 and 2
     python scripts/benchmark_read.py --mb 512 --world-sizes 1 --repeat 3
     python scripts/benchmark_read.py --layers 16           # the same bytes in 32 tensors (64 MB weights)
+    python scripts/benchmark_read.py --thread-counts 1 2 4 # the restore at each read thread count, side by side
+    python scripts/benchmark_read.py --cold --repeat 3     # from disk: the page cache dropped before each run (root)
 
 In every rank's process (gloo, FSDP2 ``fully_shard`` of a stack of ``Linear`` layers on the CPU), from the page
 cache (a warm-up run of each method first): ``bare``: a loop of 16 MB ``os.preadv`` calls on ``threads``
@@ -16,7 +18,11 @@ placement of the model's memory against the file costs, see scripts/benchmark_al
 ``--verify-checksums`` also ``ours+sums``: the NaN check and ``verify_checksums=True`` (the restored memory's crc32s
 joined over the ranks and compared with the file's).
 The methods alternate run by run (``repeat`` rounds) and the medians are reported, with the restore's own phase
-timings (plan / read / check / agree) and the plan time per tensor.
+timings (plan / read / check / agree) and the plan time per tensor, and the median of each round's ratio to
+``bare-pieces`` (paired: a round's methods share that round's disk and neighbours). ``--thread-counts``: the
+restore's methods at each of these ``thread_count``s (named ``ours@2``...; the bare loops stay at ``--threads``);
+``default`` among them: the restore's own default. ``--cold``: rank 0 drops the page cache (``sync; echo 3 >
+/proc/sys/vm/drop_caches``) before each run, between barriers, and there is no warm-up run.
 """
 
 from __future__ import annotations
@@ -55,8 +61,21 @@ def _shape(mb: float, layers: int = 511) -> tuple[int, int]:
     return layers, dim
 
 
+def drop_page_cache() -> None:
+    """Write back and drop the page cache (root only): the next read of every file comes from disk."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def _ours_threads(method: str, threads: int) -> int | None:
+    """The thread_count of a restore method: ``ours@N`` -> N, ``ours@default`` -> None (the restore's default),
+    a plain name -> ``threads``."""
+    count = method.partition("@")[2]
+    return None if count == "default" else int(count) if count else threads
+
+
 def worker(rank: int, world_size: int, path: str, mb: float, repeat: int, threads: int,
-           methods: tuple[str, ...] = METHODS, layers: int = 511) -> dict[str, Any]:
+           methods: tuple[str, ...] = METHODS, layers: int = 511, cold: bool = False) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
 
     import fsdp_restore
@@ -96,21 +115,27 @@ def worker(rank: int, world_size: int, path: str, mb: float, repeat: int, thread
         list(pool.map(lambda read: os.preadv(fd, [read[1]], read[0]), pieces))
         return {}
 
-    def ours(check: bool, sums: bool = False) -> dict[str, float]:
-        return fsdp_restore.restore_model(model, path, check=check, thread_count=threads,
-                                          verify_checksums=sums).timings
+    def ours(method: str) -> dict[str, float]:
+        name = method.partition("@")[0]
+        return fsdp_restore.restore_model(model, path, check=name != "ours-nocheck",
+                                          thread_count=_ours_threads(method, threads),
+                                          verify_checksums=name == "ours+sums").timings
 
-    run = {"bare": bare, "bare-pieces": bare_pieces, "bare-model": bare_model, "ours-nocheck": lambda: ours(False), "ours": lambda: ours(True),
-           "ours+sums": lambda: ours(True, True)}
-    for method in methods:
-        run[method]()  # warm-up: the page cache, first-time code paths, allocator pools
+    run = {"bare": bare, "bare-pieces": bare_pieces, "bare-model": bare_model}
+    if not cold:
+        for method in methods:  # warm-up: the page cache, first-time code paths, allocator pools
+            run[method]() if method in run else ours(method)
     seconds: dict[str, list[float]] = {m: [] for m in methods}
     timings: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
     for _ in range(repeat):
         for method in methods:
             torch.distributed.barrier()
+            if cold:
+                if rank == 0:
+                    drop_page_cache()
+                torch.distributed.barrier()
             t0 = time.perf_counter()
-            timings[method].append(run[method]())
+            timings[method].append(run[method]() if method in run else ours(method))
             seconds[method].append(time.perf_counter() - t0)
     os.close(fd)
     pool.shutdown()
@@ -153,9 +178,18 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=511,
                         help="Linear layers of the stack (2 tensors each); fewer: bigger tensors, as in real models")
     parser.add_argument("--verify-checksums", action="store_true", help="also time verify_checksums=True")
+    parser.add_argument("--thread-counts", nargs="+", metavar="N",
+                        help="time the restore at each of these thread_counts ('default': its own default)")
+    parser.add_argument("--cold", action="store_true", help="drop the page cache before each run (needs root)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    methods = METHODS + (("ours+sums",) if args.verify_checksums else ())
+    ours_methods = ("ours-nocheck", "ours") + (("ours+sums",) if args.verify_checksums else ())
+    if args.thread_counts:
+        for count in args.thread_counts:
+            if count != "default" and not (count.isdigit() and int(count) >= 1):
+                parser.error(f"--thread-counts takes positive ints or 'default', not {count!r}")
+        ours_methods = tuple(f"{m}@{count}" for count in args.thread_counts for m in ours_methods)
+    methods = METHODS[:3] + ours_methods
     args.work.mkdir(parents=True, exist_ok=True)
     path = args.work / (f"stack-{args.mb:g}.safetensors" if args.layers == 511 else
                         f"stack-{args.mb:g}-{args.layers}.safetensors")
@@ -165,25 +199,27 @@ def main() -> None:
         torch.manual_seed(0)
         save(Stack(*_shape(args.mb, args.layers)).state_dict(), path)
     results: dict[str, Any] = {"file_bytes": path.stat().st_size, "threads": args.threads, "layers": args.layers,
-                               "world_sizes": {}}
-    table = Table(title=f"restore vs bare preadv loop, warm, {path.stat().st_size / 1e9:.2f} GB, "
-                        f"{args.threads} threads (medians of {args.repeat})")
-    for col in ("ws", "method", "s / rank", "GB/s / rank", "x bare", "x bare-pieces", "plan s", "plan us/tensor", "read s",
-                "check s", "checksums s"):
+                               "cold": args.cold, "world_sizes": {}}
+    table = Table(title=f"restore vs bare preadv loop, {'cold' if args.cold else 'warm'}, "
+                        f"{path.stat().st_size / 1e9:.2f} GB, bare loops on {args.threads} threads (medians of "
+                        f"{args.repeat})")
+    for col in ("ws", "method", "s / rank", "GB/s / rank", "x bare", "x bare-pieces", "paired x bare-pieces",
+                "plan s", "plan us/tensor", "read s", "check s", "checksums s"):
         table.add_column(col)
     for ws in args.world_sizes:
         per_rank = run_ranks(worker, ws, str(path), args.mb, args.repeat, args.threads, methods, args.layers,
-                             timeout=1200, backend="gloo")
+                             args.cold, timeout=1200, backend="gloo")
         results["world_sizes"][ws] = per_rank
-        slowest = {m: statistics.median(max(r["seconds"][m][i] for r in per_rank) for i in range(args.repeat))
-                   for m in methods}
+        rounds = {m: [max(r["seconds"][m][i] for r in per_rank) for i in range(args.repeat)] for m in methods}
+        slowest = {m: statistics.median(rounds[m]) for m in methods}
+        paired = {m: statistics.median(b / o for b, o in zip(rounds["bare-pieces"], rounds[m])) for m in methods}
         rank0 = per_rank[0]
         for m in methods:
             phase = {k: statistics.median(t.get(k, 0.0) for t in rank0["timings"][m])
                      for k in ("plan", "read", "check", "checksums")}
             table.add_row(str(ws), m, f"{slowest[m]:.3f}", f"{rank0['bytes'] / slowest[m] / 1e9:.2f}",
                           f"{slowest['bare'] / slowest[m]:.2f}", f"{slowest['bare-pieces'] / slowest[m]:.2f}",
-                          *(["", "", "", "", ""] if m.startswith("bare") else
+                          f"{paired[m]:.2f}", *(["", "", "", "", ""] if m.startswith("bare") else
                             [f"{phase['plan']:.3f}", f"{phase['plan'] / rank0['tensors'] * 1e6:.0f}",
                              f"{phase['read']:.3f}", f"{phase['check']:.3f}", f"{phase['checksums']:.3f}"]))
     console.print(table)

@@ -123,3 +123,11 @@ def test_the_alignment_and_read_benchmarks_run_every_method(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     ranks = json.loads(out.read_text())["world_sizes"]["2"]
     assert all(set(r["seconds"]) == {"bare", "bare-pieces", "bare-model", "ours-nocheck", "ours"} for r in ranks)
+    res = subprocess.run([sys.executable, str(scripts / "benchmark_read.py"), "--work", str(tmp_path / "r"),
+                          "--mb", "6", "--world-sizes", "1", "--repeat", "1", "--thread-counts", "1", "default",
+                          "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rank, = json.loads(out.read_text())["world_sizes"]["1"]
+    assert set(rank["seconds"]) == {"bare", "bare-pieces", "bare-model", "ours-nocheck@1", "ours@1",
+                                    "ours-nocheck@default", "ours@default"}
+    assert all(t["plan"] > 0 for t in rank["timings"]["ours@default"])
