@@ -165,6 +165,30 @@ def state_dict_names(model: nn.Module, extra_states: Collection[str] = ()) -> li
     return names
 
 
+def frozen_parameter_names(model: nn.Module) -> set[str]:
+    """The state-dict names (clean, tied names included) of the parameters that do not require grad: what torch's
+    ``get_model_state_dict(..., ignore_frozen_params=True)`` leaves out. An FSDP1 flat parameter holds originals
+    of one ``requires_grad`` (FSDP1 refuses others without ``use_orig_params``, which registers the originals on
+    their modules, each with its own): the flat parameter's, for each of them."""
+    from torch.distributed.fsdp._flat_param import FlatParameter
+
+    top = ddp_prefix(model)
+    flat_frozen: dict[int, list[str]] = {}  # id(original module) -> its frozen parameter names held by a flat param
+    for _, handle in _fsdp1_units(model):
+        flat = handle.flat_param
+        if not flat.requires_grad:
+            for info in [*flat._param_infos, *flat._shared_param_infos]:
+                flat_frozen.setdefault(id(info.module), []).append(info.param_name)
+    frozen: set[str] = set()
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for p_name, p in module._parameters.items():
+            if p is not None and not isinstance(p, FlatParameter) and not p.requires_grad:
+                frozen.add(clean_name(_join(mod_name, p_name).removeprefix(top)))
+        for p_name in flat_frozen.get(id(module), ()):
+            frozen.add(clean_name(_join(mod_name, p_name).removeprefix(top)))
+    return frozen
+
+
 def _fsdp1_buffer_dtypes(model: nn.Module) -> dict[str, torch.dtype]:
     """``{clean buffer name: dtype}`` of the buffers an FSDP1 unit with mixed precision for buffers holds in
     ``buffer_dtype`` (cast so at the first forward): their dtype before that, which FSDP1's state dict casts them
@@ -330,13 +354,14 @@ def build_write_plan(model: nn.Module, *, optimizer: torch.optim.Optimizer | Non
                      weights_only: bool, rank: int, world: int, max_shard_size: int | None,
                      remote_state: dict[str, tuple[int, list[tuple]]] | None = None,
                      set_id: str | None = None, on_unsupported: str = "error",
-                     extra_states: dict[str, Any] | None = None) -> WritePlan:
+                     extra_states: dict[str, Any] | None = None, ignore_frozen_params: bool = False) -> WritePlan:
     """This rank's write plan (see the module docstring). ``remote_state``: `merge_schemas` of every rank's
     `state_schema`, for optimizers whose ranks hold state only for parameters they hold elements of (FSDP1
     with ``use_orig_params``). Raises `FsdpRestoreError` for a layout or state that cannot be saved this way;
     the caller turns it into the verdict. ``set_id``: the id every shard of a sharded set carries (rank 0's).
     ``extra_states``: ``{entry name: value}`` of the modules' extra states (rank 0's ``get_extra_state()``), stored
-    in the model's state dict where ``state_dict()`` puts them."""
+    in the model's state dict where ``state_dict()`` puts them. ``ignore_frozen_params``: the model's state dict
+    without the parameters that do not require grad (`frozen_parameter_names`)."""
     import json
 
     _refuse_state_dict_hooks(model)
@@ -375,6 +400,9 @@ def build_write_plan(model: nn.Module, *, optimizer: torch.optim.Optimizer | Non
     if set(names) != known:
         diff = sorted(set(names) ^ known)
         raise FsdpRestoreError(f"the model's state-dict names and its tensors differ: {', '.join(diff[:8])}")
+    if ignore_frozen_params:
+        frozen = frozen_parameter_names(model)
+        names = [name for name in names if name not in frozen]
     model_stand_ins: dict[str, torch.Tensor] = {}
     state: dict[str, torch.Tensor] = {}
     buffer_dtypes = _fsdp1_buffer_dtypes(model)

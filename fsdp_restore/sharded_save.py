@@ -496,11 +496,12 @@ DEFAULT_SAVE_THREADS = 4  # write threads per rank when save_sharded is given no
 
 
 def _call_arguments(optimizer: Any, size: int | None, verify_checksums: bool,
-                    on_unsupported: str) -> dict[str, Any]:
+                    on_unsupported: str, ignore_frozen_params: bool = False) -> dict[str, Any]:
     """The arguments of a save that every rank must give alike (``extra`` is rank 0's; ``thread_count`` is each
     rank's own)."""
     return {"optimizer": "given" if optimizer is not None else "None", "max_shard_size": size,
-            "verify_checksums": verify_checksums, "on_unsupported": on_unsupported}
+            "verify_checksums": verify_checksums, "on_unsupported": on_unsupported,
+            "ignore_frozen_params": ignore_frozen_params}
 
 
 def _differing_arguments(called_with: Sequence[dict[str, Any] | None]) -> str:
@@ -558,11 +559,12 @@ def _from_bytes(payload: bytes) -> Any:
 
 
 def _check_arguments(model: Any, path: Any, optimizer: Any, extra: Any, process_group: Any, max_shard_size: Any,
-                     thread_count: Any, on_unsupported: Any, verify_checksums: Any = False
-                     ) -> tuple[int | None, str | os.PathLike[str]]:
+                     thread_count: Any, on_unsupported: Any, verify_checksums: Any = False,
+                     ignore_frozen_params: Any = False) -> tuple[int | None, str | os.PathLike[str]]:
     """The shard size, and the path the save writes to (where a symbolic link at ``path`` points)."""
     objects_argument("save_sharded(model, path, optimizer=optimizer)", model, optimizer, optional=True)
     flag_argument("verify_checksums", verify_checksums)
+    flag_argument("ignore_frozen_params", ignore_frozen_params)
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise TypeError(f"path must be a str or os.PathLike, not {type(path).__name__}")
     path = through_link(path)
@@ -582,7 +584,8 @@ def _check_arguments(model: Any, path: Any, optimizer: Any, extra: Any, process_
 def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: torch.optim.Optimizer | None = None,
                  extra: dict[str, Any] | None = None, process_group: dist.ProcessGroup | None = None,
                  max_shard_size: int | str | None = None, thread_count: int | None = None,
-                 on_unsupported: str = "error", verify_checksums: bool = False) -> SaveReport:
+                 on_unsupported: str = "error", verify_checksums: bool = False,
+                 ignore_frozen_params: bool = False) -> SaveReport:
     """Save a sharded model (and optimizer) into one unsharded checkpoint; call on every rank.
 
     Every rank writes its own bytes straight into the final file (no gather): the file is byte for byte
@@ -591,7 +594,10 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
     With ``optimizer=None`` and ``extra=None`` it is a plain weights file instead (keys without ``model.``,
     tied weights stored once), loadable by ``safetensors.torch.load_file`` and ``from_pretrained``.
     ``extra`` (step, ``scheduler.state_dict()``, RNG states, config) is taken from rank 0. ``max_shard_size``
-    writes a directory of shards with a Hugging Face index instead of one file.
+    writes a directory of shards with a Hugging Face index instead of one file. ``ignore_frozen_params=True``
+    leaves out the parameters that do not require grad, as torch's ``get_model_state_dict`` does with that option
+    (buffers stay): a LoRA run's adapters, or a fine-tune's trained part, without the frozen base it started from
+    (restore such a file with ``strict=False``).
 
     Works for FSDP2 (any DTensor layout: Shard(0), TP column blocks, 2-D meshes, HSDP), FSDP1
     (``use_orig_params`` either way, hybrid sharding), DDP and plain modules; a byte held by several ranks is
@@ -630,7 +636,7 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
             remote_state = None
             with problems.guard():
                 size, path = _check_arguments(model, path, optimizer, extra, process_group, max_shard_size,
-                                              thread_count, on_unsupported, verify_checksums)
+                                              thread_count, on_unsupported, verify_checksums, ignore_frozen_params)
                 if rank == 0:
                     dst0 = Path(path)
                     # the modules' extra states are rank 0's, as the state dict a gather to rank 0 makes holds them
@@ -640,7 +646,8 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
                                          uuid.uuid4().hex, states))  # the temporary's name, a sharded set's id
                 if optimizer is not None and world > 1 and save_plan.needs_state_schema(model):
                     schema = save_plan.state_schema(model, optimizer)
-            called_with = None if problems else _call_arguments(optimizer, size, verify_checksums, on_unsupported)
+            called_with = None if problems else _call_arguments(optimizer, size, verify_checksums, on_unsupported,
+                                                                ignore_frozen_params)
             differing = ""
             if world > 1:  # whatever happened above: rank 0's payload to all (a broadcast: each rank holds it once,
                 # at any world size), then every rank's state schema (if any) and arguments to all (small)
@@ -677,7 +684,8 @@ def save_sharded(model: nn.Module, path: str | os.PathLike[str], *, optimizer: t
                                                       extra=sent_extra,
                                                       weights_only=weights_only, rank=rank, world=world,
                                                       max_shard_size=size, remote_state=remote_state, set_id=set_id,
-                                                      on_unsupported=on_unsupported, extra_states=sent_states)
+                                                      on_unsupported=on_unsupported, extra_states=sent_states,
+                                                      ignore_frozen_params=ignore_frozen_params)
                     coverage = plan.coverage(rank)
                     header = _header_digest(plan)
                     if rank == 0:
