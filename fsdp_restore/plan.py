@@ -232,6 +232,7 @@ def _plan_weights(plan: ReadPlan, targets: Sequence[Target], aliases: dict[str, 
             if strict:
                 key = stored_as[target.name]
                 read_as = [n for n in (clean_name(key), clean_name(key).removeprefix("module.")) if n in sources]
+                plan.missing.append(target.name)
                 plan.add_problem("missing", target.name if key == target.name else f"{target.name} (as '{key}'" + (
                     f"; the restore reads the file's names without wrappers such as DDP's 'module.' and"
                     f" '_orig_mod.': give key_map '{read_as[0]}')" if read_as and read_as[0] != key else ")"))

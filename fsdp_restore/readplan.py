@@ -115,6 +115,8 @@ class ReadPlan:
     extra_states: list[tuple[str, nn.Module, Any]] = field(default_factory=list)
     # what the restore warns of (rank 0) without failing: a key_map that left names of a strict=False restore unread
     warnings: list[str] = field(default_factory=list)
+    # the model's tensors a strict restore found no key for (the "missing" problems' names, without their notes)
+    missing: list[str] = field(default_factory=list)
 
     def add_problem(self, kind: str, text: str) -> None:
         self.problems.setdefault(kind, []).append(text)

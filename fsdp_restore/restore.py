@@ -39,7 +39,7 @@ from .key_map import KeyMap
 from .plan import ReadPlan, RestoreReport, build_plan, default_prefix
 from .read import Checkpoint, open_checkpoint
 from .restored_sums import ChecksumVerdict, joined_verdict, local_sums
-from .shards import module_walk, state_dict_code
+from .shards import frozen_parameter_names, module_walk, state_dict_code
 from .stored import default_optim_prefix, extras
 from .stored import value as stored_value
 from .verdict import agree, new_problems
@@ -216,6 +216,11 @@ def _run_phases(model: nn.Module, checkpoint: str | os.PathLike[str] | Checkpoin
                     warnings.warn(text, stacklevel=4)
             if "missing" in plan.problems or "unexpected" in plan.problems:
                 problems.add("looked_in", _subtrees_read(plan))
+            if plan.missing and weights and set(plan.missing) <= frozen_parameter_names(model):
+                problems.add("frozen", [f"each of the {len(plan.missing)} is a parameter that does not require"
+                                        " grad: the file holds the trained part alone (save_sharded("
+                                        "ignore_frozen_params=True), an adapter's file); restore it with strict=False"
+                                        " (CLI: --no-strict) over the frozen weights"])
             # the modules' extra states, read now (small values): a failure here leaves the model untouched
             extra_states = [(module, stored_value(ckpt, node)) for _, module, node in plan.extra_states]
             if verify_checksums:

@@ -38,7 +38,7 @@ from .flatten import flatten, iter_tensor_nodes
 from .format import META_SET_ID
 from .jobs import plan_jobs
 from .shards import (EXTRA_STATE, Piece, Target, _fsdp1_units, _is_dtensor, _join, clean_name, ddp_prefix,
-                     local_targets, local_tensor, state_dict_code)
+                     frozen_parameter_names, local_targets, local_tensor, state_dict_code)
 from .write import HeldInPieces, OutputFile, TensorJob, file_header, file_layout, stand_in
 
 from .optim_plan import live_groups
@@ -163,30 +163,6 @@ def state_dict_names(model: nn.Module, extra_states: Collection[str] = ()) -> li
                 and clean_name(_join(mod_name, EXTRA_STATE).removeprefix(top)) in extra_states):
             add(_join(mod_name, EXTRA_STATE))  # the module's own, not a wrapper's of the same clean name
     return names
-
-
-def frozen_parameter_names(model: nn.Module) -> set[str]:
-    """The state-dict names (clean, tied names included) of the parameters that do not require grad: what torch's
-    ``get_model_state_dict(..., ignore_frozen_params=True)`` leaves out. An FSDP1 flat parameter holds originals
-    of one ``requires_grad`` (FSDP1 refuses others without ``use_orig_params``, which registers the originals on
-    their modules, each with its own): the flat parameter's, for each of them."""
-    from torch.distributed.fsdp._flat_param import FlatParameter
-
-    top = ddp_prefix(model)
-    flat_frozen: dict[int, list[str]] = {}  # id(original module) -> its frozen parameter names held by a flat param
-    for _, handle in _fsdp1_units(model):
-        flat = handle.flat_param
-        if not flat.requires_grad:
-            for info in [*flat._param_infos, *flat._shared_param_infos]:
-                flat_frozen.setdefault(id(info.module), []).append(info.param_name)
-    frozen: set[str] = set()
-    for mod_name, module in model.named_modules(remove_duplicate=False):
-        for p_name, p in module._parameters.items():
-            if p is not None and not isinstance(p, FlatParameter) and not p.requires_grad:
-                frozen.add(clean_name(_join(mod_name, p_name).removeprefix(top)))
-        for p_name in flat_frozen.get(id(module), ()):
-            frozen.add(clean_name(_join(mod_name, p_name).removeprefix(top)))
-    return frozen
 
 
 def _fsdp1_buffer_dtypes(model: nn.Module) -> dict[str, torch.dtype]:

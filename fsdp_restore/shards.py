@@ -124,6 +124,30 @@ def _fsdp1_units(model: nn.Module | None, modules: list[tuple[str, nn.Module]] |
             yield clean_name(name), handle
 
 
+def frozen_parameter_names(model: nn.Module) -> set[str]:
+    """The state-dict names (clean, tied names included) of the parameters that do not require grad: what torch's
+    ``get_model_state_dict(..., ignore_frozen_params=True)`` leaves out. An FSDP1 flat parameter holds originals
+    of one ``requires_grad`` (FSDP1 refuses others without ``use_orig_params``, which registers the originals on
+    their modules, each with its own): the flat parameter's, for each of them."""
+    from torch.distributed.fsdp._flat_param import FlatParameter
+
+    top = ddp_prefix(model)
+    flat_frozen: dict[int, list[str]] = {}  # id(original module) -> its frozen parameter names held by a flat param
+    for _, handle in _fsdp1_units(model):
+        flat = handle.flat_param
+        if not flat.requires_grad:
+            for info in [*flat._param_infos, *flat._shared_param_infos]:
+                flat_frozen.setdefault(id(info.module), []).append(info.param_name)
+    frozen: set[str] = set()
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for p_name, p in module._parameters.items():
+            if p is not None and not isinstance(p, FlatParameter) and not p.requires_grad:
+                frozen.add(clean_name(_join(mod_name, p_name).removeprefix(top)))
+        for p_name in flat_frozen.get(id(module), ()):
+            frozen.add(clean_name(_join(mod_name, p_name).removeprefix(top)))
+    return frozen
+
+
 def local_targets(model: nn.Module, modules: list[tuple[str, nn.Module]] | None = None
                   ) -> tuple[list[Target], dict[str, str]]:
     """This rank's `Target` for every parameter and persistent buffer, plus ``{alias: name}`` for

@@ -37,9 +37,9 @@ _LABELS = {
     "checksum": "restored values that are not the bytes the file records a crc32 of (verify_checksums=True)",
     "replicas": "parameters every rank holds whole that differ between the ranks",
     "written": "written, but read back from the storage as other bytes (verify_checksums=True)",
-    "looked_in": "names looked for in",
+    "looked_in": "names looked for in", "frozen": "the missing",
 }
-_CONTEXT = {"looked_in"}  # kinds that say where, beside the problems: one line, not a count of items
+_CONTEXT = {"looked_in", "frozen"}  # kinds that say where, beside the problems: one line, not a count of items
 _NAMES_HINT = ("check model_prefix= (CLI: --model-prefix; the subtree holding the weights), pass key_map= (CLI:"
                " --key-map) when the model names its tensors differently, or strict=False (CLI: --no-strict) to"
                " restore the keys that match")

@@ -1050,3 +1050,25 @@ def test_options_are_checked_at_the_door(tmp_path, call, bad, expected):
     with pytest.raises(TypeError, match=expected):
         getattr(fsdp_restore, call)(*args, **bad)
     assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
+
+
+def test_a_strict_restore_of_the_trained_part_alone_says_what_the_missing_are(tmp_path):
+    """A file of the trainable parameters alone (save_sharded(ignore_frozen_params=True), an adapter's file) into
+    the whole model: the strict error says that every missing tensor is a frozen parameter and that strict=False
+    restores such a file; a file that also lacks a trained parameter does not get that line."""
+    from safetensors.torch import save_file
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    trained = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.startswith("0.")}
+    save_file(trained, tmp_path / "part.safetensors")
+    save_file({k: v for k, v in trained.items() if k != "2.bias"}, tmp_path / "less.safetensors")
+    with pytest.raises(RestoreError, match=r"the missing: each of the 2 is a parameter that does not require grad.*"
+                                           r"strict=False") as e:
+        restore_model(model, tmp_path / "part.safetensors")
+    assert "0.weight" in str(e.value) and "0.bias" in str(e.value)
+    with pytest.raises(RestoreError) as e:
+        restore_model(model, tmp_path / "less.safetensors")
+    assert "2.bias" in str(e.value) and "does not require grad" not in str(e.value)
+    restore_model(model, tmp_path / "part.safetensors", strict=False)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in trained.items())

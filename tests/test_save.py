@@ -320,6 +320,8 @@ def _trained_part(rank, world_size, root, name, how, mode):
     torch.distributed.barrier() if world_size > 1 else None
     fresh, fresh_opt, _ = _trained(name, how, world_size, seed=9, steps=1)
     before = full_state(fresh, how)
+    with pytest.raises(fsdp_restore.RestoreError, match="the missing: each of the .* does not require grad"):
+        fsdp_restore.restore_model(fresh, path, model_prefix="model" if with_optim else "")  # strict: every rank
     if with_optim:
         fsdp_restore.restore(fresh, path, fresh_opt, strict=False)
     else:
