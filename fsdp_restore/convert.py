@@ -28,6 +28,7 @@ from .errors import (ConvertError, FormatError, RefusedGlobalsError, UnsafePickl
                      allow_globals_argument, flag_argument, main_hint, not_a_file, on_unsupported_argument,
                      thread_count_argument)
 from .flatten import flatten
+from .inert import refused_in
 from .format import META_SOURCE, PT_SUFFIXES, SNIFF_BYTES, StoredDtype, is_legacy_torch_save
 from .jobs import (ConvertReport, SourceFiles, SourceRecords, cast_groups, cast_target, plan_jobs, shard_size_argument,
                    write_converted)
@@ -170,28 +171,43 @@ def load_selected(path: str | os.PathLike[str], select: str | None, *, trust_pic
         if trust_pickle:
             raise
         refused, refusal = e.names, e
-    from .inert import holds_tensor, inert_aliases, inert_within
+    from .inert import holds_tensor, inert_within, load_with_stand_ins
 
-    if select is None:  # which parts would load: a hint, never a second failure
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                root = _load_pt(path, trust_pickle=False, extra=extra + inert_aliases(refused))
-        except Exception:  # noqa: BLE001 - no hint then
+    def built(aliases: list[tuple[type, str]]) -> Any:
+        with warnings.catch_warnings():  # (said by the first load already)
+            warnings.simplefilter("ignore")
+            return _load_pt(path, trust_pickle=False, extra=extra + aliases)
+
+    try:
+        root, aliases = load_with_stand_ins(built, refused)
+    except Exception as e:  # noqa: BLE001 - torch refuses the file even so: the refusal, and why --select cannot help
+        if select is None:
             raise refusal from None
-        clean = [k for k, v in root.items() if isinstance(k, str) and holds_tensor(v) and not inert_within(v)] if (
-            isinstance(root, dict)) else []
+        raise RefusedGlobalsError(f"{refusal} (--select cannot leave them unloaded in this file: torch's weights-only"
+                                  f" unpickler refuses it even with them inert: {_torch_reason(e)})", refused) from None
+    if select is None:  # which parts would load: a hint
+        clean = [k for k, v in root.items() if isinstance(k, str) and holds_tensor(v)
+                 and not inert_within(v, aliases)] if isinstance(root, dict) else []
         if not clean:
             raise refusal from None
+        refused = sorted(name for _, name in aliases)  # (a legacy file's: every one, not the first alone)
         raise RefusedGlobalsError(_refused_message(path, refused, clean), refused) from None
-    part = select_subtree(_load_pt(path, trust_pickle=False, extra=extra + inert_aliases(refused)), select,
-                          source=path)
-    inside = inert_within(part)
+    part = select_subtree(root, select, source=path)
+    inside = inert_within(part, aliases)
     if inside:
         raise RefusedGlobalsError(
             f"{path}: the part '{select}' holds objects of {', '.join(inside)}, which loading would import and may"
             f" call (arbitrary code execution). {allow_global_hint(inside)}", inside)
     return part
+
+
+def _torch_reason(e: BaseException) -> str:
+    """What torch's weights-only unpickler said, without its advice or terminal colours: the line after
+    "WeightsUnpickler error:" where there is one, else the first line."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+    found = (re.search(r"WeightsUnpickler error:\s*([^\n]+)", text)
+             or re.search(r"refused by the safe unpickler \((.+)\); pass --trust-pickle", text))
+    return (found.group(1) if found else first_line(Exception(text))).strip().rstrip(".")
 
 
 def _load_pt(path: Path, *, trust_pickle: bool, extra: list[Any], mmap: bool = True) -> Any:
@@ -324,9 +340,12 @@ def _load_error(path: Path, e: Exception) -> Exception:
     """What a failed torch.load (or `torch_zip.load`) is reported as: a refusal of the safe unpickler, or a
     file that cannot be read."""
     text = first_line(e)
-    if "Unsupported global" in str(e) or "weights_only" in str(e):
-        return UnsafePickleError(f"{path}: refused by the safe unpickler ({text}); pass --trust-pickle if you"
-                                 " trust this file")
+    refused = refused_in(str(e))
+    if refused:  # (a legacy file: torch.load names the first global it refuses, as nothing scanned the pickle before)
+        return RefusedGlobalsError(_refused_message(path, refused), refused)
+    if "Unsupported global" in str(e) or "weights_only" in str(e) or "Weights only" in str(e):
+        return UnsafePickleError(f"{path}: refused by the safe unpickler ({_torch_reason(e)}); pass --trust-pickle if"
+                                 " you trust this file")
     if isinstance(e, ModuleNotFoundError) or (isinstance(e, AttributeError) and "Can't get attribute" in text):
         # (trust_pickle: the unpickler looked a class up and this process has none of that name)
         found = re.search(r"Can't get attribute '([\w.]+)' on <module '[\w.]*__main__'", text)

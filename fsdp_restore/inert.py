@@ -12,7 +12,8 @@ finds any inside the part asked for, and the caller refuses it as before)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 
@@ -44,11 +45,68 @@ class InertObject:
         return f"<{self.global_name}: not loaded>"
 
 
-def inert_aliases(names: Iterable[str]) -> list[tuple[type, str]]:
+MAX_LOADS = 64  # a legacy pickle's globals are found one load at a time: one naming more than this is not loaded so
+# torch's weights-only unpickler's refusal of a global it does not allow
+_REFUSED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
+
+
+def refused_in(text: str) -> list[str]:
+    """The globals torch's weights-only unpickler says in ``text`` that it refused, as "module.Name" (it writes a
+    builtin without its module: ``list`` is ``builtins.list``)."""
+    return [name if "." in name else f"builtins.{name}" for name in _REFUSED_GLOBAL.findall(text)]
+
+
+# torch's weights-only unpickler's refusal to fill an object other than a dict or a list, naming a stand-in's class
+_FILLED = re.compile(r"Can only (SETITEMS?|append|extend)\b[^<]*"
+                     r"but got <class 'fsdp_restore\.inert\.(\S+) \(not loaded\)'>")
+
+
+def inert_aliases(names: Iterable[str], kinds: Mapping[str, str] | None = None) -> list[tuple[type, str]]:
     """``(stand-in class, "module.Name")`` for each of ``names``, as ``torch.serialization.safe_globals`` takes an
-    alias: the unpickler resolves that name to the stand-in."""
-    return [(type(f"Inert[{name}]", (InertObject,), {"global_name": name, "__module__": __name__}), name)
-            for name in names]
+    alias: the unpickler resolves that name to the stand-in. ``kinds``: ``{name: "mapping" | "sequence"}`` for the
+    globals whose objects the pickle fills as a dict or a list (a dict or list subclass, ``defaultdict``): torch's
+    unpickler fills nothing else, so their stand-ins are plain dicts or lists, each kept in its class's ``made``
+    (`inert_within` finds them there)."""
+    aliases = []
+    for name in names:
+        kind = (kinds or {}).get(name)
+        body: dict[str, Any] = {"global_name": name, "__module__": __name__, "__qualname__": f"{name} (not loaded)"}
+        if kind in ("mapping", "sequence"):
+            made: list[Any] = []
+
+            def __new__(cls: type, *args: Any, _made: list[Any] = made, _kind: str | None = kind,
+                        **kwargs: Any) -> Any:
+                _made.append({} if _kind == "mapping" else [])  # (not an instance of cls: no __init__ is run)
+                return _made[-1]
+
+            body.update(made=made, __new__=__new__)
+        aliases.append((type(f"{name} (not loaded)", (InertObject,), body), name))
+    return aliases
+
+
+def load_with_stand_ins(load: Callable[[list[tuple[type, str]]], Any], names: Sequence[str]
+                        ) -> tuple[Any, list[tuple[type, str]]]:
+    """``load(aliases)`` with a stand-in for each of ``names`` (`inert_aliases`), and the aliases. Where torch's
+    unpickler refuses another global (a legacy file's pickle is not scanned for them beforehand: each refusal names
+    the next one, in the error's ``names`` or torch's own words), it gets a stand-in too; where it refuses to fill a
+    stand-in as a dict or a list (the global is a dict or list subclass), that one becomes a dict or a list; and the
+    load runs again. Any other failure is raised as it is."""
+    names, kinds = list(names), {}
+    for _ in range(MAX_LOADS):
+        aliases = inert_aliases(names, kinds)
+        try:
+            return load(aliases), aliases
+        except Exception as e:
+            text = str(e)
+            more = [n for n in getattr(e, "names", None) or refused_in(text) if n not in names]
+            found = _FILLED.search(text)
+            if more:
+                names += more
+            elif found is not None and found.group(2) not in kinds:
+                kinds[found.group(2)] = "mapping" if found.group(1).startswith("SETITEM") else "sequence"
+            else:
+                raise
+    raise ValueError(f"refused again after {MAX_LOADS} loads, each with more stand-ins: {', '.join(names[:8])} ...")
 
 
 def _nodes(obj: Any) -> Iterator[Any]:
@@ -77,12 +135,15 @@ def _object_array(node: Any) -> bool:
     return type(node).__name__ == "ndarray" and getattr(getattr(node, "dtype", None), "hasobject", False)
 
 
-def inert_within(obj: Any) -> list[str]:
-    """The names of the globals whose stand-ins (objects, or the stand-in class itself as a value) are within
-    ``obj``, sorted; empty where none is."""
+def inert_within(obj: Any, aliases: Sequence[tuple[type, str]] = ()) -> list[str]:
+    """The names of the globals whose stand-ins (objects, the dicts and lists made for ``aliases`` of the mapping
+    and sequence kinds, or a stand-in class itself as a value) are within ``obj``, sorted; empty where none is."""
+    made = {id(o): cls.global_name for cls, _ in aliases for o in getattr(cls, "made", ())}  # type: ignore[attr-defined]
     found = set()
     for node in _nodes(obj):
-        if isinstance(node, InertObject):
+        if id(node) in made:
+            found.add(made[id(node)])
+        elif isinstance(node, InertObject):
             found.add(node.global_name)
         elif isinstance(node, type) and issubclass(node, InertObject):
             found.add(node.global_name)

@@ -398,22 +398,27 @@ def _source_part(path: Any, select: str | None, trust_pickle: bool, allowed: Seq
                 raise RuntimeError(f"KeyError: {e}") from None
             raise _NoPickle(f"unknown pickle opcode {e}") from None  # weights-only: bytes that are no pickle
     except Exception as e:
-        if select is None or trust_pickle or "Unsupported global" not in str(e) or not zipfile.is_zipfile(path):
+        if select is None or trust_pickle or "Unsupported global" not in str(e):
             raise
         refusal = e
     from .convert import refused_globals
-    from .inert import inert_aliases, inert_within
+    from .errors import allow_global_hint
+    from .inert import inert_within, load_with_stand_ins, refused_in
 
-    refused = refused_globals(path, allowed)
+    # (a legacy file's pickle is not scanned: torch's refusal names its first global, the loads the others)
+    refused = refused_globals(path, allowed) if zipfile.is_zipfile(path) else refused_in(str(refusal))
     if not refused:
         raise refusal
-    part = _select(_load_pt_as_torch_does(path, False, [*allowed, *inert_aliases(refused)]), select)
-    inside = inert_within(part)
+    try:
+        whole, aliases = load_with_stand_ins(lambda stand_ins: _load_pt_as_torch_does(
+            path, False, [*allowed, *stand_ins]), refused)
+    except Exception:  # noqa: BLE001 - torch refuses the file even with them inert: its first refusal stands
+        raise refusal from None
+    part = _select(whole, select)
+    inside = inert_within(part, aliases)
     if inside:
         raise FsdpRestoreError(f"the part '{select}' holds objects of {', '.join(inside)}, which torch.load's"
-                               " weights-only unpickler refuses; pass the classes convert was allowed with"
-                               " --allow-global (allow_globals=), or, if you trust the file, --trust-pickle"
-                               " (trust_pickle=True)")
+                               f" weights-only unpickler refuses. {allow_global_hint(inside)}")
     return part
 
 

@@ -16,7 +16,7 @@ from fsdp_restore.errors import UnsafePickleError
 from fsdp_restore.inert import inert_aliases, inert_within
 
 DEFINITIONS = """
-import dataclasses, enum, sys
+import collections, dataclasses, enum, os, sys
 import torch
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
@@ -37,6 +37,12 @@ def touch(path):  # what a hostile pickle would run
 class Trap:
     def __reduce__(self):
         return (touch, (marker,))
+
+class AttrDict(dict):  # Lightning's AttributeDict, a dict subclass the pickle fills item by item
+    pass
+
+class History(list):
+    pass
 """
 SAVING = DEFINITIONS + """
 torch.manual_seed(0)
@@ -44,9 +50,14 @@ net = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.LayerNorm(3))
 model = net.state_dict()  # an OrderedDict with its _metadata, as people save it
 model["emb"] = torch.randn(7, 4).to(torch.bfloat16)
 model["steps"] = torch.tensor(12, dtype=torch.int64)
-torch.save({"model": model, "optimizer": {"state": {0: {"exp_avg": torch.randn(3, 5)}}, "param_groups": [{"lr": 0.1}]},
-            "config": Cfg(), "hydra": OmegaConf.create({"model": {"dim": 8, "sizes": [1, 2]}}),
-            "stage": Stage.PRETRAIN, "trap": Trap(), "epoch": 3}, out)
+run = {"model": model, "optimizer": {"state": {0: {"exp_avg": torch.randn(3, 5)}}, "param_groups": [{"lr": 0.1}]},
+       "config": Cfg(), "hydra": OmegaConf.create({"model": {"dim": 8, "sizes": [1, 2]}}),
+       "stage": Stage.PRETRAIN, "trap": Trap(), "epoch": 3, "hparams": AttrDict(lr=0.1, cfg=Cfg()),
+       "cache": collections.defaultdict(list, {"now": [1]}), "history": History([1, 2])}
+torch.save(run, out)
+torch.save(run, out + ".legacy", _use_new_zipfile_serialization=False)
+torch.save({"model": AttrDict(model), "config": Cfg()}, out + ".inside")  # a dict subclass holding the weights
+torch.save({"model": model, "run": os.system}, out + ".blocked")  # a global torch never loads, even unused
 save_file({k: v.contiguous() for k, v in model.items()}, out + ".oracle.safetensors")
 """
 
@@ -116,7 +127,7 @@ def test_the_refusal_of_the_whole_file_offers_the_parts_that_would_load(saved, t
     res = _cli("convert", str(src), str(tmp_path / "o.safetensors"))
     assert res.returncode != 0 and "Traceback" not in res.stderr
     text = " ".join(res.stderr.split())
-    assert "the pickle references __main__.Cfg, __main__.Stage, __main__.touch" in text
+    assert "the pickle references __main__.AttrDict, __main__.Cfg, __main__.History, __main__.Stage" in text
     assert "The file's 'model', 'optimizer' hold tensors and none of them: select one (--select model" in text
     assert "'hydra'" not in text and "'epoch'" not in text  # (a part with a refused global, or without tensors)
     assert not (tmp_path / "o.safetensors").exists() and not marker.exists()
@@ -138,3 +149,34 @@ def test_stand_ins_are_found_wherever_they_are_kept():
     held = other[0]()
     held["k"] = inner  # an item given to a stand-in (a dict subclass's pickle)
     assert inert_within(held) == ["mylib.Config", "x.Y"]
+
+
+def test_dict_and_list_subclasses_and_a_legacy_file_around_the_part_leave_it_loadable(saved, tmp_path):
+    """A dict or list subclass (Lightning's AttributeDict, a defaultdict as OmegaConf's resolver cache keeps) is
+    filled item by item, which torch's unpickler does only for dicts and lists: their stand-ins are plain ones. A
+    legacy (non-zip) file names its globals one refusal at a time."""
+    src, marker, oracle = saved
+    for name, source in (("zip", src), ("legacy", f"{src}.legacy")):
+        fsdp_restore.convert(source, tmp_path / f"{name}.safetensors", select="model")
+        out = load_file(tmp_path / f"{name}.safetensors")
+        assert sorted(out) == sorted(oracle) and all(_same_bits(out[k], oracle[k]) for k in oracle), name
+        res = _cli("verify", str(tmp_path / f"{name}.safetensors"), "--against", str(source), "--select", "model")
+        assert res.returncode == 0 and "identical" in res.stdout, res.stdout + res.stderr
+    res = _cli("convert", f"{src}.legacy", str(tmp_path / "l.safetensors"))
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert "(--select model" in res.stderr and "__main__.AttrDict" in res.stderr, res.stderr
+    assert not marker.exists()
+
+
+def test_a_dict_subclass_holding_the_part_and_a_blocked_module_are_refused_by_name(saved, tmp_path):
+    src, marker, _ = saved
+    with pytest.raises(UnsafePickleError, match="the part 'model' holds objects of __main__.AttrDict"):
+        fsdp_restore.convert(f"{src}.inside", tmp_path / "o.safetensors", select="model")
+    res = _cli("verify", str(tmp_path / "o.safetensors"), "--against", f"{src}.inside", "--select", "model")
+    assert res.returncode != 0  # (nothing to verify: the part is refused there too)
+    with pytest.raises(UnsafePickleError) as e:
+        fsdp_restore.convert(f"{src}.blocked", tmp_path / "o.safetensors", select="model")
+    text = str(e.value)
+    assert "posix.system" in text and "--select cannot leave them unloaded in this file" in text, text
+    assert "\x1b[" not in text and "blocked" in text
+    assert not (tmp_path / "o.safetensors").exists() and not marker.exists()
