@@ -257,15 +257,18 @@ def _plan_weights(plan: ReadPlan, targets: Sequence[Target], aliases: dict[str, 
         for piece in target.pieces:
             plan.items.append(ReadItem(src.key, src.start + piece.start, piece.dest, target.name, piece.start, numel,
                                        piece.rows, piece.stride))
-    if not strict and not report.tensors and report.missing and sources and not plan.problems:
+    if not strict and not report.tensors and report.missing and not plan.problems:
         # strict=False restores a part (a LoRA model from its base's file, adapters from theirs): none of it is a
-        # wrong prefix or key_map, which restored nothing and said so only in report.missing
+        # wrong prefix or key_map, or a file of nothing, which restored nothing and said so only in report.missing
         model_names = ", ".join(report.missing[:3]) + (", ..." if len(report.missing) > 3 else "")
         file_names = ", ".join(sorted(sources)[:3]) + (", ..." if len(sources) > 3 else "")
-        plan.add_problem("error", f"none of the model's {len(report.missing)} tensors is in the file under the name"
-                                  f" the restore looks for, so strict=False would restore nothing (the model: "
-                                  f"{model_names}; the file, under prefix '{prefix}': {file_names}); check"
-                                  " model_prefix and key_map (CLI: --model-prefix, --key-map)")
+        plan.add_problem("error", (f"none of the model's {len(report.missing)} tensors is in the file under the name"
+                                   f" the restore looks for, so strict=False would restore nothing (the model: "
+                                   f"{model_names}; the file, under prefix '{prefix}': {file_names}); check"
+                                   " model_prefix and key_map (CLI: --model-prefix, --key-map)") if sources else
+                         (f"the file holds no tensors under prefix '{prefix}', so strict=False would restore none"
+                          f" of the model's {len(report.missing)} ({model_names}); is it the file you meant? Check"
+                          " model_prefix (CLI: --model-prefix)"))
         plan.refused.update(report.missing)
         report.missing.clear()
         return

@@ -378,6 +378,10 @@ def build_write_plan(model: nn.Module, *, optimizer: torch.optim.Optimizer | Non
         raise FsdpRestoreError(f"the model's state-dict names and its tensors differ: {', '.join(diff[:8])}")
     if ignore_frozen_params:
         frozen = frozen_parameter_names(model)
+        params = {n for n in names if n not in extra_states and by_name[aliases.get(n, n)].kind == "param"}
+        if params and params <= frozen:
+            raise FsdpRestoreError("ignore_frozen_params=True, and no parameter of the model requires grad: there is"
+                                   " nothing trained to save; save without it, or unfreeze what is trained first")
         names = [name for name in names if name not in frozen]
     model_stand_ins: dict[str, torch.Tensor] = {}
     state: dict[str, torch.Tensor] = {}

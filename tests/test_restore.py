@@ -1072,3 +1072,22 @@ def test_a_strict_restore_of_the_trained_part_alone_says_what_the_missing_are(tm
     assert "2.bias" in str(e.value) and "does not require grad" not in str(e.value)
     restore_model(model, tmp_path / "part.safetensors", strict=False)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in trained.items())
+
+
+def test_a_non_strict_restore_from_a_file_of_no_tensors_fails_and_an_all_frozen_part_is_not_saved(tmp_path):
+    """strict=False from a file that holds nothing (under the prefix) would restore nothing: an error, as for a
+    file of other names; and save_sharded(ignore_frozen_params=True) of a model with nothing trainable refuses to
+    write such a file."""
+    from safetensors.torch import save_file
+
+    model = torch.nn.Linear(3, 2)
+    save_file({}, tmp_path / "empty.safetensors")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RestoreError, match="the file holds no tensors under prefix '', so strict=False would restore"
+                                           " none of the model's 2"):
+        restore_model(model, tmp_path / "empty.safetensors", strict=False)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    model.requires_grad_(False)
+    with pytest.raises(fsdp_restore.SaveError, match="no parameter of the model requires grad"):
+        fsdp_restore.save_sharded(model, tmp_path / "part.safetensors", ignore_frozen_params=True)
+    assert not (tmp_path / "part.safetensors").exists()

@@ -341,6 +341,24 @@ def test_a_save_without_frozen_parameters_is_the_converted_gather_without_them(t
     run_ranks(_trained_part, world_size, str(tmp_path), name, how, mode)
 
 
+def test_a_frozen_tied_weight_is_left_out_under_every_name(tmp_path):
+    """Where torch's get_model_state_dict(ignore_frozen_params=True) differs, on purpose: it pops a frozen tied
+    weight under the first name named_parameters() gives it and keeps it under the other (a LoRA run's adapter
+    file would carry the whole vocabulary matrix as lm_head.weight); save_sharded leaves it out under both."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    model = build("llama-tied")
+    model.model.embed_tokens.weight.requires_grad_(False)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    save_sharded(model, tmp_path / "part.safetensors", ignore_frozen_params=True)
+    torch_part = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
+    ours = load_file(tmp_path / "part.safetensors")
+    assert set(torch_part) - set(ours) == {"lm_head.weight"} and set(ours) <= set(torch_part)
+    assert "model.embed_tokens.weight" not in ours
+    assert all(torch.equal(v, torch_part[k]) for k, v in ours.items())
+
+
 def test_full_checkpoint_sharded_set_matches(tmp_path):
     run_ranks(_save_and_check, 3, str(tmp_path), "mlp", "fsdp2", "full", 300)
 
@@ -1015,7 +1033,8 @@ def test_the_package_exports():
     assert fsdp_restore.SaveReport is not None and issubclass(SaveError, fsdp_restore.FsdpRestoreError)
     params = inspect.signature(save_sharded).parameters
     assert [p for p in params if params[p].kind is inspect.Parameter.KEYWORD_ONLY] == [
-        "optimizer", "extra", "process_group", "max_shard_size", "thread_count", "on_unsupported", "verify_checksums"]
+        "optimizer", "extra", "process_group", "max_shard_size", "thread_count", "on_unsupported", "verify_checksums",
+        "ignore_frozen_params"]
 
 
 def test_preallocate_reserves_the_size(tmp_path):
