@@ -1014,7 +1014,14 @@ def render_verify(report: VerifyReport, console: Console) -> None:
 
 
 def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """A JSON-able description: files, totals, and the structure as a tree with sizes per subtree."""
+    """A JSON-able description: files, totals, and the structure as a tree with sizes per subtree. A ``torch.save``
+    file without a converted sibling is described as it is, its pickle run by torch's weights-only unpickler and
+    every global that refuses (a config class, a framework's object) an inert stand-in that nothing imports or
+    runs (`inert`), named in the tree where it stands: what to ``--select`` when converting it."""
+    from .format import TORCH_LEGACY, TORCH_ZIP, detect
+
+    if find_safetensors_for(path) is None and detect(path) in (TORCH_ZIP, TORCH_LEGACY):
+        return _inspect_torch_save(Path(path))
     with Checkpoint(path) as ckpt:
         tree = _describe(ckpt.structure["root"], ckpt, "")
         _count_stored_once(tree)
@@ -1026,6 +1033,69 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
                 "bytes": sum(e.nbytes for e in ckpt.entries.values()),
                 "checksums": len(ckpt.checksums), "cast": ckpt.cast, "cast_groups": cast_groups(casts),
                 "source": ckpt.source, "tree": tree}
+
+
+def _inspect_torch_save(path: Path) -> dict[str, Any]:
+    """`inspect_checkpoint` of a ``torch.save`` file: loaded memory-mapped (nothing of the tensors is read), the
+    globals the weights-only unpickler refuses as stand-ins."""
+    from .convert import _load_pt
+    from .errors import FormatError, RefusedGlobalsError
+    from .inert import load_with_stand_ins
+
+    def loaded(aliases: list[tuple[type, str]]) -> Any:
+        with warnings.catch_warnings():  # (a legacy file's "loaded fully into memory": inspect reads it all anyway)
+            warnings.simplefilter("ignore")
+            return _load_pt(path, trust_pickle=False, extra=list(aliases))
+
+    try:
+        obj, aliases = loaded([]), []
+    except RefusedGlobalsError as e:
+        obj, aliases = load_with_stand_ins(loaded, e.names)
+    made = {id(o): cls.global_name for cls, _ in aliases for o in getattr(cls, "made", ())}
+    try:
+        tree = _describe_object(obj, "", made, set())
+    except RecursionError:
+        raise FormatError(path, "nested too deeply to inspect") from None
+    _count_stored_once(tree)
+    return {"path": str(path), "files": [str(path)], "format": "torch.save", "has_structure": True,
+            "tensors": tree["tensors"], "bytes": tree["bytes"], "checksums": 0, "cast": {}, "cast_groups": {},
+            "source": None, "tree": tree, "not_loaded": sorted(name for _, name in aliases)}
+
+
+def _describe_object(obj: Any, name: str, made: dict[int, str], path: set[int]) -> dict[str, Any]:
+    """`_describe`'s node for a loaded object: containers with their children, a tensor (or ndarray) with its
+    dtype, shape and bytes (``key``: its storage and place, so that `_count_stored_once` counts a tied one once),
+    a stand-in under its global's name, any other value as its text."""
+    from .inert import InertObject
+
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        key = f"{storage.data_ptr()}:{obj.storage_offset()}:{tuple(obj.shape)}:{obj.stride()}:{obj.dtype}"
+        return {"name": name, "kind": "tensor", "key": key, "dtype": str(obj.dtype).removeprefix("torch."),
+                "shape": list(obj.shape), "bytes": obj.numel() * obj.element_size(), "tensors": 1}
+    if isinstance(obj, np.ndarray) and not obj.dtype.hasobject:
+        return {"name": name, "kind": "ndarray", "key": f"np:{id(obj)}", "dtype": str(obj.dtype),
+                "shape": list(obj.shape), "bytes": obj.nbytes, "tensors": 1}
+    leaf = {"name": name, "bytes": 0, "tensors": 0}
+    if id(obj) in made or isinstance(obj, InertObject) or (isinstance(obj, type) and issubclass(obj, InertObject)):
+        return {**leaf, "kind": made.get(id(obj)) or obj.global_name, "value": "not loaded"}
+    children: list[tuple[Any, Any]] | None = None
+    if isinstance(obj, dict):
+        children = list(obj.items())
+    elif isinstance(obj, (list, tuple)):
+        children = list(enumerate(obj))
+    elif isinstance(obj, argparse.Namespace):
+        children = list(vars(obj).items())
+    if children is None:
+        value = obj if obj is None or isinstance(obj, (bool, int, float, str)) else str(obj)
+        return {**leaf, "kind": type(obj).__name__ if obj is not None else "None",
+                "value": value if not isinstance(value, float) or math.isfinite(value) else str(value)}
+    if id(obj) in path:  # a container holding itself
+        return {**leaf, "kind": type(obj).__name__, "value": "(itself, again)"}
+    path.add(id(obj))
+    described = [_describe_object(v, k if isinstance(k, str) else str(k), made, path) for k, v in children]
+    path.discard(id(obj))
+    return {"name": name, "kind": type(obj).__name__, "children": described}
 
 
 def _describe(node: Any, ckpt: Checkpoint, name: str) -> dict[str, Any]:
@@ -1110,6 +1180,12 @@ def render_inspect(info: dict[str, Any], console: Console, max_depth: int = 3) -
     elif info["tree"].get("children"):  # depth 0: the root's line and the totals only
         root.add("[dim]...[/]")
     console.print(root)
+    if info.get("format") == "torch.save":
+        console.print(f"{info['tensors']} tensors, {info['bytes'] / 1e6:.2f} MB; a torch.save file, read by torch's"
+                      " weights-only unpickler" + (f", without loading {', '.join(info['not_loaded'])} (--select a"
+                                                   " part that holds none of them to convert it)"
+                                                   if info["not_loaded"] else ""), highlight=False, soft_wrap=True)
+        return
     console.print(f"{info['tensors']} tensors, {info['bytes'] / 1e6:.2f} MB in {len(info['files'])} file(s);"
                   f" {info['checksums']} checksums; structure: {'yes' if info['has_structure'] else 'none (plain file)'}")
     for group, g in info.get("cast_groups", {}).items():

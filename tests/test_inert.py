@@ -180,3 +180,28 @@ def test_a_dict_subclass_holding_the_part_and_a_blocked_module_are_refused_by_na
     assert "posix.system" in text and "--select cannot leave them unloaded in this file" in text, text
     assert "\x1b[" not in text and "blocked" in text
     assert not (tmp_path / "o.safetensors").exists() and not marker.exists()
+
+
+def test_inspect_shows_a_torch_save_file_with_what_was_not_loaded(saved):
+    """inspect of a .pt (no converted sibling): the tree as torch's weights-only unpickler builds it, each refused
+    global a stand-in named where it stands, and nothing of the pickle run: what to --select."""
+    import json
+
+    src, marker, oracle = saved
+    for source in (src, f"{src}.legacy"):
+        res = _cli("inspect", str(source), "--json")
+        assert res.returncode == 0, res.stderr
+        info = json.loads(res.stdout)
+        parts = {c["name"]: c for c in info["tree"]["children"]}
+        assert parts["model"]["tensors"] == len(oracle)
+        assert parts["model"]["bytes"] == sum(t.numel() * t.element_size() for t in oracle.values())
+        assert {c["name"]: c["shape"] for c in parts["model"]["children"]} == {k: list(v.shape) for k, v in
+                                                                             oracle.items()}
+        assert parts["config"] == {"name": "config", "kind": "__main__.Cfg", "value": "not loaded", "bytes": 0,
+                                   "tensors": 0}
+        assert parts["hparams"]["kind"] == "__main__.AttrDict" and parts["epoch"]["value"] == 3
+        assert "omegaconf.dictconfig.DictConfig" in info["not_loaded"]
+    res = _cli("inspect", str(src))
+    assert res.returncode == 0 and "config __main__.Cfg = not loaded" in res.stdout, res.stdout
+    assert "--select a part that holds none of them" in " ".join(res.stdout.split())
+    assert not marker.exists()
