@@ -17,6 +17,7 @@ so that a caller handles one error type, and says what happened and what to do.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -245,11 +246,14 @@ def _print_weight(i: int) -> int:
     return (2654435761 * (i + 1)) % FINGERPRINT_MODULUS or 1
 
 
-def _capped(items: dict[str, list[str]]) -> tuple[dict[str, list[str]], dict[str, int]]:
-    """At most `TEXTS_PER_KIND` distinct texts per kind, and how many distinct texts each kind has."""
+def _capped(items: dict[str, list[str]]) -> tuple[dict[str, list[str]], dict[str, int], dict[str, str]]:
+    """At most `TEXTS_PER_KIND` distinct texts per kind, how many distinct texts each kind has, and a digest of
+    each kind's whole set of them (ranks that hold the same set, such as the same missing names, say so exactly)."""
     distinct = {kind: list(dict.fromkeys(texts)) for kind, texts in items.items()}
     return ({kind: texts[:TEXTS_PER_KIND] for kind, texts in distinct.items()},
-            {kind: len(texts) for kind, texts in distinct.items()})
+            {kind: len(texts) for kind, texts in distinct.items()},
+            {kind: hashlib.sha256("\0".join(sorted(texts)).encode("utf-8", "surrogatepass")).hexdigest()
+             for kind, texts in distinct.items()})
 
 
 def _lowest_ranks(mine: bool, group: dist.ProcessGroup | None, rank: int, world: int, count: int) -> list[int]:
@@ -291,12 +295,14 @@ def _reports(items: dict[str, list[str]], mine: bool, failing: int, group: dist.
     sent = _from_ranks(_capped(items), reporters, group, rank)
     by_text: dict[str, dict[str, list[int]]] = {}
     held: dict[str, list[tuple[int, int]]] = {}  # per reporter: (how many it holds, how many it held back)
-    for sender, (rank_items, rank_counts) in zip(reporters, [s or ({}, {}) for s in sent]):
+    sets: dict[str, set[str]] = {}  # per kind: the digests of the reporters' whole sets
+    for sender, (rank_items, rank_counts, digests) in zip(reporters, [s or ({}, {}, {}) for s in sent]):
         for kind, texts in rank_items.items():
             bucket = by_text.setdefault(kind, {})
             for text in texts:
                 bucket.setdefault(text, []).append(sender)  # texts are distinct per sender (_capped)
             held.setdefault(kind, []).append((rank_counts[kind], rank_counts[kind] - len(texts)))
+            sets.setdefault(kind, set()).add(digests[kind])
     merged: dict[str, list[str]] = {}
     counts: dict[str, tuple[int, bool]] = {}
     if failing > len(reporters):  # first: it must not fall among the texts a long list leaves out
@@ -310,7 +316,8 @@ def _reports(items: dict[str, list[str]], mine: bool, failing: int, group: dist.
         lines.extend(f"{text} [{_ranks_text(ranks, world)}]" if tagged else text for text, ranks in texts.items())
         # exact where one reporter sent the kind, or none held any back; else a floor: the distinct texts shown,
         # or the most one reporter holds (what several held back may be names already shown, or other ones)
-        exact = len(held[kind]) == 1 or not any(back for _, back in held[kind])
+        exact = len(held[kind]) == 1 or not any(back for _, back in held[kind]) or (
+            len(sets[kind]) == 1 and len(held[kind]) == len(reporters))  # every reporter held the same set
         counts[kind] = (extra + max(len(texts), max(n for n, _ in held[kind])), exact)
     return merged, counts
 
