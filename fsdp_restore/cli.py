@@ -360,6 +360,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .verify import inspect_checkpoint, render_inspect
 
+    _must_exist(args.path)
     info = inspect_checkpoint(args.path)
     if args.json:
         import json
@@ -516,7 +517,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("inspect", parents=[debug], help="show what a checkpoint holds")
-    p.add_argument("path", help="a .safetensors file, a sharded directory or its index json (a .pt: convert it first)")
+    p.add_argument("path", help="a .safetensors file, a sharded directory or its index json, or a torch.save file"
+                                " (read by torch's weights-only unpickler, nothing of it run)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON instead of a tree")
     p.add_argument("--depth", type=_int_at_least(0), default=3,
                    help="tree depth shown (default: 3; totals include everything below)")

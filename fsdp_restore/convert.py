@@ -343,6 +343,9 @@ def _load_error(path: Path, e: Exception) -> Exception:
     refused = refused_in(str(e))
     if refused:  # (a legacy file: torch.load names the first global it refuses, as nothing scanned the pickle before)
         return RefusedGlobalsError(_refused_message(path, refused), refused)
+    if isinstance(e, TypeError) and "Tensor subclass" in text:  # (torch's rebuild of one, as a class not allowed)
+        return UnsafePickleError(f"{path}: refused by the safe unpickler (a tensor subclass whose class is not"
+                                 f" allowed: {text}); pass --trust-pickle if you trust this file")
     if "Unsupported global" in str(e) or "weights_only" in str(e) or "Weights only" in str(e):
         return UnsafePickleError(f"{path}: refused by the safe unpickler ({_torch_reason(e)}); pass --trust-pickle if"
                                  " you trust this file")

@@ -1015,12 +1015,12 @@ def render_verify(report: VerifyReport, console: Console) -> None:
 
 def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A JSON-able description: files, totals, and the structure as a tree with sizes per subtree. A ``torch.save``
-    file without a converted sibling is described as it is, its pickle run by torch's weights-only unpickler and
+    file is described as it is (not a converted sibling), its pickle run by torch's weights-only unpickler and
     every global that refuses (a config class, a framework's object) an inert stand-in that nothing imports or
     runs (`inert`), named in the tree where it stands: what to ``--select`` when converting it."""
     from .format import TORCH_LEGACY, TORCH_ZIP, detect
 
-    if find_safetensors_for(path) is None and detect(path) in (TORCH_ZIP, TORCH_LEGACY):
+    if detect(path) in (TORCH_ZIP, TORCH_LEGACY):  # the file named, whatever converted sibling it has
         return _inspect_torch_save(Path(path))
     with Checkpoint(path) as ckpt:
         tree = _describe(ckpt.structure["root"], ckpt, "")
@@ -1035,12 +1035,25 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
                 "source": ckpt.source, "tree": tree}
 
 
+MAX_INSPECTED_VALUES = 2_000_000  # a pickle's values, each container once: one naming more is not inspected
+
+
 def _inspect_torch_save(path: Path) -> dict[str, Any]:
-    """`inspect_checkpoint` of a ``torch.save`` file: loaded memory-mapped (nothing of the tensors is read), the
-    globals the weights-only unpickler refuses as stand-ins."""
-    from .convert import _load_pt
-    from .errors import FormatError, RefusedGlobalsError
+    """`inspect_checkpoint` of a ``torch.save`` file: its small records (the pickle) checked against their crc32s
+    first, as convert checks them; loaded memory-mapped (nothing of the tensors is read); the globals the
+    weights-only unpickler refuses as stand-ins."""
+    from .convert import _load_pt, _torch_reason
+    from .errors import FormatError, RefusedGlobalsError, UnsafePickleError
     from .inert import load_with_stand_ins
+    from .source_crc import Archive, check_small_records
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        archive = Archive.open(fd)
+        if archive is not None:
+            check_small_records(path, archive)  # a damaged pickle said as such, not read as another one
+    finally:
+        os.close(fd)
 
     def loaded(aliases: list[tuple[type, str]]) -> Any:
         with warnings.catch_warnings():  # (a legacy file's "loaded fully into memory": inspect reads it all anyway)
@@ -1048,54 +1061,89 @@ def _inspect_torch_save(path: Path) -> dict[str, Any]:
             return _load_pt(path, trust_pickle=False, extra=list(aliases))
 
     try:
-        obj, aliases = loaded([]), []
-    except RefusedGlobalsError as e:
-        obj, aliases = load_with_stand_ins(loaded, e.names)
-    made = {id(o): cls.global_name for cls, _ in aliases for o in getattr(cls, "made", ())}
+        try:
+            obj, aliases = loaded([]), []
+        except RefusedGlobalsError as e:
+            obj, aliases = load_with_stand_ins(loaded, e.names)
+    except UnsafePickleError as e:  # refused even with its classes inert: say why, not what to trust
+        reason = _torch_reason(e)
+        raise FormatError(path, f"torch's weights-only unpickler refuses it even with the classes it does not allow"
+                                f" left unloaded ({reason}); nothing of it was run") from None
+    walk = _ObjectTree({id(o): cls.global_name for cls, _ in aliases for o in getattr(cls, "made", ())})
     try:
-        tree = _describe_object(obj, "", made, set())
+        tree = walk.describe(obj, "", "<root>")
     except RecursionError:
         raise FormatError(path, "nested too deeply to inspect") from None
+    except MemoryError:
+        raise FormatError(path, "holds too many values to inspect") from None
     _count_stored_once(tree)
     return {"path": str(path), "files": [str(path)], "format": "torch.save", "has_structure": True,
             "tensors": tree["tensors"], "bytes": tree["bytes"], "checksums": 0, "cast": {}, "cast_groups": {},
             "source": None, "tree": tree, "not_loaded": sorted(name for _, name in aliases)}
 
 
-def _describe_object(obj: Any, name: str, made: dict[int, str], path: set[int]) -> dict[str, Any]:
-    """`_describe`'s node for a loaded object: containers with their children, a tensor (or ndarray) with its
-    dtype, shape and bytes (``key``: its storage and place, so that `_count_stored_once` counts a tied one once),
-    a stand-in under its global's name, any other value as its text."""
-    from .inert import InertObject
+class _ObjectTree:
+    """`_describe`'s tree for a loaded object: containers with their children (a container met again under
+    another path: named as the same one, not expanded twice); a tensor (or ndarray) with its dtype, shape and
+    bytes, counted once per storage (``key``: its storage, numbered in the order met; a tensor of a storage met
+    before is the same tensor or a view of it); a stand-in under its global's name (one filled as a dict or a list:
+    with its items); any other value as its text. ``made``: the stand-ins' dicts and lists, by id."""
 
-    if isinstance(obj, torch.Tensor):
-        storage = obj.untyped_storage()
-        key = f"{storage.data_ptr()}:{obj.storage_offset()}:{tuple(obj.shape)}:{obj.stride()}:{obj.dtype}"
-        return {"name": name, "kind": "tensor", "key": key, "dtype": str(obj.dtype).removeprefix("torch."),
-                "shape": list(obj.shape), "bytes": obj.numel() * obj.element_size(), "tensors": 1}
-    if isinstance(obj, np.ndarray) and not obj.dtype.hasobject:
-        return {"name": name, "kind": "ndarray", "key": f"np:{id(obj)}", "dtype": str(obj.dtype),
-                "shape": list(obj.shape), "bytes": obj.nbytes, "tensors": 1}
-    leaf = {"name": name, "bytes": 0, "tensors": 0}
-    if id(obj) in made or isinstance(obj, InertObject) or (isinstance(obj, type) and issubclass(obj, InertObject)):
-        return {**leaf, "kind": made.get(id(obj)) or obj.global_name, "value": "not loaded"}
-    children: list[tuple[Any, Any]] | None = None
-    if isinstance(obj, dict):
-        children = list(obj.items())
-    elif isinstance(obj, (list, tuple)):
-        children = list(enumerate(obj))
-    elif isinstance(obj, argparse.Namespace):
-        children = list(vars(obj).items())
-    if children is None:
-        value = obj if obj is None or isinstance(obj, (bool, int, float, str)) else str(obj)
-        return {**leaf, "kind": type(obj).__name__ if obj is not None else "None",
-                "value": value if not isinstance(value, float) or math.isfinite(value) else str(value)}
-    if id(obj) in path:  # a container holding itself
-        return {**leaf, "kind": type(obj).__name__, "value": "(itself, again)"}
-    path.add(id(obj))
-    described = [_describe_object(v, k if isinstance(k, str) else str(k), made, path) for k, v in children]
-    path.discard(id(obj))
-    return {"name": name, "kind": type(obj).__name__, "children": described}
+    def __init__(self, made: dict[int, str]) -> None:
+        self.made = made
+        self.storages: dict[tuple[int, int], tuple[int, str, tuple]] = {}  # -> (number, first path, geometry)
+        self.containers: dict[int, str] = {}  # id -> the path it was described at
+        self.values = 0
+
+    def describe(self, obj: Any, name: str, path: str) -> dict[str, Any]:
+        from .inert import InertObject
+
+        self.values += 1
+        if self.values > MAX_INSPECTED_VALUES:
+            raise MemoryError
+        if isinstance(obj, torch.Tensor):
+            return self._tensor(obj, name, path)
+        if isinstance(obj, np.ndarray) and not obj.dtype.hasobject:
+            return {"name": name, "kind": "ndarray", "key": f"ndarray:{path}", "dtype": str(obj.dtype),
+                    "shape": list(obj.shape), "bytes": obj.nbytes, "tensors": 1}
+        leaf = {"name": name, "bytes": 0, "tensors": 0}
+        stand_in = self.made.get(id(obj))
+        if stand_in is None and (isinstance(obj, InertObject) or (isinstance(obj, type) and issubclass(
+                obj, InertObject))):
+            return {**leaf, "kind": obj.global_name, "value": "not loaded"}
+        if isinstance(obj, dict):
+            children = list(obj.items())
+        elif isinstance(obj, (list, tuple)):
+            children = list(enumerate(obj))
+        elif isinstance(obj, argparse.Namespace):
+            children = list(vars(obj).items())
+        else:
+            value = obj if obj is None or isinstance(obj, (bool, int, float, str)) else str(obj)
+            return {**leaf, "kind": type(obj).__name__ if obj is not None else "None",
+                    "value": value if not isinstance(value, float) or math.isfinite(value) else str(value)}
+        kind = f"{stand_in} (not loaded: its items)" if stand_in else type(obj).__name__
+        if id(obj) in self.containers:  # a container held twice (or holding itself): described once
+            return {**leaf, "kind": kind, "value": f"(the same as {self.containers[id(obj)]})"}
+        self.containers[id(obj)] = path
+        return {"name": name, "kind": kind, "children": [
+            self.describe(v, key, f"{path}.{key}" if path != "<root>" else key)
+            for k, v in children for key in [k if isinstance(k, str) else str(k)]]}
+
+    def _tensor(self, t: torch.Tensor, name: str, path: str) -> dict[str, Any]:
+        storage = t.untyped_storage()
+        geometry = (t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        # (an empty storage has no address of its own: each is its own)
+        place = (storage.data_ptr(), storage.nbytes()) if storage.nbytes() else (-len(self.storages) - 1, 0)
+        node = {"name": name, "kind": "tensor", "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                "bytes": t.numel() * t.element_size(), "tensors": 1}
+        if place not in self.storages:
+            self.storages[place] = (len(self.storages), path, geometry)
+        number, first, first_geometry = self.storages[place]
+        node["key"] = f"storage {number}" + ("" if geometry == first_geometry else f" as {path}")
+        if geometry != first_geometry:  # another view of a storage met before: no bytes of its own
+            node["view_of"] = first
+            node["bytes"] = 0
+        return node
 
 
 def _describe(node: Any, ckpt: Checkpoint, name: str) -> dict[str, Any]:
@@ -1153,6 +1201,9 @@ def _count_stored_once(tree: dict[str, Any]) -> None:
     visit(tree, "")
 
 
+LISTED_ITEMS = 20  # a list's items shown by inspect; the rest counted
+
+
 def render_inspect(info: dict[str, Any], console: Console, max_depth: int = 3) -> None:
     def label(d: dict[str, Any]) -> str:
         size = f"{d['bytes'] / 1e6:.2f} MB" if d["bytes"] >= 1e5 else f"{d['bytes']} B"
@@ -1162,29 +1213,34 @@ def render_inspect(info: dict[str, Any], console: Console, max_depth: int = 3) -
         if "dtype" in d:
             extra = (f" view of {d['view_of']}" if "view_of" in d else
                      f" (the same tensor as {d['alias_of']})" if "alias_of" in d else "")
-            return f"{escape(d['name'])} [cyan]{d['dtype']}[/] {d['shape']} {size}{escape(extra)}"
+            return f"{escape(d['name'] or '<root>')} [cyan]{d['dtype']}[/] {d['shape']} {size}{escape(extra)}"
         shown = repr(d["value"]) if d["kind"] == "str" else str(d["value"])
-        return f"{escape(d['name'])} [dim]{d['kind']}[/] = {escape(shown[:60])}"
+        return f"{escape(d['name'] or '<root>')} [dim]{escape(d['kind'])}[/] = {escape(shown[:60])}"
 
     def add(tree: Tree, d: dict[str, Any], depth: int) -> None:
-        for c in d.get("children", []):
+        children = d.get("children", [])
+        hidden = len(children) - LISTED_ITEMS if d["kind"] in ("list", "tuple", "set", "frozenset") else 0
+        for c in children[:len(children) - hidden] if hidden > 0 else children:  # (an RNG state's 625 ints)
             branch = tree.add(label(c), highlight=False)
             if depth < max_depth:
                 add(branch, c, depth + 1)
             elif c.get("children"):
                 branch.add("[dim]...[/]")
+        if hidden > 0:
+            tree.add(f"[dim]... ({hidden} more items)[/]")
 
-    root = Tree(label(info["tree"]) + f"  [dim]{info['path']}[/]")
+    root = Tree(label(info["tree"]) + f"  [dim]{escape(info['path'])}[/]")
     if max_depth >= 1:
         add(root, info["tree"], 1)
     elif info["tree"].get("children"):  # depth 0: the root's line and the totals only
         root.add("[dim]...[/]")
     console.print(root)
     if info.get("format") == "torch.save":
+        parts = "children" in info["tree"]
         console.print(f"{info['tensors']} tensors, {info['bytes'] / 1e6:.2f} MB; a torch.save file, read by torch's"
-                      " weights-only unpickler" + (f", without loading {', '.join(info['not_loaded'])} (--select a"
-                                                   " part that holds none of them to convert it)"
-                                                   if info["not_loaded"] else ""), highlight=False, soft_wrap=True)
+                      " weights-only unpickler" + (f", without loading {', '.join(info['not_loaded'])}" + (
+                          " (--select a part that holds none of them to convert it)" if parts else "")
+                          if info["not_loaded"] else ""), highlight=False, soft_wrap=True)
         return
     console.print(f"{info['tensors']} tensors, {info['bytes'] / 1e6:.2f} MB in {len(info['files'])} file(s);"
                   f" {info['checksums']} checksums; structure: {'yes' if info['has_structure'] else 'none (plain file)'}")

@@ -199,7 +199,7 @@ def test_inspect_shows_a_torch_save_file_with_what_was_not_loaded(saved):
                                                                              oracle.items()}
         assert parts["config"] == {"name": "config", "kind": "__main__.Cfg", "value": "not loaded", "bytes": 0,
                                    "tensors": 0}
-        assert parts["hparams"]["kind"] == "__main__.AttrDict" and parts["epoch"]["value"] == 3
+        assert parts["hparams"]["kind"] == "__main__.AttrDict (not loaded: its items)" and parts["epoch"]["value"] == 3
         assert "omegaconf.dictconfig.DictConfig" in info["not_loaded"]
     res = _cli("inspect", str(src))
     assert res.returncode == 0 and "config __main__.Cfg = not loaded" in res.stdout, res.stdout

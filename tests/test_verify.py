@@ -641,3 +641,53 @@ def test_a_dict_for_an_ordered_dict_is_named_and_what_they_hold_still_compared(t
     fsdp_restore.convert(tmp_path / "whole.pt", tmp_path / "whole.safetensors")
     report = verify(tmp_path / "whole.safetensors", against=tmp_path / "whole.pt", select="model")
     assert len(report.problems) == 1 and "it was converted without --select. Drop --select" in report.problems[0][1]
+
+
+class _Hyper(dict):  # a dict subclass the weights-only unpickler refuses (Lightning's AttributeDict)
+    pass
+
+
+def test_inspect_of_a_torch_save_file_counts_as_its_conversion_does(tmp_path):
+    """inspect x.pt: a tie and views of one storage counted once, as in the converted file; a dict subclass shown
+    with its items (what --select can reach); a list held twice under a few bytes of pickle described once, not
+    2**30 times; the file itself described, whatever converted sibling it has."""
+    w = torch.arange(32.0).reshape(8, 4)
+    obj = {"emb": w, "head": w, "row0": w[0], "t": w.t(), "hp": _Hyper(inner={"b": torch.ones(2)}, lr=0.5)}
+    torch.save(obj, tmp_path / "x.pt")
+    ours = inspect_checkpoint(tmp_path / "x.pt")
+    assert ours["format"] == "torch.save" and ours["not_loaded"] == [f"{__name__}._Hyper"]
+    parts = {c["name"]: c for c in ours["tree"]["children"]}
+    assert (ours["tensors"], ours["bytes"]) == (2, 128 + 8)
+    assert parts["head"]["alias_of"] == "emb" and parts["row0"]["view_of"] == "emb" and parts["t"]["bytes"] == 0
+    assert parts["hp"]["kind"] == f"{__name__}._Hyper (not loaded: its items)" and parts["hp"]["tensors"] == 1
+    fsdp_restore.convert(tmp_path / "x.pt", tmp_path / "x.safetensors", select="hp.inner")  # a sibling, partial
+    assert inspect_checkpoint(tmp_path / "x.pt")["tree"] == ours["tree"]  # still the .pt
+    shared: list = [torch.zeros(1)]
+    for _ in range(30):
+        shared = [shared, shared]
+    torch.save({"deep": shared}, tmp_path / "dag.pt")
+    tree = inspect_checkpoint(tmp_path / "dag.pt")["tree"]
+    assert json.dumps(tree).count("(the same as") == 30
+
+
+def test_inspect_of_a_damaged_or_refused_torch_save_file_says_why_in_one_line(tmp_path):
+    import os
+
+    torch.save({"w": torch.ones(3)}, tmp_path / "x.pt")
+    data = bytearray((tmp_path / "x.pt").read_bytes())
+    at = data.index(b"_rebuild_tensor_v2")
+    data[at + 3] ^= 0x20  # one bit of the pickle: another global's name, a refused one
+    (tmp_path / "x.pt").write_bytes(bytes(data))
+    res = subprocess.run([sys.executable, "-m", "fsdp_restore", "inspect", str(tmp_path / "x.pt")],
+                         capture_output=True, text=True)
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert "differ from the crc32 torch.save recorded for them: 'x/data.pkl'" in res.stderr, res.stderr
+    torch.save({"w": torch.ones(3), "run": os.system}, tmp_path / "d[x]y.pt")
+    res = subprocess.run([sys.executable, "-m", "fsdp_restore", "inspect", str(tmp_path / "d[x]y.pt")],
+                         capture_output=True, text=True)
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert "whose module posix is blocked" in res.stderr and "--trust-pickle" not in res.stderr, res.stderr
+    torch.save(torch.ones(3), tmp_path / "d[x]y.pt")  # a bare tensor, at a path of markup characters
+    res = subprocess.run([sys.executable, "-m", "fsdp_restore", "inspect", str(tmp_path / "d[x]y.pt")],
+                         capture_output=True, text=True)
+    assert res.returncode == 0 and "<root> float32 [3] 12 B" in res.stdout and "d[x]y.pt" in res.stdout, res.stdout
