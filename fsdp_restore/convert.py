@@ -24,12 +24,12 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import (ConvertError, FormatError, RefusedGlobalsError, UnsafePickleError, allow_global_hint, allowed_global, first_line,
-                     allow_globals_argument, flag_argument, main_hint, not_a_file, on_unsupported_argument,
-                     thread_count_argument)
+from .errors import (ConvertError, FormatError, RefusedGlobalsError, UnsafePickleError, allow_global_hint,
+                     allowed_global, first_line, allow_globals_argument, flag_argument, main_hint, not_a_file,
+                     on_unsupported_argument, thread_count_argument)
 from .flatten import flatten
-from .inert import refused_in
 from .format import META_SOURCE, PT_SUFFIXES, SNIFF_BYTES, StoredDtype, is_legacy_torch_save
+from .inert import refused_in
 from .jobs import (ConvertReport, SourceFiles, SourceRecords, cast_groups, cast_target, plan_jobs, shard_size_argument,
                    write_converted)
 from .measure import PeakAnonMemory, Stopwatch
@@ -260,10 +260,10 @@ def _load_pt(path: Path, *, trust_pickle: bool, extra: list[Any], mmap: bool = T
             _refuse_unsafe_globals(path, extra)
     else:
         warnings.warn(f"{path}: trust_pickle=True executes the file's pickle; only do this for files you trust",
-                      stacklevel=2)
+                      stacklevel=3)
     if not is_zip:
         warnings.warn(f"{path} is a legacy (non-zip) torch.save file: it cannot be memory-mapped and is loaded"
-                      " fully into memory; re-save it with a current torch for streaming", stacklevel=2)
+                      " fully into memory; re-save it with a current torch for streaming", stacklevel=3)
     kwargs: dict[str, Any] = {"map_location": "cpu", "mmap": mmap and stored}
     try:
         if trust_pickle:
@@ -329,7 +329,8 @@ def _refused_message(path: Path, refused: list[str], clean: Sequence[str] = ()) 
     if clean:
         listed = ", ".join(f"'{k}'" for k in clean[:6]) + (f" and {len(clean) - 6} more" if len(clean) > 6 else "")
         one = len(clean) == 1
-        parts = (f" The file's {listed} hold{'s' if one else ''} tensors and none of them: select {'it' if one else 'one'}"
+        parts = (f" The file's {listed} hold{'s' if one else ''} tensors and none of them:"
+                 f" select {'it' if one else 'one'}"
                  f" (--select {clean[0]}, select='{clean[0]}') and the rest is left unloaded, nothing of it imported"
                  " or run. Or:")
     return (f"{path}: the pickle references {', '.join(refused)}, which loading would import and may call (arbitrary"

@@ -138,7 +138,8 @@ def _object_array(node: Any) -> bool:
 def inert_within(obj: Any, aliases: Sequence[tuple[type, str]] = ()) -> list[str]:
     """The names of the globals whose stand-ins (objects, the dicts and lists made for ``aliases`` of the mapping
     and sequence kinds, or a stand-in class itself as a value) are within ``obj``, sorted; empty where none is."""
-    made = {id(o): cls.global_name for cls, _ in aliases for o in getattr(cls, "made", ())}  # type: ignore[attr-defined]
+    made = {id(o): cls.global_name  # type: ignore[attr-defined]
+            for cls, _ in aliases for o in getattr(cls, "made", ())}
     found = set()
     for node in _nodes(obj):
         if id(node) in made:

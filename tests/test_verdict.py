@@ -171,8 +171,8 @@ def test_failure_report_is_bounded_whatever_the_world_size():
     assert "rank-1 problem 2 [rank 1], ... (perhaps more, held back on the ranks)" in text
     # the same names on every failing rank, but rank 2 did not fail: tagged with the ranks that sent them
     # (the reporters held the same set of them: the count is exact)
-    assert "unexpected in the checkpoint (7): u0 [ranks 0, 1], u1 [ranks 0, 1], u2 [ranks 0, 1], ... (4 more)" in text, \
-        text
+    assert ("unexpected in the checkpoint (7): u0 [ranks 0, 1], u1 [ranks 0, 1], u2 [ranks 0, 1], ... (4 more)"
+            in text), text
 
 
 def _one_rank_differs(rank, world_size, both):
