@@ -19,7 +19,9 @@ from typing import Any, ClassVar
 
 class InertObject:
     """An object of a global that was not loaded: built from anything, running nothing. It keeps what the pickle
-    gave it (arguments, state, items), only so that `inert_within` also finds the stand-ins nested in those."""
+    gave it (arguments, state), only so that `inert_within` also finds the stand-ins nested in those. (Items are
+    never given to it: torch's unpickler fills dicts and lists only, so a dict or list subclass's stand-in is one
+    of those, `inert_aliases`.)"""
 
     global_name: ClassVar[str] = ""
 
@@ -32,20 +34,12 @@ class InertObject:
     def __setstate__(self, state: Any) -> None:
         self.__dict__.setdefault("given", []).append(state)
 
-    def __setitem__(self, key: Any, value: Any) -> None:
-        self.__dict__.setdefault("given", []).append((key, value))
-
-    def append(self, item: Any) -> None:
-        self.__dict__.setdefault("given", []).append(item)
-
-    def extend(self, items: Any) -> None:
-        self.__dict__.setdefault("given", []).extend(items)
-
     def __repr__(self) -> str:
         return f"<{self.global_name}: not loaded>"
 
 
-MAX_LOADS = 64  # a legacy pickle's globals are found one load at a time: one naming more than this is not loaded so
+# a legacy pickle's refused globals are found one load at a time: one naming more than this many is not loaded so
+MAX_LOADS = 64
 # torch's weights-only unpickler's refusal of a global it does not allow
 _REFUSED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
 

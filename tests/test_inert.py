@@ -145,10 +145,12 @@ def test_stand_ins_are_found_wherever_they_are_kept():
     assert inert_within({"a": {1, 2}, "t": torch.ones(2), "s": "mylib.Config"}) == []
     assert inert_within([cls]) == ["mylib.Config"]  # the class itself, as a value
     assert inert_within({"arr": objects}) == ["mylib.Config"]
-    other, = inert_aliases(["x.Y"])
-    held = other[0]()
-    held["k"] = inner  # an item given to a stand-in (a dict subclass's pickle)
-    assert inert_within(held) == ["mylib.Config", "x.Y"]
+    filled = inert_aliases(["x.Y"], {"x.Y": "mapping"})
+    held = filled[0][0]()  # a dict subclass's stand-in: a plain dict, filled as the pickle fills it
+    assert type(held) is dict
+    held["k"] = inner
+    assert inert_within({"a": held}, filled) == ["mylib.Config", "x.Y"]
+    assert inert_within({"a": {"k": 1}}, filled) == []  # another dict is not one of its
 
 
 def test_dict_and_list_subclasses_and_a_legacy_file_around_the_part_leave_it_loadable(saved, tmp_path):
