@@ -171,15 +171,10 @@ def load_selected(path: str | os.PathLike[str], select: str | None, *, trust_pic
         if trust_pickle:
             raise
         refused, refusal = e.names, e
-    from .inert import holds_tensor, inert_within, load_with_stand_ins
-
-    def built(aliases: list[tuple[type, str]]) -> Any:
-        with warnings.catch_warnings():  # (said by the first load already)
-            warnings.simplefilter("ignore")
-            return _load_pt(path, trust_pickle=False, extra=extra + aliases)
+    from .inert import holds_tensor, inert_within
 
     try:
-        root, aliases = load_with_stand_ins(built, refused)
+        root, aliases = load_pt_with_stand_ins(path, refused, extra)
     except Exception as e:  # noqa: BLE001 - torch refuses the file even so: the refusal, and why --select cannot help
         if select is None:
             raise refusal from None
@@ -199,6 +194,21 @@ def load_selected(path: str | os.PathLike[str], select: str | None, *, trust_pic
             f"{path}: the part '{select}' holds objects of {', '.join(inside)}, which loading would import and may"
             f" call (arbitrary code execution). {allow_global_hint(inside)}", inside)
     return part
+
+
+def load_pt_with_stand_ins(path: Path, refused: Sequence[str], extra: Sequence[Any] = ()
+                           ) -> tuple[Any, list[tuple[type, str]]]:
+    """`_load_pt` (untrusted, ``extra`` allowed) with an inert stand-in for each of the ``refused`` globals and any
+    more the load finds (`inert.load_with_stand_ins`), and the stand-ins' aliases; the warnings the first load
+    said already (a legacy or compressed file) are not said again."""
+    from .inert import load_with_stand_ins
+
+    def built(aliases: list[tuple[type, str]]) -> Any:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _load_pt(path, trust_pickle=False, extra=[*extra, *aliases])
+
+    return load_with_stand_ins(built, refused)
 
 
 def _torch_reason(e: BaseException) -> str:

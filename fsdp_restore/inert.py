@@ -129,20 +129,27 @@ def _object_array(node: Any) -> bool:
     return type(node).__name__ == "ndarray" and getattr(getattr(node, "dtype", None), "hasobject", False)
 
 
-def inert_within(obj: Any, aliases: Sequence[tuple[type, str]] = ()) -> list[str]:
-    """The names of the globals whose stand-ins (objects, the dicts and lists made for ``aliases`` of the mapping
-    and sequence kinds, or a stand-in class itself as a value) are within ``obj``, sorted; empty where none is."""
-    made = {id(o): cls.global_name  # type: ignore[attr-defined]
+def made_by(aliases: Sequence[tuple[type, str]]) -> dict[int, str]:
+    """``{id: global name}`` of the dicts and lists the ``aliases`` of the mapping and sequence kinds made."""
+    return {id(o): cls.global_name  # type: ignore[attr-defined]
             for cls, _ in aliases for o in getattr(cls, "made", ())}
-    found = set()
-    for node in _nodes(obj):
-        if id(node) in made:
-            found.add(made[id(node)])
-        elif isinstance(node, InertObject):
-            found.add(node.global_name)
-        elif isinstance(node, type) and issubclass(node, InertObject):
-            found.add(node.global_name)
-    return sorted(found)
+
+
+def stand_in_name(node: Any, made: Mapping[int, str]) -> str | None:
+    """The global whose stand-in ``node`` is (an object, a dict or list of ``made``, `made_by`, or a stand-in class
+    itself as a value); None for anything else."""
+    if id(node) in made:
+        return made[id(node)]
+    if isinstance(node, InertObject) or (isinstance(node, type) and issubclass(node, InertObject)):
+        return node.global_name
+    return None
+
+
+def inert_within(obj: Any, aliases: Sequence[tuple[type, str]] = ()) -> list[str]:
+    """The names of the globals whose stand-ins (`stand_in_name`, for ``aliases``) are within ``obj``, sorted;
+    empty where none is."""
+    made = made_by(aliases)
+    return sorted({name for node in _nodes(obj) if (name := stand_in_name(node, made)) is not None})
 
 
 def holds_tensor(obj: Any) -> bool:

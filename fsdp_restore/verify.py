@@ -1042,9 +1042,9 @@ def _inspect_torch_save(path: Path) -> dict[str, Any]:
     """`inspect_checkpoint` of a ``torch.save`` file: its small records (the pickle) checked against their crc32s
     first, as convert checks them; loaded memory-mapped (nothing of the tensors is read); the globals the
     weights-only unpickler refuses as stand-ins."""
-    from .convert import _load_pt, _torch_reason
+    from .convert import _load_pt, _torch_reason, load_pt_with_stand_ins
     from .errors import FormatError, RefusedGlobalsError, UnsafePickleError
-    from .inert import load_with_stand_ins
+    from .inert import made_by
     from .source_crc import Archive, check_small_records
 
     fd = os.open(path, os.O_RDONLY)
@@ -1055,21 +1055,18 @@ def _inspect_torch_save(path: Path) -> dict[str, Any]:
     finally:
         os.close(fd)
 
-    def loaded(aliases: list[tuple[type, str]]) -> Any:
-        with warnings.catch_warnings():  # (a legacy file's "loaded fully into memory": inspect reads it all anyway)
-            warnings.simplefilter("ignore")
-            return _load_pt(path, trust_pickle=False, extra=list(aliases))
-
     try:
         try:
-            obj, aliases = loaded([]), []
+            with warnings.catch_warnings():  # (a legacy file's "loaded fully into memory": inspect reads it all)
+                warnings.simplefilter("ignore")
+                obj, aliases = _load_pt(path, trust_pickle=False, extra=[]), []
         except RefusedGlobalsError as e:
-            obj, aliases = load_with_stand_ins(loaded, e.names)
+            obj, aliases = load_pt_with_stand_ins(path, e.names)
     except UnsafePickleError as e:  # refused even with its classes inert: say why, not what to trust
         reason = _torch_reason(e)
         raise FormatError(path, f"torch's weights-only unpickler refuses it even with the classes it does not allow"
                                 f" left unloaded ({reason}); nothing of it was run") from None
-    walk = _ObjectTree({id(o): cls.global_name for cls, _ in aliases for o in getattr(cls, "made", ())})
+    walk = _ObjectTree(made_by(aliases))
     try:
         tree = walk.describe(obj, "", "<root>")
     except RecursionError:
@@ -1096,7 +1093,7 @@ class _ObjectTree:
         self.values = 0
 
     def describe(self, obj: Any, name: str, path: str) -> dict[str, Any]:
-        from .inert import InertObject
+        from .inert import stand_in_name
 
         self.values += 1
         if self.values > MAX_INSPECTED_VALUES:
@@ -1107,10 +1104,9 @@ class _ObjectTree:
             return {"name": name, "kind": "ndarray", "key": f"ndarray:{path}", "dtype": str(obj.dtype),
                     "shape": list(obj.shape), "bytes": obj.nbytes, "tensors": 1}
         leaf = {"name": name, "bytes": 0, "tensors": 0}
-        stand_in = self.made.get(id(obj))
-        if stand_in is None and (isinstance(obj, InertObject) or (isinstance(obj, type) and issubclass(
-                obj, InertObject))):
-            return {**leaf, "kind": obj.global_name, "value": "not loaded"}
+        stand_in = stand_in_name(obj, self.made)
+        if stand_in is not None and id(obj) not in self.made:  # (a dict or list stand-in is shown with its items)
+            return {**leaf, "kind": stand_in, "value": "not loaded"}
         if isinstance(obj, dict):
             children = list(obj.items())
         elif isinstance(obj, (list, tuple)):
