@@ -35,7 +35,7 @@ from .jobs import (ConvertReport, SourceFiles, SourceRecords, cast_groups, cast_
 from .measure import PeakAnonMemory, Stopwatch
 from .provenance import source_identity
 from .share import Share
-from .plain_pt import StoredTensor
+from .plain_pt import NotPlain, StoredTensor
 from .source_crc import Archive, DamagedRecords, SourceCrcs, check_files, check_small_records
 from .write import ProgressFn, check_destination, default_io_threads, through_link, write_safetensors
 from .zero_files import is_zero_checkpoint, resolve_tag
@@ -551,7 +551,10 @@ def _convert_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, 
                 return None  # not laid out as torch.save lays it out: the torch path decides
             small_checked = check_small_records(src, archive)  # damage said as such, before the pickle is read
             try:
-                loaded, members = load_plain_archive(fd, archive=archive.parsed)
+                # where each storage's data starts taken from the central directory alone, so that the Python
+                # below runs while the disk still reads the source, not after it; proven before the first block
+                # is written (``before_write``), else the torch path converts
+                loaded, members = load_plain_archive(fd, archive=archive.parsed, assume_layout=True)
                 st = os.fstat(fd)
                 if (st.st_size, st.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
                     return None  # rewritten while it was read: the torch path reads it again
@@ -571,9 +574,11 @@ def _convert_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, 
                 tensors, structure, dst, dtype=dtype, cast_include=cast_include, cast_exclude=cast_exclude,
                 max_shard_size=max_shard_size, threads=threads, force=force, progress=progress,
                 metadata={META_SOURCE: json.dumps(identity)}, locations=locations, share=Share(0, 1), source=source,
-                verify_checksums=verify_checksums)
+                verify_checksums=verify_checksums, before_write=archive.parsed.prove_assumed)
         except EOFError as e:  # as the torch path says it
             raise _truncated(src, e) from None
+        except NotPlain:  # a storage's data not where torch's writer puts it (`prove_assumed`): nothing was written
+            return None
         finally:
             os.close(fd)
         del obj, tensors

@@ -241,7 +241,8 @@ def write_converted(tensors: dict[str, torch.Tensor], structure: dict[str, Any],
                     metadata: dict[str, str] | None = None,
                     locations: dict[str, Location] | None = None,
                     share: Share | None = None,
-                    source: SourceRecords | SourceFiles | None = None, verify_checksums: bool = False
+                    source: SourceRecords | SourceFiles | None = None, verify_checksums: bool = False,
+                    before_write: Callable[[], None] | None = None
                     ) -> tuple[Any, dict[str, tuple[str, str]], SourceCrcs | None]:
     """Cast (policy above) and write ``tensors`` with ``structure``; ``readers[key]`` supplies the
     elements of a tensor held in pieces (its ``tensors`` entry then only gives shape and dtype); ``locations[key]``
@@ -249,7 +250,7 @@ def write_converted(tensors: dict[str, torch.Tensor], structure: dict[str, Any],
     ``source``: the ``torch.save`` archive the tensors come from, whose storages' recorded crc32s are checked before
     the output is put in place (`source_crc`), or the files of a directory they are read from in runs;
     ``verify_checksums``: also those that cost a pass (casts, partial views, runs; given on every rank of a shared
-    write: each takes the crc32s of what its casts read). Returns the writer's result, ``{key: (dtype before, dtype after)}``
+    write: each takes the crc32s of what its casts read); ``before_write``: `write.write_safetensors`'s. Returns the writer's result, ``{key: (dtype before, dtype after)}``
     of every cast, and what was checked of the source."""
     jobs = plan_jobs(tensors, structure, dtype, cast_include, cast_exclude)
     for job in jobs:
@@ -275,7 +276,7 @@ def write_converted(tensors: dict[str, torch.Tensor], structure: dict[str, Any],
     result = write_safetensors(dst, jobs, structure_json=json.dumps(structure, separators=(",", ":")),
                                max_shard_size=parse_size(max_shard_size), threads=threads, force=force,
                                progress=on_bytes, metadata=metadata, share=share, check_source=check,
-                               record_sources=verify_checksums)
+                               record_sources=verify_checksums, before_write=before_write)
     if check is not None:
         return result, casts, check.summary()
     return result, casts, source.unchecked if isinstance(source, SourceRecords) else None

@@ -195,8 +195,8 @@ def load_plain(path: str | os.PathLike[str]) -> Any:
         os.close(fd)
 
 
-def load_plain_archive(fd: int, *, deepspeed: bool = False, archive: _Archive | None = None
-                       ) -> tuple[Any, list[ZipMember]]:
+def load_plain_archive(fd: int, *, deepspeed: bool = False, archive: _Archive | None = None,
+                       assume_layout: bool = False) -> tuple[Any, list[ZipMember]]:
     """`load_plain` of the file open as ``fd`` (read with ``pread`` only: the caller reads the tensors' bytes
     through the same descriptor, so from the same file, whatever its path names meanwhile), and the archive's
     members as its central directory lists them (for its fingerprint, `provenance.members_fingerprint`).
@@ -204,7 +204,10 @@ def load_plain_archive(fd: int, *, deepspeed: bool = False, archive: _Archive | 
     ``deepspeed``: a file of a DeepSpeed ZeRO checkpoint, read as the conversion's torch path reads one (`zero`):
     also ``torch.Size`` (`StoredSize`), tensors rebuilt through ``_rebuild_from_type_v2`` as plain tensors (with
     no attribute but DeepSpeed's ``ds_id``), ``ZeroStageEnum`` (`StoredZeroStage`) and DeepSpeed's loss scalers
-    and fragment addresses (`StandIn`s). ``archive``: the `_Archive` of ``fd`` where the caller parsed it already."""
+    and fragment addresses (`StandIn`s). ``archive``: the `_Archive` of ``fd`` where the caller parsed it already.
+    ``assume_layout``: the storages' data taken to start where torch's writer puts it, without reading their local
+    headers (`_Archive.assumed_data_at`): the caller calls ``archive.prove_assumed()`` before it makes anything of
+    the bytes it read there."""
     if sys.byteorder != "little":
         raise NotPlain("a big-endian host")
     archive = archive if archive is not None else _Archive(fd)
@@ -243,7 +246,8 @@ def load_plain_archive(fd: int, *, deepspeed: bool = False, archive: _Archive | 
             raise NotPlain(f"no record for storage '{key}'")
         if numel * dtype.itemsize > member.file_size:
             raise NotPlain(f"storage '{key}' is shorter than the pickle says")
-        return StoredStorage(key, dtype, numel, archive.data_at(member), fd)
+        return StoredStorage(key, dtype, numel,
+                             archive.assumed_data_at(member) if assume_layout else archive.data_at(member), fd)
 
     try:
         return _Unpickler(data, storage, _DEEPSPEED_GLOBALS if deepspeed else _GLOBALS).load(), members
@@ -319,6 +323,33 @@ class _Archive:
             raise NotPlain("a truncated zip central directory")
         self.directory_at = directory_at
         self.members = _central_directory(directory, total, directory_at)
+        self.assumed: list[tuple[ZipMember, int]] = []  # (record, where its data was taken to start): `prove_assumed`
+
+    def assumed_data_at(self, member: ZipMember) -> int:
+        """Where a record's data starts if its local header is as torch's writer lays one out (its alignment
+        padding, and zip64's field where a size or offset needs it, in the extra field: the data at the next
+        multiple of 64), without reading it; noted, to be proven by `prove_assumed` before anything is made of
+        the bytes read there. Why: each local header is a read of its own, spread over the file (a record every
+        64 KB for a checkpoint of thousands of small tensors) that waits for the disk to reach it: a conversion
+        whose pickle waited for each would lay its output out only once the source was read, with the disk idle
+        meanwhile; proven instead just before the first write, by when the read-ahead has read them
+        (BENCHMARKS.md, session 31)."""
+        start = member.header_offset + _LOCAL.size + len(member.filename) + 4  # (the padding field's id and size)
+        if member.file_size >= _SATURATED or member.header_offset >= _SATURATED:
+            start += 4 + 16 * (member.file_size >= _SATURATED) + 8 * (member.header_offset >= _SATURATED)
+        data_at = -(-start // 64) * 64
+        if data_at + member.file_size > self.directory_at:
+            raise NotPlain(f"record '{member.filename}' runs into the central directory")
+        self.assumed.append((member, data_at))
+        return data_at
+
+    def prove_assumed(self) -> None:
+        """Read the local header of every record `assumed_data_at` placed, and raise `NotPlain` naming the first
+        whose data does not start there (or whose header is not torch.save's); forgets them once proven."""
+        for member, at in self.assumed:
+            if self.data_at(member) != at:
+                raise NotPlain(f"record '{member.filename}': its data does not start where torch's writer puts it")
+        self.assumed.clear()
 
     def data_at(self, member: ZipMember) -> int:
         """Where a record's data starts (after its local header's name and extra field, which holds torch's

@@ -2,7 +2,9 @@
 
 A command's first ``import torch`` costs a couple of CPU seconds (BENCHMARKS.md) in which the disk would sit
 idle; asking the kernel to read the source meanwhile (``POSIX_FADV_WILLNEED``, from a background thread, since
-the call itself can block while it queues the reads) turns that time into reading time. At most a quarter of
+the call itself can block while it queues the reads) turns that time into reading time. A file's calls are made
+by a process of their own (`fsdp_restore.advise`), which this thread waits for: made by the thread itself, they
+would wait for the interpreter lock whenever the conversion runs Python. At most a quarter of
 the memory the system has available is asked for, so a source larger than memory is not read twice.
 
 A file is read from its head (torch.save's zip archive from its central directory, at its end, then its head).
@@ -29,14 +31,11 @@ import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from .advise import Ranges, advise, command
 from .pickle_sketch import sketch, storage_range, storage_refs
 from .plain_pt import ZIP_TAIL_BYTES, end_records
 from .zero_files import STAGE_1_2_MASTERS, STAGE_3_MASTERS, is_zero_checkpoint, optim_files, resolve_tag
 
-# One readahead request per step, in file order, so that the first bytes are asked for first. Small: Linux reads
-# at most max(read_ahead_kb, max_sectors_kb) of the device per POSIX_FADV_WILLNEED call (force_page_cache_ra) and
-# drops the rest of the range, so that larger steps left most of the source unread (BENCHMARKS.md).
-_STEP = 512 * 1024
 CHILD_MEMORY_BYTES = 1 << 30  # the sketching child's address space: a ZeRO pickle's sketch takes megabytes
 CHILD_SECONDS = 60  # the sketching child's time limit (it ends itself)
 
@@ -51,26 +50,6 @@ def available_memory() -> int:
     except (OSError, ValueError, IndexError):
         pass
     return 0
-
-
-Ranges = list[tuple[int, int]]  # (offset, nbytes) in a file, in the order to read them
-
-
-def _advise(path: Path, ranges: Ranges, budget: list[int]) -> None:
-    """Ask for ``ranges`` of ``path``, in steps, while ``budget[0]`` (bytes, shared by the files) lasts."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return  # the command itself reports a missing or unreadable source
-    try:
-        for start, nbytes in ranges:
-            for offset in range(start, start + min(nbytes, budget[0]), _STEP):
-                os.posix_fadvise(fd, offset, min(_STEP, start + nbytes - offset), os.POSIX_FADV_WILLNEED)
-            budget[0] -= min(nbytes, budget[0])
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _zero_ranges(optim_file: Path, weights_only: bool) -> Ranges:
@@ -148,13 +127,16 @@ def _file_ranges(path: Path) -> Ranges:
 
 def _read_ahead(path: Path, select: str | None, tag: str | None, budget: list[int]) -> None:
     if path.is_file():
-        with contextlib.suppress(OSError):  # gone meanwhile: the command itself reports it
-            _advise(path, _file_ranges(path), budget)
+        try:  # asked for by a process of its own (`advise`), waited for here
+            subprocess.run(command(path, _file_ranges(path), budget[0]), stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+        except OSError:  # gone meanwhile: the command itself reports it; no process to start: nothing read ahead
+            pass
         return
     weights_only = select is not None and (select == "model" or select.startswith("model."))
     try:  # what a ZeRO conversion will read, file by file, each asked for as soon as its pickle is sketched
         for f, ranges in _isolated_zero_ranges(optim_files(resolve_tag(path, tag)), weights_only):
-            _advise(f, ranges, budget)
+            advise(f, ranges, budget)
     except Exception:  # noqa: BLE001 - any unreadable file: the conversion itself says what is wrong with it
         return
 

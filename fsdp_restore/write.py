@@ -1043,7 +1043,8 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
                       share: Share | None = None,
                       check_source: Callable[[dict[str, str] | None, dict[str, dict[int, tuple[int, int]]]], None]
                       | None = None,
-                      record_sources: bool = False) -> WriteResult:
+                      record_sources: bool = False,
+                      before_write: Callable[[], None] | None = None) -> WriteResult:
     """Write ``jobs`` to ``dst`` atomically: one file, or (with ``max_shard_size``) a directory of
     ``model-0000k-of-0000n.safetensors`` shards plus ``model.safetensors.index.json``.
 
@@ -1060,7 +1061,11 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
     key's checksum before the output is put in place, and with None before a cast's error is raised (damage may be
     what made the cast overflow), and each time with the crc32s of the source bytes the casts read
     (`_FileWriter.source_segments`, taken with ``record_sources``, on every rank); what it raises is the write's
-    error, on every rank."""
+    error, on every rank.
+
+    ``before_write``: called on rank 0 once the output is laid out, before its first block is written (a proof that
+    what the blocks will read is where it was taken to be: `plain_pt._Archive.prove_assumed`); what it raises is
+    the write's error, on every rank, with nothing left under any name."""
     dst_given, dst = dst, Path(dst)
     one = share or Share(0, 1)
     lead = one.rank == 0
@@ -1107,6 +1112,8 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
         blocks = one.mine([block for w in writers for block in w.blocks()])
 
         def write_blocks() -> None:
+            if lead and before_write is not None:
+                before_write()
             with ThreadPoolExecutor(max_workers=threads or default_io_threads()) as pool:
                 try:
                     for f in [pool.submit(_write_block, block, progress) for block in blocks]:

@@ -30,6 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fsdp_restore import ConvertError, FormatError, UnsafePickleError, convert
+from fsdp_restore.format import STORED_DTYPES
 from fsdp_restore.plain_pt import NotPlain, StoredTensor, load_plain
 from helpers import archive_records, through_torch, torch_archive
 
@@ -668,12 +669,104 @@ def test_zip64_archives_are_read_where_torch_reads_them(tmp_path, case):
     ours = load_plain(tmp_path / "src.pt")
     theirs = torch.load(tmp_path / "src.pt", weights_only=True, mmap=True, map_location="cpu")
     assert list(ours) == list(theirs)
+    fd = os.open(tmp_path / "src.pt", os.O_RDONLY)
+    try:  # where the data was taken to start without the local headers: where they say (zip64's fields counted)
+        archive = plain_pt_module._Archive(fd)
+        assumed, _ = plain_pt_module.load_plain_archive(fd, archive=archive, assume_layout=True)
+        archive.prove_assumed()
+        assert [t.file_offset for t in assumed.values()] == [t.file_offset for t in ours.values()]
+    finally:
+        os.close(fd)
     with open(tmp_path / "src.pt", "rb") as f:
         for key in list(ours)[::997] + [list(ours)[-1]]:
             a, b = ours[key], theirs[key]
             tail = min(64, b.numel() * b.element_size())
             f.seek(a.file_offset + a.numel() * a.dtype.itemsize - tail)
             assert a.shape == tuple(b.shape) and f.read(tail) == b.view(-1).view(torch.uint8)[-tail:].numpy().tobytes()
+
+
+def _padded(src, dst, record: str, extra: int = 64) -> None:
+    """``src`` (a torch.save file) rewritten as ``dst`` with ``extra`` more bytes of padding in record ``record``'s
+    local header (its alignment field made longer): a valid zip archive torch.load reads as before, whose record's
+    data no longer starts where torch's writer puts it (the records after it, and the central directory, moved
+    along; the directory's offsets and the end records say so)."""
+    data = bytearray(open(src, "rb").read())
+    with zipfile.ZipFile(src) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("/" + record))
+    at = info.header_offset
+    name_len, extra_len = struct.unpack_from("<HH", data, at + 26)
+    field = at + 30 + name_len  # torch's padding field: b"FB", its length, then padding
+    assert data[field:field + 2] == b"FB" and struct.unpack_from("<H", data, field + 2)[0] == extra_len - 4
+    struct.pack_into("<HH", data, at + 26, name_len, extra_len + extra)
+    struct.pack_into("<H", data, field + 2, extra_len - 4 + extra)
+    data[field + 4:field + 4] = b"Z" * extra
+    end = len(data) - 22
+    directory_at = struct.unpack_from("<I", data, end + 16)[0] + extra
+    struct.pack_into("<I", data, end + 16, directory_at)
+    if data[end - 20:end - 16] == b"PK\x06\x07":  # zip64's locator, then its end record, before the end record
+        locator = end - 20
+        struct.pack_into("<Q", data, locator + 8, struct.unpack_from("<Q", data, locator + 8)[0] + extra)
+        struct.pack_into("<Q", data, locator - 56 + 48, directory_at)
+    entry = directory_at
+    while data[entry:entry + 4] == b"PK\x01\x02":  # every entry after the record: its header offset moved
+        offset = struct.unpack_from("<I", data, entry + 42)[0]
+        if offset > at:
+            struct.pack_into("<I", data, entry + 42, offset + extra)
+        n, e, c = struct.unpack_from("<HHH", data, entry + 28)
+        entry += 46 + n + e + c
+    open(dst, "wb").write(bytes(data))
+
+
+def test_where_torchs_writer_puts_each_records_data_is_where_its_local_header_says(tmp_path):
+    """`_Archive.assumed_data_at` (no read) against `_Archive.data_at` (the local header read), for records of
+    every name length up to 100 and sizes around the alignment, written by torch's own writer."""
+    records = {"data.pkl": b"\x80\x02}q\x00.", **{f"data/{'k' * n}": bytes(n * 7 % 130) for n in range(1, 100)}}
+    path = torch_archive(tmp_path / "src.pt", records)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        archive = plain_pt_module._Archive(fd)
+        assumed = [archive.assumed_data_at(m) for m in archive.members]
+        assert assumed == [archive.data_at(m) for m in archive.members]
+        archive.prove_assumed()
+        assert not archive.assumed
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("dtype", [None, "bf16"])  # bf16: cast records' crc32s are not checked by default
+def test_data_not_where_torchs_writer_puts_it_is_converted_from_where_it_lies(tmp_path, monkeypatch, dtype):
+    """The lane takes each storage's data to start where torch's writer puts it, without reading the record's
+    local header first (a read per record, spread over the file: `_Archive.assumed_data_at`), and proves it before
+    the first block of the output is written. A record whose header pads it otherwise, which torch.load reads from
+    where it lies, is converted from there (by the torch path), not from where the lane took it to be."""
+    values = {"a": torch.arange(100.0), "b": torch.arange(50, dtype=torch.int64), "c": torch.full((64,), 2.5)}
+    torch.save(values, tmp_path / "base.pt")
+    _padded(tmp_path / "base.pt", tmp_path / "src.pt", "data/2")
+    loaded = torch.load(tmp_path / "src.pt", weights_only=True)  # the oracle: torch reads it as before
+    assert all(torch.equal(loaded[k], v) for k, v in values.items())
+
+    fd = os.open(tmp_path / "src.pt", os.O_RDONLY)
+    try:
+        archive = plain_pt_module._Archive(fd)
+        plain_pt_module.load_plain_archive(fd, archive=archive, assume_layout=True)
+        with pytest.raises(NotPlain, match="data/2'"):
+            archive.prove_assumed()
+    finally:
+        os.close(fd)
+    from fsdp_restore import write as write_module
+
+    blocks = []
+    real_block = write_module._write_block
+    monkeypatch.setattr(write_module, "_write_block", lambda *a: blocks.append(a) or real_block(*a))
+    lane = _lane(tmp_path / "src.pt", tmp_path / "lane.safetensors", dtype=dtype and STORED_DTYPES["bfloat16"])
+    assert lane is None and not blocks  # declined before a block was written (`write_safetensors`'s before_write)
+    monkeypatch.setattr(write_module, "_write_block", real_block)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base.pt", "src.pt"]
+    monkeypatch.setattr(convert_module, "_TORCH_FREE_READS", True)  # the lane, then the torch path
+    convert(tmp_path / "src.pt", tmp_path / "out.safetensors", dtype=dtype)
+    out = safetensors.torch.load_file(tmp_path / "out.safetensors")
+    cast = {"a": torch.bfloat16, "c": torch.bfloat16} if dtype else {}
+    assert all(torch.equal(out[k], v.to(cast.get(k, v.dtype))) for k, v in values.items())
 
 
 def _renamed_over_after_flatten(monkeypatch, src, other):

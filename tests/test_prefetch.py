@@ -193,3 +193,26 @@ def test_the_sketching_child_leaves_no_open_pipe(tmp_path):
         assert len(dict(_isolated_zero_ranges([files["real"]], weights_only=True))) == 1
         gc.collect()
     assert not [w for w in caught if issubclass(w.category, ResourceWarning)], [str(w.message) for w in caught]
+
+
+# ---- a file's read-ahead runs in a process of its own ------------------------------------------------------------
+
+def test_a_files_read_ahead_is_made_by_a_process_of_its_own_while_its_parent_lives(tmp_path):
+    """`advise`'s script, as `start_prefetch` runs it (isolated, without site-packages: it imports nothing of this
+    package), reads the ranges asked for while the process named as its parent is its parent; named as the child
+    of another (its parent ended, and it was handed on), it reads nothing more."""
+    import subprocess
+
+    from fsdp_restore.advise import command
+
+    nbytes = 16 << 20
+    path = _evicted_file(tmp_path, nbytes)
+    if _cached_pages(path, 0, nbytes):
+        pytest.skip("this file system keeps the pages cached despite POSIX_FADV_DONTNEED")
+    orphaned = command(path, [(0, nbytes)], nbytes)
+    orphaned[4] = "1"  # the parent it was started by: not this process
+    subprocess.run(orphaned, check=True, timeout=60)
+    assert _cached_pages(path, 0, nbytes) == 0
+    subprocess.run(command(path, [(nbytes // 2, nbytes // 2), (0, PAGE)], nbytes), check=True, timeout=60)
+    assert _cached_pages(path, nbytes // 2, nbytes // 2) == nbytes // 2 // PAGE
+    assert _cached_pages(path, 0, PAGE) == 1 and _cached_pages(path, PAGE, nbytes // 2 - PAGE) == 0
