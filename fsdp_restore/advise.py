@@ -1,9 +1,9 @@
 """Ask the kernel to read byte ranges of a file into the page cache (``POSIX_FADV_WILLNEED``): the read-ahead of a
 conversion's source (`fsdp_restore.prefetch`).
 
-Imports only the standard library's ``os`` and ``sys``, and nothing of this package: it also runs as a script in a
-process of its own (``python -I -S advise.py PARENT PATH BUDGET [START NBYTES]...``), started in a few milliseconds, so that
-its thousands of calls never wait for the interpreter lock of a conversion whose main thread runs Python meanwhile.
+Imports only the standard library, and nothing of this package: it also runs as a script in a process of its own
+(``python -I -S advise.py PARENT PATH BUDGET [START NBYTES]...``), started in a few milliseconds, so that its
+thousands of calls never wait for the interpreter lock of a conversion whose main thread runs Python meanwhile.
 From a thread of that process the calls got the lock only between the main thread's switch intervals: half of a
 1 GB file had been asked for when the disk could have read all of it (BENCHMARKS.md, session 31).
 """

@@ -250,8 +250,8 @@ def write_converted(tensors: dict[str, torch.Tensor], structure: dict[str, Any],
     ``source``: the ``torch.save`` archive the tensors come from, whose storages' recorded crc32s are checked before
     the output is put in place (`source_crc`), or the files of a directory they are read from in runs;
     ``verify_checksums``: also those that cost a pass (casts, partial views, runs; given on every rank of a shared
-    write: each takes the crc32s of what its casts read); ``before_write``: `write.write_safetensors`'s. Returns the writer's result, ``{key: (dtype before, dtype after)}``
-    of every cast, and what was checked of the source."""
+    write: each takes the crc32s of what its casts read); ``before_write``: `write.write_safetensors`'s. Returns the
+    writer's result, ``{key: (dtype before, dtype after)}`` of every cast, and what was checked of the source."""
     jobs = plan_jobs(tensors, structure, dtype, cast_include, cast_exclude)
     for job in jobs:
         job.reader = (readers or {}).get(job.key)

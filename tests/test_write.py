@@ -205,3 +205,28 @@ def test_a_reader_is_asked_once_per_piece_whatever_the_cast_steps(monkeypatch, d
     write._copy_piece_into(write._Piece(job, 0, job.nbytes, 0), buffer)
     assert calls == [(0, 512)]
     assert torch.equal(buffer[:job.nbytes].view(dtype), full.to(dtype))
+
+
+@pytest.mark.parametrize("hook", ["before_write", "while_writing"])
+def test_what_the_writes_hooks_raise_is_the_writes_error_with_nothing_left(tmp_path, monkeypatch, small_blocks, hook):
+    """``before_write`` (a proof that must pass before a byte is written) and ``while_writing`` (work done while the
+    blocks are written): what they raise is the write's error, nothing is left under any name, and no block is
+    written before ``before_write`` returns."""
+    tensors = {f"t{i}": torch.arange(1000.0) + i for i in range(6)}
+    jobs = [write.TensorJob(k, t, t.dtype) for k, t in tensors.items()]
+    written = []
+    real = write._write_block
+    monkeypatch.setattr(write, "_write_block", lambda *a: written.append(a) or real(*a))
+
+    def fails() -> None:
+        raise ValueError(f"{hook} says no ({len(written)} blocks written before)")
+
+    with pytest.raises(ValueError, match=f"{hook} says no") as caught:
+        write.write_safetensors(tmp_path / "out.safetensors", jobs, structure_json=None, threads=2, **{hook: fails})
+    assert sorted(os.listdir(tmp_path)) == []
+    if hook == "before_write":
+        assert "(0 blocks" in str(caught.value)
+    monkeypatch.setattr(write, "_write_block", real)
+    write.write_safetensors(tmp_path / "out.safetensors", jobs, structure_json=None, threads=2,
+                            before_write=lambda: None, while_writing=lambda: None)
+    _check_stored(tmp_path / "out.safetensors", tensors)
