@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmark_convert import evict, make_case  # noqa: E402
+from benchmark_convert import CHILD_ENV, evict, make_case  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,8 +59,11 @@ def main() -> None:
                     subprocess.run(["sh", "-c", f"cp {shlex.quote(str(src))} {shlex.quote(str(dst))} && sync"],
                                    check=True)
                 else:
+                    # (as an installed package runs: from bytecode, which each tree writes on its first run; with
+                    # PYTHONDONTWRITEBYTECODE a tree without it would compile its modules in every run)
                     subprocess.run([sys.executable, "-m", "fsdp_restore", "convert", str(src), str(dst),
-                                    *shlex.split(args.args)], cwd=trees[name], check=True, capture_output=True)
+                                    *shlex.split(args.args)], cwd=trees[name], check=True, capture_output=True,
+                                   env=CHILD_ENV)
                 runs[name].append(time.perf_counter() - t)
             print(case, r, {k: round(v[-1], 2) for k, v in runs.items()}, flush=True)
         (args.work / "out.safetensors").unlink(missing_ok=True)
