@@ -266,28 +266,17 @@ def write_converted(tensors: dict[str, torch.Tensor], structure: dict[str, Any],
         if progress:
             progress(done[0], total)
 
-    planned: list[Any] = []  # the source check, planned by rank 0 while the blocks are written (`plan_check`)
-
-    def plan_check() -> None:
-        if isinstance(source, SourceFiles):
-            planned.append(plan_runs_check(source.label, source.files, jobs, threads=threads, full=verify_checksums))
-        else:
-            assert source is not None and source.archive is not None
-            planned.append(plan_source_check(source.src, source.archive, jobs, source.storage_at, threads=threads,
-                                             small_checked=source.small_checked, every_storage=source.every_storage,
-                                             full=verify_checksums))
-
-    def check(checksums: dict[str, str] | None, sources: dict[str, dict[int, tuple[int, int]]]) -> None:
-        if not planned:  # (a rank other than 0 has no plan: only rank 0's check is called)
-            plan_check()
-        planned[0](checksums, sources)
-
-    checked = isinstance(source, SourceFiles) or (source is not None and source.archive is not None)
+    check: Any = None
+    if isinstance(source, SourceFiles):
+        check = plan_runs_check(source.label, source.files, jobs, threads=threads, full=verify_checksums)
+    elif source is not None and source.archive is not None:
+        check = plan_source_check(source.src, source.archive, jobs, source.storage_at, threads=threads,
+                                  small_checked=source.small_checked, every_storage=source.every_storage,
+                                  full=verify_checksums)
     result = write_safetensors(dst, jobs, structure_json=json.dumps(structure, separators=(",", ":")),
                                max_shard_size=parse_size(max_shard_size), threads=threads, force=force,
-                               progress=on_bytes, metadata=metadata, share=share,
-                               check_source=check if checked else None, record_sources=verify_checksums,
-                               before_write=before_write, while_writing=plan_check if checked else None)
-    if planned:
-        return result, casts, planned[0].summary()
+                               progress=on_bytes, metadata=metadata, share=share, check_source=check,
+                               record_sources=verify_checksums, before_write=before_write)
+    if check is not None:
+        return result, casts, check.summary()
     return result, casts, source.unchecked if isinstance(source, SourceRecords) else None

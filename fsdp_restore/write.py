@@ -1044,8 +1044,7 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
                       check_source: Callable[[dict[str, str] | None, dict[str, dict[int, tuple[int, int]]]], None]
                       | None = None,
                       record_sources: bool = False,
-                      before_write: Callable[[], None] | None = None,
-                      while_writing: Callable[[], None] | None = None) -> WriteResult:
+                      before_write: Callable[[], None] | None = None) -> WriteResult:
     """Write ``jobs`` to ``dst`` atomically: one file, or (with ``max_shard_size``) a directory of
     ``model-0000k-of-0000n.safetensors`` shards plus ``model.safetensors.index.json``.
 
@@ -1066,9 +1065,7 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
 
     ``before_write``: called on rank 0 once the output is laid out, before its first block is written (a proof that
     what the blocks will read is where it was taken to be: `plain_pt._Archive.prove_assumed`); what it raises is
-    the write's error, on every rank, with nothing left under any name. ``while_writing``: rank 0's work to do
-    while its blocks are written, by a thread that would otherwise only wait for them (`check_source`'s plan,
-    needed only once they are written)."""
+    the write's error, on every rank, with nothing left under any name."""
     dst_given, dst = dst, Path(dst)
     one = share or Share(0, 1)
     lead = one.rank == 0
@@ -1118,11 +1115,8 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
             if lead and before_write is not None:
                 before_write()
             with ThreadPoolExecutor(max_workers=threads or default_io_threads()) as pool:
-                futures = [pool.submit(_write_block, block, progress) for block in blocks]
-                if lead and while_writing is not None:
-                    while_writing()  # (what it raises is raised once the pool has finished the blocks it began)
                 try:
-                    for f in futures:
+                    for f in [pool.submit(_write_block, block, progress) for block in blocks]:
                         f.result()
                 except OSError as e:
                     raise said_of_space(e, dst, sum(w.size for w in writers)) from None

@@ -207,11 +207,10 @@ def test_a_reader_is_asked_once_per_piece_whatever_the_cast_steps(monkeypatch, d
     assert torch.equal(buffer[:job.nbytes].view(dtype), full.to(dtype))
 
 
-@pytest.mark.parametrize("hook", ["before_write", "while_writing"])
-def test_what_the_writes_hooks_raise_is_the_writes_error_with_nothing_left(tmp_path, monkeypatch, small_blocks, hook):
-    """``before_write`` (a proof that must pass before a byte is written) and ``while_writing`` (work done while the
-    blocks are written): what they raise is the write's error, nothing is left under any name, and no block is
-    written before ``before_write`` returns."""
+def test_what_before_write_raises_is_the_writes_error_with_nothing_written(tmp_path, monkeypatch, small_blocks):
+    """``before_write`` (a proof that must pass before a byte is written): what it raises is the write's error,
+    raised before any block is written, and nothing is left under any name."""
+    hook = "before_write"
     tensors = {f"t{i}": torch.arange(1000.0) + i for i in range(6)}
     jobs = [write.TensorJob(k, t, t.dtype) for k, t in tensors.items()]
     written = []
@@ -224,9 +223,8 @@ def test_what_the_writes_hooks_raise_is_the_writes_error_with_nothing_left(tmp_p
     with pytest.raises(ValueError, match=f"{hook} says no") as caught:
         write.write_safetensors(tmp_path / "out.safetensors", jobs, structure_json=None, threads=2, **{hook: fails})
     assert sorted(os.listdir(tmp_path)) == []
-    if hook == "before_write":
-        assert "(0 blocks" in str(caught.value)
+    assert "(0 blocks" in str(caught.value)
     monkeypatch.setattr(write, "_write_block", real)
     write.write_safetensors(tmp_path / "out.safetensors", jobs, structure_json=None, threads=2,
-                            before_write=lambda: None, while_writing=lambda: None)
+                            before_write=lambda: None)
     _check_stored(tmp_path / "out.safetensors", tensors)
