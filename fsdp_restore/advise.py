@@ -11,6 +11,7 @@ From a thread of that process the calls got the lock only between the main threa
 from __future__ import annotations
 
 import os
+import stat
 import sys
 from collections.abc import Callable, Sequence
 
@@ -26,11 +27,13 @@ def advise(path: str | os.PathLike[str], ranges: Sequence[tuple[int, int]], budg
            go_on: Callable[[], bool] = lambda: True) -> None:
     """Ask for ``ranges`` of ``path``, in steps, while ``budget[0]`` (bytes, shared by the files) lasts and
     ``go_on()`` says so (asked at every step)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
+    try:  # (a FIFO put in the file's place meanwhile would block a plain open until a writer came)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
         return  # the command itself reports a missing or unreadable source
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return
         for start, nbytes in ranges:
             for offset in range(start, start + min(nbytes, budget[0]), STEP):
                 if not go_on():

@@ -562,7 +562,8 @@ def _convert_plain(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, 
                 obj = select_subtree(loaded, select, source=src)
                 if not _lane_values(obj):
                     return None
-                # its warnings (skipped values) said as the torch path says them; said again only if it raises
+                # its warnings (skipped values) said as the torch path says them; said again if it raises, or
+                # where a storage is not where torch's writer puts it (`prove_assumed`: a file another writer made)
                 tensors, structure = flatten(obj, on_unsupported=on_unsupported)  # type: ignore[arg-type]
             except Exception:  # noqa: BLE001 - the torch path reads the file again and says what is wrong with it
                 return None

@@ -347,7 +347,11 @@ class _Archive:
         """Read the local header of every record `assumed_data_at` placed, and raise `NotPlain` naming the first
         whose data does not start there (or whose header is not torch.save's); forgets them once proven."""
         for member, at in self.assumed:
-            if self.data_at(member) != at:
+            try:
+                found = self.data_at(member)
+            except OSError as e:  # (as an error of the parse's own reads would: the torch path reads it and says)
+                raise NotPlain(f"record '{member.filename}': its local header could not be read ({e})") from None
+            if found != at:
                 raise NotPlain(f"record '{member.filename}': its data does not start where torch's writer puts it")
         self.assumed.clear()
 

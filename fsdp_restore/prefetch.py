@@ -127,11 +127,19 @@ def _file_ranges(path: Path) -> Ranges:
 
 def _read_ahead(path: Path, select: str | None, tag: str | None, budget: list[int]) -> None:
     if path.is_file():
-        try:  # asked for by a process of its own (`advise`), waited for here
-            subprocess.run(command(path, _file_ranges(path), budget[0]), stdin=subprocess.DEVNULL,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
-        except OSError:  # gone meanwhile: the command itself reports it; no process to start: nothing read ahead
-            pass
+        try:
+            ranges = _file_ranges(path)
+        except OSError:  # gone meanwhile: the command itself reports it
+            return
+        if sys.executable and not getattr(sys, "frozen", False):
+            try:  # asked for by a process of its own (`advise`), waited for here
+                subprocess.run(command(path, ranges, budget[0]), stdin=subprocess.DEVNULL,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+                return
+            except (OSError, ValueError):  # no process could be started: asked for by this thread instead
+                pass
+        # (a frozen or embedded build's executable is its host program, not an interpreter to run advise.py with)
+        advise(path, ranges, budget)
         return
     weights_only = select is not None and (select == "model" or select.startswith("model."))
     try:  # what a ZeRO conversion will read, file by file, each asked for as soon as its pickle is sketched

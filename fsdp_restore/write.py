@@ -1063,12 +1063,14 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
     (`_FileWriter.source_segments`, taken with ``record_sources``, on every rank); what it raises is the write's
     error, on every rank.
 
-    ``before_write``: called on rank 0 once the output is laid out, before its first block is written (a proof that
-    what the blocks will read is where it was taken to be: `plain_pt._Archive.prove_assumed`); what it raises is
-    the write's error, on every rank, with nothing left under any name."""
+    ``before_write``: called once the output is laid out, before its first block is written (a proof that what the
+    blocks will read is where it was taken to be: `plain_pt._Archive.prove_assumed`); what it raises is the write's
+    error, with nothing left under any name. A write made by one process only (other ranks would not wait for it)."""
     dst_given, dst = dst, Path(dst)
     one = share or Share(0, 1)
     lead = one.rank == 0
+    if before_write is not None and one.world > 1:
+        raise ValueError("before_write is for a write made by one process: the other ranks would not wait for it")
 
     def prepare() -> None:
         if lead:
@@ -1112,7 +1114,7 @@ def write_safetensors(dst: str | os.PathLike[str], jobs: Sequence[TensorJob], *,
         blocks = one.mine([block for w in writers for block in w.blocks()])
 
         def write_blocks() -> None:
-            if lead and before_write is not None:
+            if before_write is not None:
                 before_write()
             with ThreadPoolExecutor(max_workers=threads or default_io_threads()) as pool:
                 try:

@@ -210,9 +210,39 @@ def test_a_files_read_ahead_is_made_by_a_process_of_its_own_while_its_parent_liv
     if _cached_pages(path, 0, nbytes):
         pytest.skip("this file system keeps the pages cached despite POSIX_FADV_DONTNEED")
     orphaned = command(path, [(0, nbytes)], nbytes)
-    orphaned[4] = "1"  # the parent it was started by: not this process
+    orphaned[4] = "-1"  # the parent it was started by: not this process (nor init, where pytest runs as pid 1)
     subprocess.run(orphaned, check=True, timeout=60)
     assert _cached_pages(path, 0, nbytes) == 0
     subprocess.run(command(path, [(nbytes // 2, nbytes // 2), (0, PAGE)], nbytes), check=True, timeout=60)
     assert _cached_pages(path, nbytes // 2, nbytes // 2) == nbytes // 2 // PAGE
     assert _cached_pages(path, 0, PAGE) == 1 and _cached_pages(path, PAGE, nbytes // 2 - PAGE) == 0
+
+
+def test_a_fifo_in_the_files_place_does_not_hold_the_read_ahead(tmp_path):
+    """A FIFO put where the source was (after the command saw a file) would block a plain open until a writer came:
+    the read-ahead's process would outlive the command, waiting. It opens without blocking and reads regular files
+    only."""
+    import threading
+
+    from fsdp_restore.advise import advise
+
+    fifo = tmp_path / "src.pt"
+    os.mkfifo(fifo)
+    done = threading.Thread(target=advise, args=(fifo, [(0, PAGE)], [PAGE]), daemon=True)
+    done.start()
+    done.join(10)
+    assert not done.is_alive()
+
+
+def test_without_an_interpreter_to_start_the_thread_reads_ahead_itself(tmp_path, monkeypatch):
+    """A frozen or embedded build's sys.executable is its host program (or empty): no process is started, and the
+    read-ahead is asked for by the thread, as it was before it had a process of its own."""
+    nbytes = 4 << 20
+    path = _evicted_file(tmp_path, nbytes)
+    if _cached_pages(path, 0, nbytes):
+        pytest.skip("this file system keeps the pages cached despite POSIX_FADV_DONTNEED")
+    monkeypatch.setattr(sys, "executable", "")
+    thread = start_prefetch(path, max_bytes=nbytes)
+    assert thread is not None
+    thread.join(60)
+    assert _cached_pages(path, 0, nbytes) == nbytes // PAGE

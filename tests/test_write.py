@@ -228,3 +228,15 @@ def test_what_before_write_raises_is_the_writes_error_with_nothing_written(tmp_p
     write.write_safetensors(tmp_path / "out.safetensors", jobs, structure_json=None, threads=2,
                             before_write=lambda: None)
     _check_stored(tmp_path / "out.safetensors", tensors)
+
+
+def test_before_write_is_refused_for_a_write_made_by_several_ranks(tmp_path):
+    """The other ranks would write their blocks without waiting for rank 0's proof: refused at the door, before any
+    collective."""
+    from fsdp_restore.share import Share
+
+    job = write.TensorJob("t", torch.arange(4.0), torch.float32)
+    with pytest.raises(ValueError, match="one process"):
+        write.write_safetensors(tmp_path / "out.safetensors", [job], structure_json=None, threads=1,
+                                share=Share(0, 2), before_write=lambda: None)
+    assert not os.listdir(tmp_path)
