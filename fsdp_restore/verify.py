@@ -1042,7 +1042,7 @@ def _inspect_torch_save(path: Path) -> dict[str, Any]:
     """`inspect_checkpoint` of a ``torch.save`` file: its small records (the pickle) checked against their crc32s
     first, as convert checks them; loaded memory-mapped (nothing of the tensors is read); the globals the
     weights-only unpickler refuses as stand-ins."""
-    from .convert import _load_pt, _torch_reason, load_pt_with_stand_ins
+    from .convert import _torch_reason, load_pt, load_pt_with_stand_ins
     from .errors import FormatError, RefusedGlobalsError, UnsafePickleError
     from .inert import made_by
     from .source_crc import Archive, check_small_records
@@ -1059,7 +1059,7 @@ def _inspect_torch_save(path: Path) -> dict[str, Any]:
         try:
             with warnings.catch_warnings():  # (a legacy file's "loaded fully into memory": inspect reads it all)
                 warnings.simplefilter("ignore")
-                obj, aliases = _load_pt(path, trust_pickle=False, extra=[]), []
+                obj, aliases = load_pt(path), []
         except RefusedGlobalsError as e:
             obj, aliases = load_pt_with_stand_ins(path, e.names)
     except UnsafePickleError as e:  # refused even with its classes inert: say why, not what to trust
